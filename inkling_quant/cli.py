@@ -1,0 +1,53 @@
+"""`inkling-quant` command line. Each subcommand lives in its own module, which defines
+`add_arguments(parser)` and `run(args) -> int`; this file only dispatches and turns our
+errors into a message and an exit code (never a traceback)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from . import __version__
+from .errors import InklingQuantError
+
+# subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "synth": ("inkling_quant.synth", "write a synthetic Inkling-2-Small-shaped BF16 checkpoint"),
+    "schemes": ("inkling_quant.schemes", "print the conversion scheme table"),
+    "convert": ("inkling_quant.convert", "convert a BF16 checkpoint to NVFP4/MXFP8 (streaming, resumable)"),
+    "verify": ("inkling_quant.verify", "check a converted checkpoint: structure, values, checksums, numerics (exit 0/1/2)"),
+    "draft": ("inkling_quant.draft", "extract the bundled DSpark draft as its own checkpoint, or strip it off"),
+    "lora": ("inkling_quant.lora", "merge a PEFT LoRA adapter into the BF16 attention projections, or check one"),
+    "demo": ("inkling_quant.demo", "synthesize a tiny checkpoint and run the whole pipeline on it"),
+    "plan": ("inkling_quant.budget", "plan a vLLM deployment: disk, weights and KV cache per GPU, fits or not"),
+    "inspect": ("inkling_quant.inspect_cmd", "summarize a checkpoint from its safetensors headers (no tensor data read)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="inkling-quant", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"inkling-quant {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except InklingQuantError as e:
+        print(f"inkling-quant {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"inkling-quant {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,511 @@
+"""Convert a BF16/FP32 Inkling 2 Small checkpoint: routed experts to NVFP4/MXFP8 per the scheme,
+everything else passed through bit-exact, in ModelOpt's MIXED_PRECISION Hugging Face layout.
+
+A pipeline read top to bottom: validate the source against the layout -> plan output shards
+(fused gate/up pairs kept together so they share one NVFP4 global scale) -> convert shards in
+parallel, one tensor in memory at a time, each shard written under a temporary name and
+recorded in a resume manifest -> finalize (configs, non-weight files, checksums, index last).
+A killed run leaves no index, so nothing looks complete; `--resume` redoes only unfinished shards.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import resource
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from . import __version__, hub
+from .errors import CheckpointError, FormatError, InklingQuantError, UsageError
+from .formats import FORMATS
+from .formats.nvfp4 import amax as tensor_amax
+from .io.checkpoint import (INDEX_NAME, Checkpoint, copy_file_atomic, read_json, safe_child, shard_name,
+                            write_json_atomic)
+from .io.safetensors import DTYPE_NAMES, DTYPES, ShardReader, ShardWriter, TensorBuffer, sha256_file
+from .layout import ModelConfig, classify, expected_tensors, source_spec
+from .schemes import Scheme, get_scheme
+from .synth import parse_size
+
+MANIFEST = ".inkling-quant-convert.json"
+CHECKSUMS = "checksums.sha256"
+FLOAT_SOURCES = (torch.bfloat16, torch.float16, torch.float32)
+MODELOPT_FORMAT_VERSION = "0.47.0"  # the ModelOpt export whose layout we write (docs/formats.md)
+
+
+# --------------------------------------------------------------------------- plan
+@dataclass(frozen=True)
+class SrcTensor:
+    name: str
+    shard: str
+    dtype: str  # safetensors dtype name (picklable, hashable)
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Tensors converted together: one tensor, or an NVFP4 expert's gate+up sharing a global scale."""
+
+    sources: tuple[SrcTensor, ...]
+    format: str
+    input_amax: tuple[float | None, ...]
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    index: int
+    file: str
+    units: tuple[Unit, ...]
+    specs: tuple[tuple[str, str, tuple[int, ...]], ...]  # output (name, dtype name, shape) in order
+    src_bytes: int
+    out_bytes: int
+
+
+@dataclass
+class Options:
+    scheme: str = "default"
+    weight_only: bool = False
+    default_activation_amax: float | None = None
+    activation_scales: str | None = None
+    max_shard_bytes: int = 5 * 10**9
+    workers: int = 1
+    device: str = "cpu"
+
+
+def _out_names(src: SrcTensor, fmt_name: str, weight_only: bool) -> list[tuple[str, str, tuple[int, ...]]]:
+    fmt = FORMATS[fmt_name]
+    specs = fmt.out_specs(src.shape, DTYPES[src.dtype], activation_scale=not weight_only)
+    module = src.name[: -len(".weight")] if fmt_name != "passthrough" else None
+    return [(src.name if module is None else f"{module}.{suffix}", DTYPE_NAMES[s.dtype], tuple(s.shape))
+            for suffix, s in specs.items()]
+
+
+def validate_source(cfg: ModelConfig, listing: dict[str, dict[str, tuple[str, tuple[int, ...]]]],
+                    root: str) -> list[SrcTensor]:
+    """Every tensor must be in the layout, float, with the shape the config implies; nothing missing."""
+    tensors, seen = [], set()
+    for shard, entries in listing.items():
+        for name, (dtype, shape) in entries.items():
+            where = f"{root}/{shard}: tensor {name!r}"
+            try:
+                t = classify(name)
+                spec = source_spec(cfg, name if t.suffix != "input_scale" else f"{t.module}.weight")
+            except InklingQuantError as e:
+                raise CheckpointError(f"{root}/{shard}: {e}") from None
+            if t.suffix in ("weight_scale", "weight_scale_2") or DTYPES[dtype] not in FLOAT_SOURCES:
+                raise CheckpointError(f"{where}: source is already quantized ({dtype}); convert takes "
+                                      f"BF16/FP16/FP32 checkpoints (dequantize first)")
+            if t.suffix == "input_scale":
+                if tuple(shape) not in ((), (1,)):
+                    raise CheckpointError(f"{where}: input_scale must be a scalar, got shape {list(shape)}")
+            elif tuple(shape) != spec.shape:
+                raise CheckpointError(f"{where}: shape {list(shape)} disagrees with config.json "
+                                      f"(expected {list(spec.shape)})")
+            tensors.append(SrcTensor(name, shard, dtype, tuple(shape)))
+            seen.add(name)
+    missing = [s.name for s in expected_tensors(cfg) if s.name not in seen]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{root}: tensor {missing[0]!r}{more} required by config.json is missing")
+    return tensors
+
+
+def load_activation_amax(path: str | None, calibrated: dict[str, float]) -> dict[str, float]:
+    """module -> activation amax from a calibration file (JSON {module: amax} or safetensors
+    {module + '.input_amax': scalar}), on top of input scales found in the source."""
+    out = dict(calibrated)
+    if not path:
+        return out
+    p = Path(path)
+    if p.suffix == ".safetensors":
+        from .io.safetensors import read_header
+
+        with ShardReader(p, read_header(p)) as r:
+            for name in r.header.tensors:
+                if not name.endswith(".input_amax"):
+                    raise CheckpointError(f"{p}: tensor {name!r}: expected '<module>.input_amax' names")
+                out[name[: -len(".input_amax")]] = float(r.get(name).float().reshape(-1)[0])
+    else:
+        obj = read_json(p, "activation scales file")
+        for k, v in obj.items():
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise CheckpointError(f"{p}: module {k!r}: amax must be a number, got {v!r}")
+            out[k] = float(v)
+    for k, v in out.items():
+        if not (v > 0 and v < float("inf")):
+            raise CheckpointError(f"{path or 'source input_scale'}: module {k!r}: activation amax must be "
+                                  f"finite and positive, got {v}")
+    return out
+
+
+def plan(cfg: ModelConfig, tensors: list[SrcTensor], scheme: Scheme, opts: Options,
+         act_amax: dict[str, float]) -> list[ShardJob]:
+    units: list[Unit] = []
+    by_name = {t.name: t for t in tensors}
+    done: set[str] = set()
+    missing_amax: list[str] = []
+    for t in tensors:
+        if t.name in done:
+            continue
+        rec = classify(t.name)
+        if rec.suffix == "input_scale":  # calibration carried in the source: consumed, not copied
+            continue
+        fmt = scheme.format_name(cfg, rec)
+        group = [t]
+        if fmt == "nvfp4" and rec.projection in ("gate_proj", "up_proj"):
+            partner = "up_proj" if rec.projection == "gate_proj" else "gate_proj"
+            p = by_name[f"model.layers.{rec.layer}.mlp.experts.{rec.expert}.{partner}.weight"]
+            group = [t, p] if rec.projection == "gate_proj" else [p, t]
+        amax: list[float | None] = []
+        for g in group:
+            done.add(g.name)
+            module = g.name[: -len(".weight")]
+            if fmt == "nvfp4" and not opts.weight_only:
+                a = act_amax.get(module, opts.default_activation_amax)
+                if a is None:
+                    missing_amax.append(module)
+                amax.append(a)
+            else:
+                amax.append(None)
+        if fmt == "nvfp4" and len(group) == 2 and None not in amax:
+            amax = [max(amax)] * 2  # gate and up read the same activations: one input scale
+        units.append(Unit(tuple(group), fmt, tuple(amax)))
+    if missing_amax:
+        raise UsageError(
+            f"NVFP4 (W4A4) needs an activation scale per expert projection; none for {missing_amax[0]!r}"
+            f" and {len(missing_amax) - 1} more. Pass --activation-scales FILE (calibration amax per module),"
+            f" --default-activation-amax X, or --weight-only for W4A16 output")
+    jobs, cur, cur_out, cur_src = [], [], 0, 0
+
+    def flush():
+        if cur:
+            specs = tuple(s for u in cur for src in u.sources for s in _out_names(src, u.format, opts.weight_only))
+            jobs.append((tuple(cur), specs, cur_src, cur_out))
+
+    for u in units:
+        out_b = sum(_nbytes(s) for src in u.sources for s in _out_names(src, u.format, opts.weight_only))
+        if cur and cur_out + out_b > opts.max_shard_bytes:
+            flush()
+            cur, cur_out, cur_src = [], 0, 0
+        cur.append(u)
+        cur_out += out_b
+        cur_src += sum(_nbytes((s.name, s.dtype, s.shape)) for s in u.sources)
+    flush()
+    return [ShardJob(i, shard_name(i, len(jobs)), *j) for i, j in enumerate(jobs)]
+
+
+def _nbytes(spec: tuple[str, str, tuple[int, ...]]) -> int:
+    n = DTYPES[spec[1]].itemsize
+    for s in spec[2]:
+        n *= s
+    return n
+
+
+# --------------------------------------------------------------------------- work
+@dataclass
+class ShardResult:
+    file: str
+    sha256: str
+    out_bytes: int
+    src_bytes: int
+    counts: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class _Sources:
+    """Open source shards on demand (downloading hub shards when first needed)."""
+
+    def __init__(self, root: Path, repo: str | None, revision: str | None):
+        self.root, self.repo, self.revision = root, repo, revision
+        self.readers: dict[str, ShardReader] = {}
+
+    def get(self, shard: str) -> ShardReader:
+        r = self.readers.get(shard)
+        if r is None:
+            path = hub.fetch_shard(self.repo, self.revision, shard) if self.repo else safe_child(self.root, shard, "shard")
+            r = self.readers[shard] = ShardReader(path)
+        return r
+
+    def close(self):
+        for r in self.readers.values():
+            r.close()
+
+
+def _check_finite(t: torch.Tensor, where: str) -> None:
+    if t.dtype == torch.bfloat16:  # exponent all ones <=> Inf/NaN; an integer pass, no upcast
+        bad = bool(((t.view(torch.int16) & 0x7F80) == 0x7F80).any())
+    else:
+        bad = not bool(torch.isfinite(t).all())
+    if bad:
+        raise FormatError(f"{where}: contains NaN or Inf")
+
+
+def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str | None, out_dir: str,
+                  device: str = "cpu", progress=None) -> ShardResult:
+    start = time.perf_counter()
+    sources = _Sources(Path(src_root), repo, revision)
+    buffers = (TensorBuffer(), TensorBuffer())
+    counts: dict[str, int] = {}
+    writer = ShardWriter(Path(out_dir) / job.file, [(n, DTYPES[d], s) for n, d, s in job.specs], {"format": "pt"})
+    try:
+        with writer:
+            for u in job.units:
+                fmt = FORMATS[u.format]
+                ws = []
+                for k, src in enumerate(u.sources):
+                    reader = sources.get(src.shard)
+                    w = reader.get(src.name, buffers[k])
+                    where = f"{reader.path}: tensor {src.name!r}"
+                    _check_finite(w, where)
+                    ws.append((src, w if device == "cpu" else w.to(device), where))
+                global_amax = None
+                if u.format == "nvfp4":
+                    global_amax = torch.maximum(*[tensor_amax(w) for _, w, _ in ws]) if len(ws) == 2 else None
+                for (src, w, where), ia in zip(ws, u.input_amax):
+                    try:
+                        out = fmt.quantize(w, global_amax=global_amax, input_amax=ia)
+                    except FormatError as e:
+                        raise FormatError(f"{where}: {e}") from None
+                    module = src.name[: -len(".weight")]
+                    for suffix, t in out.items():
+                        name = src.name if u.format == "passthrough" else f"{module}.{suffix}"
+                        writer.write(name, t.cpu() if device != "cpu" else t)
+                    counts[u.format] = counts.get(u.format, 0) + 1
+                    if progress is not None:
+                        progress(_nbytes((src.name, src.dtype, src.shape)))
+            sha = writer.commit()
+    finally:
+        sources.close()
+    return ShardResult(job.file, sha, job.out_bytes, job.src_bytes, counts, time.perf_counter() - start)
+
+
+def _worker_init(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+# --------------------------------------------------------------------------- driver
+def _fingerprint(jobs: list[ShardJob], opts: Options, stat: dict) -> str:
+    blob = json.dumps({"version": __version__, "opts": asdict(opts) | {"workers": None},
+                       "jobs": [[j.file, list(j.specs)] for j in jobs], "sources": stat}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def quant_config(cfg: ModelConfig, jobs: list[ShardJob], weight_only: bool) -> dict:
+    """ModelOpt MIXED_PRECISION config: every quantized expert projection listed, the rest excluded."""
+    layers: dict[str, dict] = {}
+    for j in jobs:
+        for u in j.units:
+            entry = FORMATS[u.format].layer_config(weight_only)
+            if entry is not None:
+                for s in u.sources:
+                    layers[s.name[: -len(".weight")]] = entry
+    return {
+        "quant_algo": "MIXED_PRECISION",
+        "kv_cache_quant_algo": None,
+        "exclude_modules": ["lm_head", "model.embed_tokens", "model.layers.*.self_attn*",
+                            "model.layers.*.mlp.gate", "model.layers.*.mlp.input_conv", "model.visual*", "dspark*"],
+        "quantized_layers": dict(sorted(layers.items(), key=lambda kv: _natural(kv[0]))),
+    }
+
+
+def _natural(name: str):
+    return [int(p) if p.isdigit() else p for p in name.split(".")]
+
+
+def _peak_rss_mb() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, kids) / 1024
+
+
+def convert(src: str, out: str | Path, opts: Options, *, resume: bool = False, overwrite: bool = False,
+            quiet: bool = False) -> dict:
+    t0 = time.perf_counter()
+    out = Path(out)
+    root, repo, revision = hub.resolve(str(src))
+    cfg = ModelConfig.load(root)
+    scheme = get_scheme(opts.scheme)
+    if opts.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+
+    # 1. source listing, validated against the layout
+    if repo:
+        listing = {s: {n: (d, tuple(sh)) for n, (d, sh) in e.items()} for s, e in hub.tensor_listing(repo, revision).items()}
+        ckpt_other, stat = [], {"repo": repo, "revision": revision}
+    else:
+        ckpt = Checkpoint.open(root)
+        headers = ckpt.headers()
+        listing = {s: {n: (DTYPE_NAMES[e.dtype], e.shape) for n, e in h.tensors.items()} for s, h in headers.items()}
+        ckpt_other = ckpt.other_files()
+        stat = {s: [h.file_size, os.stat(h.path).st_mtime_ns] for s, h in headers.items()}
+    tensors = validate_source(cfg, listing, str(src))
+
+    # 2. activation scales and the shard plan
+    calibrated = {}
+    if not opts.weight_only:
+        scale_names = [t for t in tensors if t.name.endswith(".input_scale")]
+        if scale_names:
+            srcs = _Sources(root, repo, revision)
+            try:
+                for t in scale_names:  # ModelOpt's input_scale = amax / (6 * 448)
+                    calibrated[t.name[: -len(".input_scale")]] = float(srcs.get(t.shard).get(t.name).float().reshape(-1)[0]) * 6 * 448
+            finally:
+                srcs.close()
+    act = load_activation_amax(opts.activation_scales, calibrated) if not opts.weight_only else {}
+    jobs = plan(cfg, tensors, scheme, opts, act)
+    fp = _fingerprint(jobs, opts, stat)
+
+    # 3. output directory, manifest, resume
+    manifest_path = out / MANIFEST
+    done: dict[str, str] = {}
+    if out.exists() and any(out.iterdir()):
+        if resume and manifest_path.exists():
+            m = read_json(manifest_path, "resume manifest")
+            if m.get("fingerprint") != fp:
+                raise UsageError(f"{out}: was started with another source, scheme or options; "
+                                 f"cannot --resume (use --overwrite to start again)")
+            for f, sha in m.get("done", {}).items():
+                p = out / f
+                if p.is_file() and sha256_file(p) == sha:
+                    done[f] = sha
+        elif resume and (out / INDEX_NAME).exists():
+            raise UsageError(f"{out}: conversion already complete (nothing to resume)")
+        elif overwrite:
+            shutil.rmtree(out)
+        else:
+            raise UsageError(f"{out}: exists and is not empty; pass --resume to continue an interrupted "
+                             f"conversion or --overwrite to replace it")
+    out.mkdir(parents=True, exist_ok=True)
+    for p in out.glob("*.partial"):
+        p.unlink()
+    for p in out.glob("*.safetensors"):
+        if p.name not in done:
+            p.unlink()
+    (out / INDEX_NAME).unlink(missing_ok=True)
+    write_json_atomic(manifest_path, {"fingerprint": fp, "done": done})
+
+    # 4. convert shards in parallel
+    todo = [j for j in jobs if j.file not in done]
+    results: dict[str, ShardResult] = {}
+    total_src = sum(j.src_bytes for j in jobs)
+    bar_bytes = tqdm(total=total_src, unit="B", unit_scale=True, desc="convert", disable=quiet, smoothing=0.1)
+    bar_bytes.update(sum(j.src_bytes for j in jobs if j.file in done))
+    bar_shards = tqdm(total=len(jobs), unit="shard", desc="shards", disable=quiet, position=1, leave=False)
+    bar_shards.update(len(jobs) - len(todo))
+
+    def record(r: ShardResult):
+        results[r.file] = r
+        done[r.file] = r.sha256
+        write_json_atomic(manifest_path, {"fingerprint": fp, "done": done})
+        bar_shards.update(1)
+
+    try:
+        if opts.workers <= 1 or len(todo) <= 1:
+            for j in todo:
+                record(convert_shard(j, str(root), repo, revision, str(out), opts.device, bar_bytes.update))
+        else:
+            threads = max(1, (os.cpu_count() or 1) // opts.workers)
+            ctx = mp.get_context("spawn")  # no fork after torch/OpenMP threads exist
+            with cf.ProcessPoolExecutor(opts.workers, mp_context=ctx, initializer=_worker_init,
+                                        initargs=(threads,)) as pool:
+                futs = {pool.submit(convert_shard, j, str(root), repo, revision, str(out), opts.device): j for j in todo}
+                for f in cf.as_completed(futs):
+                    r = f.result()
+                    bar_bytes.update(r.src_bytes)
+                    record(r)
+    finally:
+        bar_bytes.close()
+        bar_shards.close()
+
+    # 5. finalize: configs, other files, checksums, then the index last
+    config = dict(cfg.raw)
+    qc = quant_config(cfg, jobs, opts.weight_only)
+    config["quantization_config"] = {"quant_method": "modelopt", **qc}
+    write_json_atomic(out / "hf_quant_config.json", {
+        "producer": {"name": "modelopt", "version": MODELOPT_FORMAT_VERSION},
+        "quantization": qc,
+        "converter": {"name": "inkling-quant", "version": __version__, "scheme": opts.scheme,
+                      "weight_only": opts.weight_only}})
+    write_json_atomic(out / "config.json", config)
+    for p in ckpt_other:
+        copy_file_atomic(p, out / p.name)
+    files = sorted([j.file for j in jobs] + ["config.json", "hf_quant_config.json"] + [p.name for p in ckpt_other])
+    sums = {f: done.get(f) or sha256_file(out / f) for f in files}
+    tmp = out / (CHECKSUMS + ".partial")
+    tmp.write_text("".join(f"{sums[f]}  {f}\n" for f in files))
+    os.replace(tmp, out / CHECKSUMS)
+    weight_map = {name: j.file for j in jobs for name, _, _ in j.specs}
+    write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": sum(j.out_bytes for j in jobs)},
+                                         "weight_map": weight_map})
+    manifest_path.unlink()
+
+    seconds = time.perf_counter() - t0
+    counts: dict[str, int] = {}
+    for j in jobs:
+        for u in j.units:
+            counts[u.format] = counts.get(u.format, 0) + len(u.sources)
+    report = {
+        "source": str(src), "output": str(out), "scheme": opts.scheme, "weight_only": opts.weight_only,
+        "shards": len(jobs), "shards_resumed": len(jobs) - len(todo), "tensors_by_format": counts,
+        "bytes_in": total_src, "bytes_out": sum(j.out_bytes for j in jobs), "seconds": round(seconds, 3),
+        "source_mb_per_s": round(sum(j.src_bytes for j in todo) / 1e6 / max(seconds, 1e-9), 1),
+        "workers": opts.workers, "peak_rss_mb": round(_peak_rss_mb(), 1),
+    }
+    return report
+
+
+# --------------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="source checkpoint: a local HF directory or a hub repo id org/name[@revision]")
+    p.add_argument("out", help="output directory (must not exist, unless --resume or --overwrite)")
+    p.add_argument("--scheme", default="default", help="conversion scheme (see `inkling-quant schemes`)")
+    p.add_argument("--workers", type=int, default=1, help="shards converted in parallel processes")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (bit-identical results)")
+    p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="output shard size (default 5GB)")
+    a = p.add_argument_group("NVFP4 activation scales (W4A4 needs one input_scale per expert projection)")
+    a.add_argument("--activation-scales", metavar="FILE",
+                   help="calibration amax per module: JSON {module: amax} or safetensors {module.input_amax}")
+    a.add_argument("--default-activation-amax", type=float, metavar="X",
+                   help="use amax X for every module without a calibrated value")
+    a.add_argument("--weight-only", action="store_true", help="W4A16 NVFP4 (no input_scale; vLLM's W4A16_NVFP4)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted conversion in OUT")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    p.add_argument("--quiet", action="store_true", help="no progress bars or summary")
+    p.add_argument("--json", metavar="REPORT", help="write the summary as JSON to REPORT")
+
+
+def run(args) -> int:
+    if args.workers < 1:
+        raise UsageError("--workers must be at least 1")
+    if args.weight_only and (args.activation_scales or args.default_activation_amax is not None):
+        raise UsageError("--weight-only writes no activation scales; drop --activation-scales/--default-activation-amax")
+    opts = Options(scheme=args.scheme, weight_only=args.weight_only,
+                   default_activation_amax=args.default_activation_amax,
+                   activation_scales=args.activation_scales, max_shard_bytes=args.max_shard_size,
+                   workers=args.workers, device=args.device)
+    report = convert(args.src, args.out, opts, resume=args.resume, overwrite=args.overwrite, quiet=args.quiet)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if not args.quiet:
+        print_summary(report)
+    return 0
+
+
+def print_summary(r: dict, file=sys.stdout) -> None:
+    fmts = ", ".join(f"{k} {v}" for k, v in sorted(r["tensors_by_format"].items()))
+    print(f"converted {r['source']} -> {r['output']} (scheme {r['scheme']}{', weight-only' if r['weight_only'] else ''})",
+          file=file)
+    print(f"  tensors: {fmts}", file=file)
+    print(f"  bytes: {r['bytes_in'] / 1e9:.3f} GB in, {r['bytes_out'] / 1e9:.3f} GB out in {r['shards']} shards"
+          f" ({r['shards_resumed']} resumed)", file=file)
+    print(f"  time: {r['seconds']:.2f} s, {r['source_mb_per_s']:.0f} MB/s of source, peak RSS {r['peak_rss_mb']:.0f} MB,"
+          f" {r['workers']} worker(s)", file=file)

@@ -1,0 +1,493 @@
+"""DSpark draft: extract the bundled speculator as a checkpoint of its own, or strip it off.
+
+  inkling-quant draft extract SRC OUT   OUT = the drafter: config.json (model_type "dspark"),
+                                        its `dspark.*` tensors in shards, index, checksums
+  inkling-quant draft strip SRC OUT     OUT = the target without `dspark.*` tensors and without
+                                        `dspark_config`; shards without draft tensors hardlinked
+
+Both work on a BF16 source and on a converted checkpoint (the converter passes the draft
+through unchanged). Bytes are copied, never re-encoded: one tensor at a time through one
+reused buffer. OUT is built in OUT.partial and renamed into place when complete.
+docs/draft.md has the layout and the reasons for each choice.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from tqdm import tqdm
+
+from .errors import CheckpointError, ConfigError, InklingQuantError, UnknownTensorError, UsageError
+from .io.checkpoint import (INDEX_NAME, Checkpoint, copy_file_atomic, read_json, safe_child, shard_name,
+                            write_json_atomic)
+from .io.safetensors import DTYPE_NAMES, Header, ShardReader, ShardWriter, TensorBuffer, TensorEntry, sha256_file
+from .layout import DraftConfig, ModelConfig, TensorSpec, classify, draft_tensors
+
+DRAFT_PREFIX = "dspark."
+DRAFT_ARCHITECTURES = ["DSparkDrafter"]
+DRAFT_MODEL_TYPE = "dspark"
+CHECKSUMS = "checksums.sha256"
+QUANT_CONFIG = "hf_quant_config.json"
+STRIPPED_KEY = "dspark_stripped"          # the note strip leaves in config.json
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9       # HF's default "5GB": the reference draft fits one shard
+_CHUNK = 8 << 20
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def is_draft(name: str) -> bool:
+    return name.startswith(DRAFT_PREFIX)
+
+
+# --------------------------------------------------------------------------- source
+class Source(SimpleNamespace):
+    """A validated source checkpoint: ckpt, headers, config (dict), cfg (ModelConfig), and
+    draft = [(shard, TensorEntry)] of its `dspark.*` tensors in file order."""
+
+
+def open_source(src: str | Path) -> Source:
+    """Open SRC, validate every shard header against the index and the draft against
+    dspark_config; raise a clear error when there is no draft to work on."""
+    ckpt = Checkpoint.open(src)
+    headers = ckpt.headers()
+    config_path = ckpt.root / "config.json"
+    config = read_json(config_path, "config.json")
+    cfg = ModelConfig.from_dict(config, str(config_path))
+    draft = [(s, e) for s in ckpt.shards for e in headers[s].tensors.values() if is_draft(e.name)]
+    if cfg.draft is None:
+        if draft:
+            raise ConfigError(f"{config_path}: missing key 'dspark_config', but the checkpoint has "
+                              f"{len(draft)} {DRAFT_PREFIX}* tensors (e.g. {draft[0][1].name!r} in {draft[0][0]})")
+        raise CheckpointError(f"{ckpt.root}: no DSpark draft: config.json has no 'dspark_config' and no "
+                              f"tensor name starts with {DRAFT_PREFIX!r} (already stripped?)")
+    if not draft:
+        raise CheckpointError(f"{ckpt.root}: no DSpark draft tensors: config.json has a 'dspark_config' "
+                              f"but no tensor name starts with {DRAFT_PREFIX!r}")
+    _check_draft(ckpt.root, cfg, draft)
+    return Source(ckpt=ckpt, headers=headers, config=config, cfg=cfg, draft=draft)
+
+
+def _check_draft(root: Path, cfg: ModelConfig, draft: list[tuple[str, TensorEntry]]) -> None:
+    """Every draft tensor is one dspark_config implies, with its shape, unquantized; none missing."""
+    expected = {s.name: s for s in draft_tensors(cfg)}
+    for shard, e in draft:
+        where = f"{root / shard}: tensor {e.name!r}"
+        try:
+            classify(e.name)
+        except UnknownTensorError as err:
+            raise UnknownTensorError(f"{root / shard}: {err} (the draft is never quantized)") from None
+        spec = expected.get(e.name)
+        if spec is None:
+            raise UnknownTensorError(f"{where} does not exist in a draft with this dspark_config "
+                                     f"(num_hidden_layers={cfg.draft.num_hidden_layers})")
+        if tuple(e.shape) != spec.shape:
+            raise CheckpointError(f"{where}: shape {list(e.shape)}, dspark_config implies {list(spec.shape)}")
+        if e.dtype not in _FLOAT_DTYPES:
+            raise CheckpointError(f"{where}: dtype {DTYPE_NAMES[e.dtype]} is not a float type "
+                                  f"(a quantized draft? the draft is never quantized)")
+    missing = sorted(set(expected) - {e.name for _, e in draft})
+    if missing:
+        raise CheckpointError(f"{root}: draft incomplete: {len(missing)} tensor(s) of dspark_config missing, "
+                              f"e.g. {missing[0]!r}")
+
+
+def shared_tensor_names(cfg: ModelConfig) -> dict[str, str]:
+    """The target tensors the drafter uses but does not own, by role."""
+    embed = "model.embed_tokens.weight"
+    return {"embed_tokens": embed, "lm_head": embed if cfg.tie_word_embeddings else "lm_head.weight"}
+
+
+# --------------------------------------------------------------------------- draft config
+def draft_config(config: dict, cfg: ModelConfig, shared: dict[str, dict]) -> dict:
+    """config.json of the extracted drafter: dspark_config's keys (verbatim) at the top level,
+    what it needs from the target, and the target tensors it shares, by reference."""
+    d = dict(config["dspark_config"])
+    out = {"architectures": d.pop("architectures", DRAFT_ARCHITECTURES),
+           "model_type": d.pop("model_type", DRAFT_MODEL_TYPE),
+           "torch_dtype": config.get("torch_dtype", "bfloat16")}
+    out.update(d)
+    out.setdefault("vocab_size", cfg.vocab_size)
+    if "rms_norm_eps" in config:
+        out.setdefault("rms_norm_eps", config["rms_norm_eps"])
+    out["tensor_prefix"] = DRAFT_PREFIX
+    out["target_hidden_size"] = cfg.hidden_size
+    out["target_model"] = {k: config[k] for k in ("architectures", "model_type", "vocab_size", "hidden_size",
+                                                  "num_hidden_layers", "tie_word_embeddings") if k in config}
+    out["target_shared_tensors"] = shared
+    return out
+
+
+def draft_specs(dc: dict, source: str = "draft config.json") -> list[TensorSpec]:
+    """The tensors an extracted draft's config.json implies (same rule as the bundled draft)."""
+    try:
+        markov = dc["markov_head"]
+        draft = DraftConfig(markov_hidden_size=int(markov["hidden_size"]),
+                            **{k: int(dc[k]) for k in DraftConfig.__dataclass_fields__ if k != "markov_hidden_size"})
+        view = SimpleNamespace(draft=draft, hidden_size=int(dc["target_hidden_size"]),
+                               vocab_size=int(dc["target_model"]["vocab_size"]))
+    except KeyError as e:
+        raise ConfigError(f"{source}: missing key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{source}: malformed value: {e}") from None
+    return list(draft_tensors(view))
+
+
+# --------------------------------------------------------------------------- checksums
+_SUM_LINE = re.compile(r"([0-9a-fA-F]{64}) [ *](.+)")
+
+
+def read_checksums(path: Path) -> dict[str, str]:
+    """A sha256sum file: {file name: hex digest}."""
+    out = {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read: {e}") from None
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        m = _SUM_LINE.fullmatch(line)
+        if not m:
+            raise CheckpointError(f"{path}:{n}: not a '<sha256>  <file>' line: {line[:80]!r}")
+        out[m.group(2)] = m.group(1).lower()
+    return out
+
+
+def write_checksums(path: Path, sums: dict[str, str]) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "w") as f:
+        f.write("".join(f"{sums[name]}  {name}\n" for name in sorted(sums)))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- output
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    elif p.exists() or p.is_symlink():
+        p.unlink()
+
+
+def _fsync_dir(p: Path) -> None:
+    try:
+        fd = os.open(p, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def staged_output(out: str | Path, src: Path, overwrite: bool):
+    """Yield OUT.partial to build in; rename it to OUT when the block completes. Refuses an
+    existing OUT (an empty directory excepted) unless `overwrite`, and an OUT that is, holds or
+    lies inside SRC. On any failure the partial directory is removed and OUT is untouched."""
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        empty_dir = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
+        if not (empty_dir or overwrite):
+            raise UsageError(f"{out}: already exists (pass --overwrite to replace it)")
+    o, s = out.resolve(), Path(src).resolve()
+    if o == s or s in o.parents or o in s.parents:
+        raise UsageError(f"{out}: output must be outside the source checkpoint {src} (and not contain it)")
+    tmp = out.with_name(out.name + ".partial")
+    try:
+        _remove(tmp)  # left by a killed run
+        tmp.mkdir(parents=True)
+        yield tmp
+        _fsync_dir(tmp)
+        if out.exists() or out.is_symlink():
+            old = out.with_name(out.name + ".old")
+            _remove(old)
+            os.replace(out, old)
+            os.replace(tmp, out)
+            _remove(old)
+        else:
+            os.replace(tmp, out)
+        _fsync_dir(out.parent)
+    except OSError as e:
+        _remove(tmp)
+        raise CheckpointError(f"{out}: writing failed: {e}") from e
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+class _Readers:
+    """One open ShardReader at a time (the plans read shards in order)."""
+
+    def __init__(self, src: Source):
+        self.src, self.name, self.reader = src, None, None
+
+    def get(self, shard: str) -> ShardReader:
+        if shard != self.name:
+            self.close()
+            self.reader = ShardReader(safe_child(self.src.ckpt.root, shard, "shard"), self.src.headers[shard])
+            self.name = shard
+        return self.reader
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+        self.name, self.reader = None, None
+
+
+def _as_tensor(mv: memoryview, e: TensorEntry) -> torch.Tensor:
+    if e.nbytes == 0:
+        return torch.empty(e.shape, dtype=e.dtype)
+    return torch.frombuffer(mv, dtype=e.dtype).reshape(e.shape)
+
+
+# --------------------------------------------------------------------------- extract
+def plan_shards(entries: list[tuple[str, TensorEntry]], max_bytes: int) -> list[list[tuple[str, TensorEntry]]]:
+    shards: list[list] = [[]]
+    size = 0
+    for item in entries:
+        if shards[-1] and size + item[1].nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += item[1].nbytes
+    return shards
+
+
+def extract(src: str | Path, out: str | Path, *, overwrite: bool = False, progress: bool = False,
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
+    """Write the bundled DSpark drafter of SRC to OUT as a standalone checkpoint."""
+    if max_shard_bytes <= 0:
+        raise UsageError(f"--max-shard-size must be positive, got {max_shard_bytes}")
+    source = open_source(src)
+    root, headers = source.ckpt.root, source.headers
+    shared = {}
+    for role, name in shared_tensor_names(source.cfg).items():
+        shard = source.ckpt.weight_map.get(name)
+        if shard is None:
+            raise CheckpointError(f"{root}: the drafter shares the target's {name!r}, which the checkpoint lacks")
+        e = headers[shard].tensors[name]
+        shared[role] = {"name": name, "shape": list(e.shape), "dtype": DTYPE_NAMES[e.dtype]}
+    dconf = draft_config(source.config, source.cfg, shared)
+    plan = plan_shards(source.draft, max_shard_bytes)
+    total = sum(e.nbytes for _, e in source.draft)
+
+    weight_map: dict[str, str] = {}
+    sums: dict[str, str] = {}
+    buf = TensorBuffer()
+    buf.view(max(e.nbytes for _, e in source.draft))  # sized once: growing it would hold two at a time
+    readers = _Readers(source)
+    with staged_output(out, root, overwrite) as tmp, \
+            tqdm(total=total, unit="B", unit_scale=True, desc="draft extract", disable=not progress) as bar:
+        try:
+            for i, group in enumerate(plan):
+                name = shard_name(i, len(plan))
+                with ShardWriter(tmp / name, [(e.name, e.dtype, e.shape) for _, e in group], {"format": "pt"}) as w:
+                    for shard, e in group:
+                        w.write(e.name, readers.get(shard).get(e.name, buf))
+                        weight_map[e.name] = name
+                        bar.update(e.nbytes)
+                    sums[name] = w.commit()
+        finally:
+            readers.close()
+        write_json_atomic(tmp / "config.json", dconf)
+        write_json_atomic(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        write_checksums(tmp / CHECKSUMS, sums)
+    return {"action": "extract", "source": str(src), "output": str(out), "tensors": len(weight_map),
+            "bytes": total, "shards": len(plan), "shared_by_reference": [v["name"] for v in shared.values()]}
+
+
+# --------------------------------------------------------------------------- strip
+def _hashed_copy(src: Path, dst: Path, expected: str | None, bar) -> str:
+    """Copy src to dst (fsync'd, atomic), returning its sha256; raise on a digest mismatch."""
+    h = hashlib.sha256()
+    tmp = dst.with_name(dst.name + ".partial")
+    buf = bytearray(_CHUNK)
+    mv = memoryview(buf)
+    try:
+        with open(src, "rb", buffering=0) as fi, open(tmp, "wb") as fo:
+            while n := fi.readinto(buf):
+                h.update(mv[:n])
+                fo.write(mv[:n])
+                bar.update(n)
+            fo.flush()
+            os.fsync(fo.fileno())
+        digest = h.hexdigest()
+        if expected is not None and digest != expected:
+            raise CheckpointError(f"{src}: sha256 {digest} does not match {CHECKSUMS} ({expected}): the shard is corrupt")
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return digest
+
+
+def _link_or_copy(src: Path, dst: Path, copy: bool, expected: str | None, want_digest: bool, bar) -> tuple[str | None, str]:
+    """Hardlink src to dst (falling back to a copy across file systems); (sha256 or None, how)."""
+    if not copy:
+        try:
+            os.link(src, dst)
+        except OSError:
+            pass
+        else:
+            bar.update(dst.stat().st_size)
+            if expected is not None:
+                return expected, "linked"  # the same inode: its bytes are the ones the source lists
+            return (sha256_file(dst) if want_digest else None), "linked"
+    return _hashed_copy(src, dst, expected, bar), "copied"
+
+
+def _rewrite(reader: ShardReader, header: Header, dst: Path, buf: TensorBuffer, expected: str | None, bar) -> str:
+    """dst = the shard without its draft tensors, in file order, its metadata kept. With
+    `expected`, the whole source file is hashed on the way (draft tensors included) and checked."""
+    h = hashlib.sha256() if expected is not None else None
+    if h is not None:
+        with open(header.path, "rb") as f:
+            h.update(f.read(header.data_start))
+    keep = [e for e in header.tensors.values() if not is_draft(e.name)]
+    with ShardWriter(dst, [(e.name, e.dtype, e.shape) for e in keep], header.metadata or None) as w:
+        for e in header.tensors.values():
+            drop = is_draft(e.name)
+            if drop and h is None:
+                continue
+            mv = reader.read_bytes(e, buf.view(e.nbytes)) if e.nbytes else memoryview(b"")
+            if h is not None:
+                h.update(mv)
+            if not drop:
+                w.write(e.name, _as_tensor(mv, e))
+                bar.update(e.nbytes)
+        if h is not None and h.hexdigest() != expected:
+            raise CheckpointError(f"{header.path}: sha256 {h.hexdigest()} does not match {CHECKSUMS} "
+                                  f"({expected}): the shard is corrupt")
+        return w.commit()
+
+
+def stripped_config(config: dict, source: Source) -> dict:
+    """config.json without dspark_config; in its place a note that keeps it for a re-merge."""
+    note = {"note": "DSpark draft removed by `inkling-quant draft strip`; serve it from a checkpoint made "
+                    "by `inkling-quant draft extract` (docs/draft.md)",
+            "tensors": len(source.draft), "bytes": sum(e.nbytes for _, e in source.draft),
+            "dspark_config": config["dspark_config"]}
+    return {(STRIPPED_KEY if k == "dspark_config" else k): (note if k == "dspark_config" else v)
+            for k, v in config.items()}
+
+
+def strip(src: str | Path, out: str | Path, *, overwrite: bool = False, progress: bool = False,
+          copy: bool = False) -> dict:
+    """Write SRC without its DSpark draft to OUT."""
+    source = open_source(src)
+    ckpt, headers = source.ckpt, source.headers
+    root = ckpt.root
+    sums_in = read_checksums(root / CHECKSUMS) if (root / CHECKSUMS).exists() else None
+
+    # plan: per source shard, link (no draft tensor), rewrite (some) or drop (only draft tensors)
+    actions = []
+    for s in ckpt.shards:
+        n_draft = sum(is_draft(n) for n in headers[s].tensors)
+        kind = "link" if n_draft == 0 else ("drop" if n_draft == len(headers[s].tensors) else "rewrite")
+        actions.append((s, kind))
+    kept = [(s, k) for s, k in actions if k != "drop"]
+    if not kept:
+        raise CheckpointError(f"{root}: every shard holds only draft tensors: nothing would be left")
+    indexed = (root / INDEX_NAME).exists()
+    renumber = indexed and len(kept) != len(actions)  # keep "-of-N" names true when a shard goes
+    out_names = {s: (shard_name(i, len(kept)) if renumber else s) for i, (s, _) in enumerate(kept)}
+    total = sum(e.nbytes for s, _ in kept for e in headers[s].tensors.values() if not is_draft(e.name))
+    bar_total = sum(headers[s].file_size if k == "link" else
+                    sum(e.nbytes for e in headers[s].tensors.values() if not is_draft(e.name)) for s, k in kept)
+
+    weight_map: dict[str, str] = {}
+    sums: dict[str, str] = {}
+    counts = {"linked": 0, "copied": 0, "rewritten": 0, "dropped": len(actions) - len(kept)}
+    buf = TensorBuffer()
+    buf.view(max([e.nbytes for s, k in kept if k == "rewrite" for e in headers[s].tensors.values()
+                  if not is_draft(e.name) or (sums_in is not None and s in sums_in)], default=0))
+    readers = _Readers(source)
+    with staged_output(out, root, overwrite) as tmp, \
+            tqdm(total=bar_total, unit="B", unit_scale=True, desc="draft strip", disable=not progress) as bar:
+        try:
+            for s, kind in kept:
+                name = out_names[s]
+                expected = sums_in.get(s) if sums_in is not None else None
+                if kind == "link":
+                    digest, how = _link_or_copy(root / s, tmp / name, copy, expected, sums_in is not None, bar)
+                    counts[how] += 1
+                else:
+                    digest = _rewrite(readers.get(s), headers[s], tmp / name, buf, expected, bar)
+                    counts["rewritten"] += 1
+                if digest is not None:
+                    sums[name] = digest
+                for e in headers[s].tensors.values():
+                    if not is_draft(e.name):
+                        weight_map[e.name] = name
+        finally:
+            readers.close()
+        if indexed:
+            meta = {**ckpt.metadata, "total_size": total}
+            write_json_atomic(tmp / INDEX_NAME, {"metadata": meta, "weight_map": weight_map})
+        write_json_atomic(tmp / "config.json", stripped_config(source.config, source))
+        others = ckpt.other_files() + ([root / QUANT_CONFIG] if (root / QUANT_CONFIG).is_file() else [])
+        for p in others:
+            copy_file_atomic(p, tmp / p.name)
+        if sums_in is not None:
+            # every file the source listed that OUT still has, re-hashed where it changed
+            shard_names = set(ckpt.shards)
+            for f in sums_in:
+                plain = "/" not in f and "\\" not in f and f not in (".", "..")
+                if plain and f not in shard_names and f not in sums and (tmp / f).is_file():
+                    sums[f] = sha256_file(tmp / f)
+            write_checksums(tmp / CHECKSUMS, sums)
+    return {"action": "strip", "source": str(src), "output": str(out), "tensors_removed": len(source.draft),
+            "bytes_removed": sum(e.nbytes for _, e in source.draft), "shards": len(kept), **counts,
+            "checksums": sums_in is not None}
+
+
+# --------------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .synth import parse_size
+
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    e = sub.add_parser("extract", help="write the bundled DSpark drafter as a standalone checkpoint",
+                       description="Write the `dspark.*` tensors of SRC, with a drafter config.json, to OUT.")
+    e.add_argument("src", help="source checkpoint directory (BF16 or converted)")
+    e.add_argument("out", help="output directory for the drafter")
+    e.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
+                   help="largest output shard, e.g. 5GB (default: 5GB, one shard for the reference draft)")
+    s = sub.add_parser("strip", help="write the target checkpoint without its DSpark draft",
+                       description="Write SRC without `dspark.*` tensors and without dspark_config to OUT; "
+                                   "shards holding no draft tensor are hardlinked (or copied with --copy).")
+    s.add_argument("src", help="source checkpoint directory (BF16 or converted)")
+    s.add_argument("out", help="output directory for the target without the draft")
+    s.add_argument("--copy", action="store_true",
+                   help="copy unchanged shards instead of hardlinking them (checks them against checksums.sha256)")
+    for q in (e, s):
+        q.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+        q.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+
+
+def run(args) -> int:
+    progress = not args.quiet
+    if args.action == "extract":
+        r = extract(args.src, args.out, overwrite=args.overwrite, progress=progress,
+                    max_shard_bytes=args.max_shard_size)
+        if progress:
+            print(f"extracted {r['tensors']} draft tensors ({r['bytes'] / 1e9:.3f} GB, {r['shards']} shard(s)) "
+                  f"to {r['output']}; shared with the target by reference: {', '.join(r['shared_by_reference'])}")
+    elif args.action == "strip":
+        r = strip(args.src, args.out, overwrite=args.overwrite, progress=progress, copy=args.copy)
+        if progress:
+            print(f"stripped {r['tensors_removed']} draft tensors ({r['bytes_removed'] / 1e9:.3f} GB) to "
+                  f"{r['output']}: {r['shards']} shard(s): {r['linked']} linked, {r['copied']} copied, "
+                  f"{r['rewritten']} rewritten, {r['dropped']} dropped")
+    else:  # pragma: no cover - argparse refuses other actions
+        raise InklingQuantError(f"unknown action {args.action!r}")
+    return 0

@@ -1,0 +1,31 @@
+"""Error types. Every error a user can cause is one of these, with the file and tensor named."""
+
+
+class InklingQuantError(Exception):
+    """Base class: the CLI prints the message and exits non-zero, without a traceback."""
+
+    exit_code = 2
+
+
+class ConfigError(InklingQuantError):
+    """config.json / hf_quant_config.json / adapter config missing keys or malformed."""
+
+
+class UnknownTensorError(InklingQuantError):
+    """A tensor name outside the layout spec."""
+
+
+class CheckpointError(InklingQuantError):
+    """A malformed checkpoint: bad safetensors header, index, shapes, values."""
+
+
+class UnsafePathError(CheckpointError):
+    """A file name that escapes the checkpoint directory."""
+
+
+class FormatError(InklingQuantError):
+    """A tensor a number format cannot represent (shape not divisible by the block, NaN/Inf)."""
+
+
+class UsageError(InklingQuantError):
+    """Bad command-line usage (missing flag, existing output, ...)."""

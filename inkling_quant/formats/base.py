@@ -1,0 +1,73 @@
+"""The contract every number format implements. A format owns its bits: quantize, dequantize,
+pack, the checkpoint tensors it produces (names, dtypes, shapes), its ModelOpt config entry and
+the error thresholds `verify` holds it to. Nothing outside formats/ re-derives any of these."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+
+@dataclass(frozen=True)
+class OutSpec:
+    """One checkpoint tensor a format writes for a source weight, keyed by its name suffix."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class Format:
+    """Base class. Subclasses are stateless singletons registered in formats.FORMATS."""
+
+    name: str                  # "nvfp4", "mxfp8", "passthrough"
+    quant_algo: str | None     # ModelOpt quant_algo string, None for pass-through
+    block_size: int = 1        # elements per scale along the input (last) dim
+    # verify's numerics thresholds for y = x @ W^T against the BF16 source weight
+    max_rel_error: float = 0.0
+    min_cosine: float = 1.0
+
+    def out_specs(self, shape: tuple[int, ...], dtype: torch.dtype,
+                  activation_scale: bool = True) -> dict[str, OutSpec]:
+        """suffix -> OutSpec of every tensor written for a source weight of `shape`/`dtype`."""
+        raise NotImplementedError
+
+    def nbytes(self, shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16,
+               activation_scale: bool = True) -> int:
+        return sum(s.nbytes for s in self.out_specs(shape, dtype, activation_scale).values())
+
+    def quantize(self, weight: torch.Tensor, *, global_amax: torch.Tensor | None = None,
+                 input_amax: float | None = None) -> dict[str, torch.Tensor]:
+        """suffix -> tensor, exactly the out_specs. `global_amax` (NVFP4) is the amax shared
+        by fused projections; `input_amax` the calibrated activation amax (None: weight-only)."""
+        raise NotImplementedError
+
+    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    def layer_config(self, weight_only: bool = False) -> dict | None:
+        """The `quantized_layers` entry of ModelOpt's MIXED_PRECISION config, None if unquantized."""
+        return None
+
+
+class Passthrough(Format):
+    """BF16/FP32 tensors copied bit-exactly."""
+
+    name = "passthrough"
+    quant_algo = None
+
+    def out_specs(self, shape, dtype, activation_scale=True):
+        return {"weight": OutSpec(tuple(shape), dtype)}
+
+    def quantize(self, weight, *, global_amax=None, input_amax=None):
+        return {"weight": weight}
+
+    def dequantize(self, tensors, dtype=torch.float32):
+        return tensors["weight"].to(dtype)

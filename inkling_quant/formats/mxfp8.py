@@ -1,0 +1,189 @@
+"""MXFP8 in NVIDIA ModelOpt's Hugging Face export layout (quant_algo "MXFP8").
+
+Checkpoint tensors for a weight ``W [..., out, in]`` (``in`` divisible by 32):
+
+================  =============  =====================  =========================================
+suffix            dtype          shape                  value
+================  =============  =====================  =========================================
+``weight``        float8_e4m3fn  ``[..., out, in]``     ``sat448(W * 2^(127 - E))``
+``weight_scale``  uint8 (e8m0)   ``[..., out, in/32]``  ``E = clamp(ceil(log2(amax32/448)), -127, 127) + 127``
+================  =============  =====================  =========================================
+
+No ``input_scale`` and no ``weight_scale_2``, ever (activations are quantized dynamically).
+The scale rule is ModelOpt's "round up" (``MXFP8QTensor._compute_e8m0_exponent``), which keeps
+``amax / 2^e <= 448`` so nothing clips; it is *not* the OCP MX v1.0 rule
+``floor(log2(amax)) - 8``, which can clip a block's largest values (docs/formats.md).
+
+Bit-identical to ``modelopt.torch.quantization.qtensor.MXFP8QTensor.quantize`` (0.47.0, CPU).
+The CPU path shares the NVFP4 kernel's structure (chunks of whole blocks, numpy on reused
+per-thread buffers, bf16 pairs split into even/odd fp32 planes, torch.get_num_threads() threads);
+the e4m3 rounding itself is torch's own fp32 -> float8_e4m3fn cast, the one ModelOpt uses.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from ..errors import FormatError
+from .base import Format, OutSpec
+from .nvfp4 import _BITS, _buf, _check_dtype, _check_shape, _nonfinite, _np, _run_chunks
+
+__all__ = ["MXFP8", "BLOCK_SIZE", "E4M3_MAX", "e8m0_exponent"]
+
+BLOCK_SIZE = 32
+E4M3_MAX = 448.0
+_MX_CHUNK_BLOCKS = 2048      # 65536 elements per chunk
+_TORCH_SERIAL = 32767        # torch runs element-wise ops below this size on the calling thread
+
+
+def e8m0_exponent(block_amax: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's biased e8m0 exponent (uint8) of per-block amax values, computed exactly as
+    ``MXFP8QTensor._compute_e8m0_exponent`` does (fp32 divide by 448, log2, ceil, clamp)."""
+    descale = block_amax.float() / E4M3_MAX
+    log2 = torch.where(descale > 0, torch.log2(descale), torch.tensor(-127.0, device=descale.device))
+    return (torch.clamp(torch.ceil(log2), min=-127, max=127) + 127).to(torch.uint8)
+
+
+def _e8m0_from_bits(bm: np.ndarray, exact_int: bool) -> np.ndarray:
+    """Biased exponent (uint8) from fp32 block-amax bit patterns (int32, >= 0).
+
+    For bf16/fp16 weights ``amax/448`` is never within 2^-9 (relative) of a power of two unless
+    it is one, so ``ceil(log2(.))`` is exact whatever log2's last-bit error: the integer form
+    below (exponent, +1 if any mantissa bit; fp32 subnormals by hand) equals ModelOpt's
+    ``torch.log2`` form. tests/test_formats.py checks it on every bf16 and fp16 amax pattern.
+    fp32 weights take ModelOpt's own expression."""
+    if not exact_int:
+        return e8m0_exponent(torch.from_numpy(bm.view(np.float32))).numpy()
+    d = bm.view(np.float32) / np.float32(E4M3_MAX)        # torch: amax.float() / 448 (fp32)
+    db = d.view(np.int32)
+    e = (db + 0x7FFFFF) >> 23                              # exponent + [mantissa != 0] (+127)
+    e[db <= 0x400000] = 0                                  # <= 2^-127 (incl. 0): E = -127
+    return e.astype(np.uint8)
+
+
+def _mxfp8_cpu(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [numel], e8m0 uint8 [numel/32]) for a contiguous CPU weight."""
+    flat_t = w.reshape(-1)
+    numel = flat_t.numel()
+    nblk = numel // BLOCK_SIZE
+    q = torch.empty(numel, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(nblk, dtype=torch.uint8)
+    scale_np = scale.numpy()
+    bf16 = w.dtype == torch.bfloat16
+    # bf16/fp16: |x| * 2^-e <= 448 always (docs/formats.md), so ModelOpt's clamp is a no-op
+    needs_clamp = w.dtype == torch.float32
+    src = _np(flat_t.view(torch.int32)) if bf16 else None
+    CB = _MX_CHUNK_BLOCKS
+    H = CB * 16
+
+    def chunk(b0: int, b1: int) -> None:
+        m = b1 - b0
+        h = m * 16
+        xx = _buf("mx:x", (2, H), np.int32)[:, :h]         # fp32 bits: row 0 even, row 1 odd
+        if bf16:
+            v = src[b0 * 16: b1 * 16]
+            np.left_shift(v, 16, out=xx[0])
+            np.bitwise_and(v, -65536, out=xx[1])
+        else:
+            x32 = flat_t[b0 * 32: b1 * 32].float().numpy().view(np.int32)
+            np.copyto(xx[0], x32[0::2])
+            np.copyto(xx[1], x32[1::2])
+        aa = _buf("mx:a", (2, H), np.int32)[:, :h]
+        np.bitwise_and(xx, 0x7FFFFFFF, out=aa)
+        t = _buf("mx:t", (H,), np.int32)[:h]
+        np.maximum(aa[0], aa[1], out=t)                     # a block's 16 pair-maxima are contiguous
+        t2 = _buf("mx:t2", (H // 2,), np.int32)
+        n2 = h
+        while n2 > m:                                       # strided max tree: 16 -> 1 per block
+            np.maximum(t[0:n2:2], t[1:n2:2], out=t2[: n2 // 2])
+            t, t2 = t2, t
+            n2 //= 2
+        bm = t[:m].copy()
+        if int(bm.max()) >= 0x7F800000:
+            raise _nonfinite(name)
+        e8 = _e8m0_from_bits(bm, exact_int=not needs_clamp)
+        scale_np[b0:b1] = e8
+        # 2^(127 - E) as fp32 bits (torch.exp2 of an integer is exact; E = 254 is subnormal 2^-127)
+        fb = (254 - e8.astype(np.int32)) << 23
+        fb[e8 == 254] = 0x00400000
+        y = xx.view(np.float32)
+        np.multiply(y, np.repeat(fb.view(np.float32), 16), out=y)   # x * 2^-e, exactly ModelOpt's
+        if needs_clamp:
+            np.clip(y, np.float32(-E4M3_MAX), np.float32(E4M3_MAX), out=y)
+        dst = q[b0 * 32: b1 * 32]
+        for r in (0, 1):
+            yr = torch.from_numpy(y[r])
+            dr = dst[r::2]
+            for lo in range(0, h, _TORCH_SERIAL):
+                dr[lo: lo + _TORCH_SERIAL].copy_(yr[lo: lo + _TORCH_SERIAL])
+
+    _run_chunks(chunk, nblk, CB)
+    return q, scale
+
+
+def _mxfp8_torch(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """ModelOpt's formulas with plain torch ops (any device); the CPU tests' second opinion."""
+    bits_t, mask, inf_bits, _ = _BITS[w.dtype]
+    blocks = w.reshape(-1, BLOCK_SIZE)
+    bm = (blocks.view(bits_t) & mask).amax(dim=1)
+    if blocks.shape[0] and int(bm.max()) >= inf_bits:
+        raise _nonfinite(name)
+    e8 = e8m0_exponent(bm.view(w.dtype))
+    factor = torch.exp2(127 - e8.float())
+    y = (blocks * factor.unsqueeze(-1)).clamp(min=-E4M3_MAX, max=E4M3_MAX)
+    return y.to(torch.float8_e4m3fn).reshape(-1), e8
+
+
+class MXFP8(Format):
+    """MXFP8: e4m3 weights, one power-of-two (e8m0) scale per 32 inputs."""
+
+    name = "mxfp8"
+    quant_algo = "MXFP8"
+    block_size = BLOCK_SIZE
+    # verify's thresholds for y = x @ W^T vs the BF16 source (docs/formats.md "Error statistics"):
+    # measured relative error 0.026-0.030 on Gaussian + outlier weights, cosine >= 0.99956.
+    max_rel_error = 0.05
+    min_cosine = 0.998
+
+    def out_specs(self, shape, dtype=torch.bfloat16, activation_scale=True):
+        shape = tuple(shape)
+        _check_shape(shape, BLOCK_SIZE, self.name, "")
+        return {"weight": OutSpec(shape, torch.float8_e4m3fn),
+                "weight_scale": OutSpec((*shape[:-1], shape[-1] // BLOCK_SIZE), torch.uint8)}
+
+    def quantize(self, weight, *, global_amax=None, input_amax=None, name: str = ""):
+        """suffix -> tensor. ``global_amax`` and ``input_amax`` do not apply to MXFP8 and are
+        ignored (no weight_scale_2, no input_scale). Raises FormatError for a last dim not
+        divisible by 32 or NaN/Inf."""
+        _check_dtype(weight, self.name, name)
+        _check_shape(weight.shape, BLOCK_SIZE, self.name, name)
+        w = weight.detach()
+        if not w.is_contiguous():
+            w = w.contiguous()
+        if w.device.type == "cpu":
+            q, e8 = _mxfp8_cpu(w, name)
+        else:
+            q, e8 = _mxfp8_torch(w, name)
+        shape = tuple(w.shape)
+        return {"weight": q.reshape(shape),
+                "weight_scale": e8.reshape(*shape[:-1], shape[-1] // BLOCK_SIZE)}
+
+    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``fp32(weight) * 2^(weight_scale - 127)`` per 32-block, cast to ``dtype`` (ModelOpt
+        ``MXFP8QTensor.dequantize``)."""
+        w = tensors["weight"]
+        e8 = tensors["weight_scale"]
+        if w.dtype == torch.uint8:
+            w = w.view(torch.float8_e4m3fn)
+        k = w.shape[-1]
+        if e8.shape[-1] * BLOCK_SIZE != k or e8.shape[:-1] != w.shape[:-1]:
+            raise FormatError(f"mxfp8 dequantize: weight {tuple(w.shape)} and weight_scale "
+                              f"{tuple(e8.shape)} do not match")
+        descale = torch.exp2(e8.view(torch.uint8).float() - 127)
+        deq = w.float().view(*w.shape[:-1], -1, BLOCK_SIZE) * descale.unsqueeze(-1)
+        return deq.reshape(w.shape).to(dtype)
+
+    def layer_config(self, weight_only: bool = False) -> dict:
+        return {"quant_algo": "MXFP8", "group_size": BLOCK_SIZE}

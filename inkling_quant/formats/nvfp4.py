@@ -1,0 +1,455 @@
+"""NVFP4 in NVIDIA ModelOpt's Hugging Face export layout (quant_algo "NVFP4" / "W4A16_NVFP4").
+
+Checkpoint tensors for a weight ``W [..., out, in]`` (``in`` divisible by 16):
+
+=================  =============  ====================  ==========================================
+suffix             dtype          shape                 value
+=================  =============  ====================  ==========================================
+``weight``         uint8          ``[..., out, in/2]``  e2m1 codes, element 2j in the LOW nibble
+``weight_scale``   float8_e4m3fn  ``[..., out, in/16]`` per-16-block scale
+``weight_scale_2`` float32        ``[]``                global_amax / (6 * 448)
+``input_scale``    float32        ``[]``                input_amax / (6 * 448), W4A4 only
+=================  =============  ====================  ==========================================
+
+The numbers are bit-identical to ``modelopt.torch.quantization.qtensor.NVFP4QTensor.quantize``
+(nvidia-modelopt 0.47.0, CPU): same fp32 operations in the same order, same e4m3 cast, same
+round-half-to-even onto the e2m1 grid, same saturation. docs/formats.md pins every convention and
+its source; tests/test_formats.py holds us to ModelOpt bit for bit.
+
+The CPU path is a reimplementation for speed (ModelOpt's ``searchsorted`` quantizer runs at
+~15-25 MB/s on two cores; this one at several hundred MB/s, see tools/bench_formats.py): the input
+is split into chunks of whole 16-blocks, each chunk is processed with a fixed sequence of numpy
+operations on reused per-thread buffers, and chunks run on ``torch.get_num_threads()`` threads
+(numpy releases the GIL). Two tricks carry most of the gain:
+
+* bf16 pairs are read as one int32: ``v << 16`` and ``v & 0xFFFF0000`` are the exact fp32 bit
+  patterns of the even and odd elements. Working on these two "planes" makes the final nibble
+  packing a contiguous operation instead of a strided one.
+* the e2m1 rounding is done by the FPU with "magic number" additions, which round half to even
+  exactly like ModelOpt's bounds + tie rule (proof in :func:`_e2m1_code_doc`).
+
+On other devices (CUDA) a plain-torch path runs the same formulas on the device.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Mapping
+
+import numpy as np
+import torch
+
+from ..errors import FormatError
+from .base import Format, OutSpec
+
+__all__ = [
+    "NVFP4", "amax", "pack_e2m1", "unpack_e2m1", "E2M1_VALUES", "E2M1_BOUNDS", "E2M1_MAX",
+    "E4M3_MAX", "BLOCK_SIZE", "nvfp4_global_scale", "nvfp4_input_scale",
+]
+
+E2M1_MAX = 6.0                       # largest e2m1 magnitude
+E4M3_MAX = 448.0                     # largest float8_e4m3fn magnitude
+BLOCK_SIZE = 16                      # elements per e4m3 scale, along the last (input) dim
+GLOBAL_DIV = E2M1_MAX * E4M3_MAX     # 2688.0: weight_scale_2 = amax / 2688, input_scale likewise
+MIN_BLOCK_SCALE = 2.0 ** -9          # smallest e4m3 subnormal: ModelOpt clamps block scales here
+
+#: e2m1 value of each 4-bit code (bit 3 = sign, bits 0-2 = magnitude index). Code 8 is -0.0.
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32)
+#: ModelOpt's rounding bounds between consecutive e2m1 magnitudes (midpoints).
+E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+
+# float8_e4m3fn byte -> its fp32 value (exact), for numpy.
+_E4M3_TO_F32 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+
+# dtype -> (signed int view of the same width, abs mask, smallest Inf/NaN pattern, log2 of the
+# smallest positive subnormal). Any IEEE value with |bits| >= the Inf pattern is Inf or NaN.
+_BITS = {
+    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80, -133),
+    torch.float16: (torch.int16, 0x7FFF, 0x7C00, -24),
+    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000, -149),
+}
+
+
+# ============================================================================ small helpers
+def _where(name: str) -> str:
+    return f"tensor {name!r}: " if name else ""
+
+
+def _check_dtype(w: torch.Tensor, fmt: str, name: str) -> None:
+    if w.dtype not in _BITS:
+        raise FormatError(f"{_where(name)}{fmt} quantizes bf16/fp16/fp32 weights, got {w.dtype}")
+
+
+def _check_shape(shape, block: int, fmt: str, name: str) -> None:
+    if len(shape) < 1 or shape[-1] % block != 0:
+        raise FormatError(f"{_where(name)}{fmt} needs the last (input) dimension divisible by "
+                          f"{block}, got shape {tuple(shape)}")
+
+
+def _nonfinite(name: str) -> FormatError:
+    return FormatError(f"{_where(name)}contains NaN or Inf: cannot be quantized")
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes (0..15) ``[..., 2k]`` -> packed uint8 ``[..., k]``, element 2j in the low nibble
+    (ModelOpt: ``(q[..., 1::2] << 4) | q[..., 0::2]``)."""
+    if codes.shape[-1] % 2:
+        raise FormatError(f"pack_e2m1 needs an even last dimension, got {tuple(codes.shape)}")
+    c = codes.to(torch.uint8)
+    return (c[..., 1::2] << 4) | (c[..., 0::2] & 0x0F)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """packed uint8 ``[..., k]`` -> uint8 codes ``[..., 2k]`` (low nibble first)."""
+    p = packed.view(torch.uint8) if packed.dtype != torch.uint8 else packed
+    out = torch.empty((*p.shape[:-1], p.shape[-1] * 2), dtype=torch.uint8, device=p.device)
+    out[..., 0::2] = p & 0x0F
+    out[..., 1::2] = p >> 4
+    return out
+
+
+# ============================================================================ threads + buffers
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+_TLS = threading.local()
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL._max_workers < n:  # grow only; old idle threads just exit
+            _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="inkling-quant-formats")
+        return _POOL
+
+
+def _run_chunks(fn: Callable[[int, int], object], n_items: int, chunk: int) -> None:
+    """fn(lo, hi) over [0, n_items) in chunks of `chunk`, on torch.get_num_threads() threads."""
+    ranges = [(lo, min(n_items, lo + chunk)) for lo in range(0, n_items, chunk)]
+    nt = min(max(1, torch.get_num_threads()), len(ranges))
+    if nt <= 1:
+        for lo, hi in ranges:
+            fn(lo, hi)
+        return
+
+    def work(k: int) -> None:
+        for lo, hi in ranges[k::nt]:
+            fn(lo, hi)
+
+    futs = [_pool(nt).submit(work, k) for k in range(nt)]
+    err = None
+    for f in futs:  # wait for all, then raise the first error
+        try:
+            f.result()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            err = err or e
+    if err is not None:
+        raise err
+
+
+def _buf(key: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A per-thread scratch array, reused across calls (grown when needed)."""
+    d = getattr(_TLS, "bufs", None)
+    if d is None:
+        d = _TLS.bufs = {}
+    a = d.get(key)
+    if a is None or a.shape != shape or a.dtype != dtype:
+        a = d[key] = np.empty(shape, dtype)
+    return a
+
+
+def _const(key: str, shape: tuple[int, ...], dtype, value) -> np.ndarray:
+    a = _buf("const:" + key, shape, dtype)
+    if getattr(_TLS, "const_ok", {}).get(key) != (shape, value):
+        a.fill(value)
+        _TLS.__dict__.setdefault("const_ok", {})[key] = (shape, value)
+    return a
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy()
+
+
+# ============================================================================ amax
+_AMAX_CHUNK = 1 << 18
+
+
+def amax(w: torch.Tensor, name: str = "") -> torch.Tensor:
+    """Exact ``max(|w|)`` as a float32 0-d tensor (ModelOpt's ``reduce_amax(w).float()``), computed
+    on the integer bit patterns (no float upcast of the tensor). Raises FormatError if ``w``
+    contains NaN or Inf (the only use of this amax is to quantize ``w``)."""
+    _check_dtype(w, "amax", name)
+    if w.numel() == 0:
+        return torch.zeros((), dtype=torch.float32)
+    if w.device.type != "cpu":
+        bits_t, mask, inf_bits, _ = _BITS[w.dtype]
+        m = (w.detach().reshape(-1).view(bits_t) & mask).max()
+        if int(m) >= inf_bits:
+            raise _nonfinite(name)
+        return m.view(w.dtype).float()
+    bits_t, mask, inf_bits, _ = _BITS[w.dtype]
+    flat = _np(w.reshape(-1).view(bits_t))
+    n = flat.size
+    parts: list[int] = []
+    lock = threading.Lock()
+
+    def chunk(lo: int, hi: int) -> None:
+        b = _buf("amax", (_AMAX_CHUNK,), flat.dtype)[: hi - lo]
+        np.bitwise_and(flat[lo:hi], mask, out=b)
+        m = int(b.max())
+        with lock:
+            parts.append(m)
+
+    _run_chunks(chunk, n, _AMAX_CHUNK)
+    m = max(parts)
+    if m >= inf_bits:
+        raise _nonfinite(name)
+    return torch.tensor(m, dtype=bits_t).view(w.dtype).float()
+
+
+def _as_amax(v, what: str, name: str) -> torch.Tensor:
+    t = torch.as_tensor(v).detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+    if t.numel() != 1:
+        raise FormatError(f"{_where(name)}{what} must be a scalar, got shape {tuple(t.shape)}")
+    t = t.reshape(())
+    if not bool(torch.isfinite(t)) or float(t) < 0:
+        raise FormatError(f"{_where(name)}{what} must be finite and >= 0, got {float(t)}")
+    return t
+
+
+def nvfp4_global_scale(global_amax: torch.Tensor) -> torch.Tensor:
+    """weight_scale_2 = global_amax / (6 * 448), fp32 (ModelOpt ``get_weights_scaling_factor_2``)."""
+    return global_amax.float() / GLOBAL_DIV
+
+
+def nvfp4_input_scale(input_amax) -> torch.Tensor:
+    """input_scale = amax / (6 * 448), fp32 0-d (ModelOpt ``get_activation_scaling_factor``)."""
+    return torch.as_tensor(input_amax, dtype=torch.float32).reshape(()) / GLOBAL_DIV
+
+
+# ============================================================================ the CPU kernel
+_M22 = float(2 ** 22)        # x + 2^22 rounds x to a multiple of 0.5 (half to even) for 0 <= x < 2^22
+_M23H = float(3 * 2 ** 22)   # 1.5 * 2^23: x + M rounds x to an integer for -2^22 <= x < 2^22
+_B22 = 0x4A800000            # bits(2^22)
+_B23H = 0x4B400000           # bits(1.5 * 2^23)
+_NV_CHUNK_BLOCKS = 4096      # 65536 elements per chunk
+
+
+def _e2m1_code_doc() -> None:
+    """Why the CPU kernel's e2m1 rounding equals ModelOpt's ``_cast_fp4``.
+
+    ModelOpt: ``code = searchsorted(bounds, |y|) + [|y| in (0.75, 1.75, 3.5)]``, i.e. the number of
+    bounds strictly below |y|, plus one on an exact odd bound: round half to even on the grid
+    {0, .5, 1, 1.5, 2, 3, 4, 6} with everything above 5 saturating to 6 (code 7).
+    With ``R`` = round half to even to an integer and A = |y| (fp32), the kernel computes::
+
+        code = min(R(2A), 4 + R(min(A - 2, A / 2, 3)))
+
+    * R(2A) is ``bits(A + 2^22) - bits(2^22)``: adding 2^22 leaves a spacing of 0.5, and the FPU
+      rounds the exact sum once, half to even. For A < 2 this is the code (grid spacing 0.5).
+    * For 2 <= A <= 4, A - 2 is exact (Sterbenz) and R(A - 2) + 4 = R(A) + 2 is the code (spacing
+      1; shifting by an even integer keeps the tie parity). For 4 <= A <= 6, A/2 is exact and
+      R(A/2) + 4 is the code (spacing 2, tie at 5 -> 4). min(A - 2, A/2) picks the right one
+      (A - 2 <= A/2 iff A <= 4) and the cap 3 saturates everything above 6 to code 7.
+      R(u) is ``bits(u + 1.5*2^23) - bits(1.5*2^23)`` (spacing 1 for |u| < 2^22).
+    * The min selects R(2A) below 2 (there 4 + R(A - 2) >= R(2A)) and the second term above 2
+      (there R(2A) >= 4 + R(...)). Checked exhaustively over all fp32 in [0, 8] by the tests.
+    """
+
+
+def _nvfp4_cpu(w: torch.Tensor, s2: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed uint8 [numel/2], scale uint8 [numel/16]) for a contiguous CPU weight."""
+    bits_t, _, _, min_exp = _BITS[w.dtype]
+    flat_t = w.reshape(-1)
+    numel = flat_t.numel()
+    nblk = numel // BLOCK_SIZE
+    packed = torch.empty(numel // 2, dtype=torch.uint8)
+    scale = torch.empty(nblk, dtype=torch.uint8)
+    packed_np, scale_np = packed.numpy(), scale.numpy()
+    s2f = np.float32(float(s2))
+    denom = np.float32(E2M1_MAX) * s2f          # torch: E2M1_MAX * weights_scaling_factor_2 (fp32)
+    # fl(|x| / d) is never 0 for x != 0 while d < 2^(150 + log2(smallest subnormal)); above that,
+    # the sign needs the exact test "y < 0" (a negative x whose quotient underflows gives -0.0).
+    d_exact_sign = np.float32(2.0 ** min(127, 150 + min_exp))
+    bf16 = w.dtype == torch.bfloat16
+    src = _np(flat_t.view(torch.int32)) if bf16 else None
+    CB = _NV_CHUNK_BLOCKS
+    H = CB * 8  # half-chunk: elements per plane
+
+    def chunk(b0: int, b1: int) -> None:
+        m = b1 - b0
+        h = m * 8
+        xx = _buf("nv:x", (2, H), np.int32)[:, :h]        # fp32 bits of x: row 0 even, row 1 odd
+        if bf16:
+            v = src[b0 * 8: b1 * 8]
+            np.left_shift(v, 16, out=xx[0])
+            np.bitwise_and(v, -65536, out=xx[1])
+        else:
+            x32 = flat_t[b0 * 16: b1 * 16].float().numpy().view(np.int32)
+            np.copyto(xx[0], x32[0::2])
+            np.copyto(xx[1], x32[1::2])
+        sgn = _buf("nv:sg", (2, H), np.bool_)[:, :h]        # ModelOpt's sign bit: y < 0
+        np.less(xx.view(np.float32), 0, out=sgn)            # (== x < 0 unless y underflows, below)
+        aa = _buf("nv:a", (2, H), np.int32)[:, :h]          # |x| bits, then y = |x| / d
+        np.bitwise_and(xx, 0x7FFFFFFF, out=aa)
+        # block amax bits: max of the two planes, then a strided max tree over each block's 8
+        t4 = _buf("nv:t4", (H // 2,), np.int32)[: h // 2]
+        np.maximum(aa[0, 0::2], aa[0, 1::2], out=t4)
+        t4b = _buf("nv:t4b", (H // 2,), np.int32)[: h // 2]
+        np.maximum(aa[1, 0::2], aa[1, 1::2], out=t4b)
+        np.maximum(t4, t4b, out=t4)
+        t2 = t4b[: h // 4]
+        np.maximum(t4[0::2], t4[1::2], out=t2)
+        bm = np.maximum(t2[0::2], t2[1::2])
+        if int(bm.max()) >= 0x7F800000:
+            raise _nonfinite(name)
+        # --- block scales, as ModelOpt: amax / (6*s2); 0 -> 1; clamp [2^-9, 448]; -> e4m3
+        pbs = bm.view(np.float32)
+        np.divide(pbs, denom, out=pbs)
+        pbs[pbs == 0] = 1.0
+        np.clip(pbs, np.float32(MIN_BLOCK_SCALE), np.float32(E4M3_MAX), out=pbs)
+        s8 = torch.from_numpy(pbs).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        scale_np[b0:b1] = s8
+        d = _E4M3_TO_F32[s8]
+        np.multiply(d, s2f, out=d)                          # fp32(scale) * s2, fp32
+        y = aa.view(np.float32)
+        np.divide(y, np.repeat(d, 8), out=y)                # |x| / d == |x / d| exactly
+        if float(d.max()) >= d_exact_sign:
+            np.logical_and(sgn, y > 0, out=sgn)
+        # --- e2m1 magnitude code (see _e2m1_code_doc)
+        lo = xx.view(np.float32)                            # x no longer needed
+        np.add(y, np.float32(_M22), out=lo)
+        u = _buf("nv:u", (2, H), np.float32)[:, :h]
+        t = _buf("nv:t", (2, H), np.float32)[:, :h]
+        np.subtract(y, np.float32(2.0), out=u)
+        np.multiply(y, np.float32(0.5), out=t)
+        np.minimum(u, t, out=u)
+        np.minimum(u, _const("three", (2, H), np.float32, 3.0)[:, :h], out=u)
+        np.add(u, np.float32(_M23H), out=u)
+        ui = u.view(np.int32)
+        np.add(ui, _B22 + 4 - _B23H, out=ui)
+        code = _buf("nv:code", (2, H), np.uint8)[:, :h]
+        np.minimum(lo.view(np.int32), ui, out=code, casting="unsafe")  # low byte == code
+        # byte shifts on uint16 views: AVX2 has no 8-bit shifts, and no bit crosses a byte here
+        for r in (0, 1):
+            s16 = sgn[r].view(np.uint16)
+            np.left_shift(s16, 3, out=s16)
+        np.bitwise_or(code, sgn.view(np.uint8), out=code)
+        hi = _buf("nv:hi", (H,), np.uint8)[:h]
+        np.left_shift(code[1].view(np.uint16), 4, out=hi.view(np.uint16))
+        np.bitwise_or(code[0], hi, out=packed_np[b0 * 8: b1 * 8])
+
+    _run_chunks(chunk, nblk, CB)
+    return packed, scale
+
+
+# ============================================================================ the torch path
+def _e2m1_codes_torch(y: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's ``_cast_fp4`` on any device: uint8 codes of fp32 ``y`` (searchsorted + tie)."""
+    bounds = E2M1_BOUNDS.to(y.device)
+    sign = (y < 0).to(torch.uint8)
+    a = y.abs()
+    ordv = torch.searchsorted(bounds, a, out_int32=True).to(torch.uint8)
+    tie = ((a == 0.75) | (a == 1.75) | (a == 3.5)).to(torch.uint8)
+    return (sign << 3) + ordv + tie
+
+
+def _nvfp4_torch(w: torch.Tensor, s2: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same numbers with plain torch ops (any device); also the CPU tests' second opinion."""
+    bits_t, mask, inf_bits, _ = _BITS[w.dtype]
+    blocks = w.reshape(-1, BLOCK_SIZE)
+    bm = (blocks.view(bits_t) & mask).amax(dim=1)
+    if blocks.shape[0] and int(bm.max()) >= inf_bits:
+        raise _nonfinite(name)
+    per_block_amax = bm.view(w.dtype).float()
+    s2d = s2.to(w.device)
+    pbs = per_block_amax / (E2M1_MAX * s2d)
+    pbs[pbs == 0] = 1.0
+    scale = pbs.clamp(min=MIN_BLOCK_SCALE, max=E4M3_MAX).to(torch.float8_e4m3fn)
+    y = blocks / (scale.to(torch.float32) * s2d).unsqueeze(-1)
+    codes = _e2m1_codes_torch(y.reshape(-1))
+    return pack_e2m1(codes), scale.view(torch.uint8)
+
+
+# ============================================================================ the format
+class NVFP4(Format):
+    """NVFP4: e2m1 weights, one e4m3 scale per 16 inputs, one fp32 global scale per tensor."""
+
+    name = "nvfp4"
+    quant_algo = "NVFP4"
+    block_size = BLOCK_SIZE
+    # verify's thresholds for y = x @ W^T vs the BF16 source (docs/formats.md "Error statistics"):
+    # measured relative error 0.103-0.108 on Gaussian + outlier weights (max over 40 tensors), cosine
+    # >= 0.9941; set with margin, yet far below a broken scale or nibble order (rel. error ~1).
+    max_rel_error = 0.15
+    min_cosine = 0.985
+
+    def out_specs(self, shape, dtype=torch.bfloat16, activation_scale=True):
+        shape = tuple(shape)
+        _check_shape(shape, BLOCK_SIZE, self.name, "")
+        specs = {
+            "weight": OutSpec((*shape[:-1], shape[-1] // 2), torch.uint8),
+            "weight_scale": OutSpec((*shape[:-1], shape[-1] // BLOCK_SIZE), torch.float8_e4m3fn),
+            "weight_scale_2": OutSpec((), torch.float32),
+        }
+        if activation_scale:
+            specs["input_scale"] = OutSpec((), torch.float32)
+        return specs
+
+    def quantize(self, weight, *, global_amax=None, input_amax=None, name: str = ""):
+        """suffix -> tensor (see the module doc). ``global_amax`` (fp32 scalar) is the amax the
+        global scale is taken from: callers pass ``max(amax(gate), amax(up))`` so that fused
+        gate/up projections share ``weight_scale_2``; None uses this weight's own amax.
+        ``input_amax`` adds ``input_scale`` (W4A4); None writes none (weight-only).
+        Raises FormatError for a last dim not divisible by 16, NaN/Inf, or a bad amax."""
+        _check_dtype(weight, self.name, name)
+        _check_shape(weight.shape, BLOCK_SIZE, self.name, name)
+        w = weight.detach()
+        if not w.is_contiguous():
+            w = w.contiguous()
+        g = amax(w, name) if global_amax is None else _as_amax(global_amax, "global_amax", name)
+        if float(g) == 0.0:
+            # ModelOpt divides 0 by 0 here and writes NaN scales; we write a finite, valid encoding
+            # of an all-zero tensor instead (codes 0, block scales 1.0, weight_scale_2 = 1/2688).
+            if float(amax(w, name)) != 0.0:
+                raise FormatError(f"{_where(name)}global_amax is 0 but the tensor is not all zero")
+            g = torch.ones((), dtype=torch.float32)
+        s2 = nvfp4_global_scale(g)
+        if w.device.type == "cpu":
+            packed, scale = _nvfp4_cpu(w, s2, name)
+        else:
+            packed, scale = _nvfp4_torch(w, s2, name)
+        shape = tuple(w.shape)
+        out = {
+            "weight": packed.reshape(*shape[:-1], shape[-1] // 2),
+            "weight_scale": scale.view(torch.float8_e4m3fn).reshape(*shape[:-1], shape[-1] // BLOCK_SIZE),
+            "weight_scale_2": s2.to(w.device),
+        }
+        if input_amax is not None:
+            ia = _as_amax(input_amax, "input_amax", name)
+            if float(ia) <= 0:
+                raise FormatError(f"{_where(name)}input_amax must be > 0 (ModelOpt asserts a positive "
+                                  f"activation scale), got {float(ia)}")
+            out["input_scale"] = nvfp4_input_scale(ia).to(w.device)
+        return out
+
+    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``e2m1(weight) * (fp32(weight_scale) * weight_scale_2)`` per 16-block, in fp32, then cast
+        to ``dtype`` (ModelOpt ``NVFP4QTensor.dequantize``)."""
+        packed = tensors["weight"]
+        sc = tensors["weight_scale"]
+        s2 = torch.as_tensor(tensors["weight_scale_2"]).to(device=packed.device, dtype=torch.float32)
+        if sc.dtype == torch.uint8:
+            sc = sc.view(torch.float8_e4m3fn)
+        k = packed.shape[-1] * 2
+        if sc.shape[-1] * BLOCK_SIZE != k or sc.shape[:-1] != packed.shape[:-1]:
+            raise FormatError(f"nvfp4 dequantize: weight {tuple(packed.shape)} and weight_scale "
+                              f"{tuple(sc.shape)} do not match")
+        per_block = sc.to(torch.float32) * s2.reshape(-1)[0] if s2.numel() == 1 else \
+            sc.to(torch.float32) * s2.reshape(*s2.shape, *([1] * (sc.dim() - s2.dim())))
+        vals = E2M1_VALUES.to(packed.device)[unpack_e2m1(packed).long()]
+        deq = vals.view(*vals.shape[:-1], -1, BLOCK_SIZE) * per_block.unsqueeze(-1)
+        return deq.reshape(*packed.shape[:-1], k).to(dtype)
+
+    def layer_config(self, weight_only: bool = False) -> dict:
+        return {"quant_algo": "W4A16_NVFP4" if weight_only else "NVFP4", "group_size": BLOCK_SIZE}

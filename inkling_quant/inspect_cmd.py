@@ -1,0 +1,230 @@
+"""Summarize a checkpoint from its safetensors headers alone: parts, number formats per layer
+range, bytes, whether the DSpark draft is there. No tensor byte is read: the index, the
+config files and each shard's JSON header are all this command opens, so it takes seconds on
+a multi-hundred-GB checkpoint. Each module's format is recognized by asking every format in
+`formats` which tensors (suffixes, shapes, dtypes) it would write for the module's source
+shape (from config.json); nothing about a format is re-derived here.
+
+Exit status 0, or 1 when a tensor is outside the layout or matches no format (listed)."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import InklingQuantError
+from .formats import FORMATS
+from .io.checkpoint import Checkpoint, read_json
+from .io.safetensors import TensorEntry
+from .layout import QUANT_SUFFIXES, ModelConfig, TensorName, classify, expert_shape, source_spec
+
+WEIGHT_SUFFIXES = ("weight",) + QUANT_SUFFIXES
+UNRECOGNIZED = "unrecognized"
+SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass
+class Summary:
+    root: str
+    shards: int
+    file_bytes: int
+    tensors: int
+    quant_algo: str | None
+    parts: dict[str, dict] = field(default_factory=dict)        # part -> tensors, params, bytes, formats
+    expert_layers: list[dict] = field(default_factory=list)     # ranges of layers with one expert format
+    draft: dict = field(default_factory=dict)
+    unknown: list[str] = field(default_factory=list)            # names outside the layout
+    unrecognized: list[str] = field(default_factory=list)       # modules no format would write
+
+    @property
+    def ok(self) -> bool:
+        return not self.unknown and not self.unrecognized
+
+    def to_dict(self) -> dict:
+        return {"checkpoint": self.root, "shards": self.shards, "file_bytes": self.file_bytes,
+                "tensors": self.tensors, "quant_algo": self.quant_algo, "parts": self.parts,
+                "expert_layers": self.expert_layers, "draft": self.draft,
+                "unknown_tensors": self.unknown, "unrecognized_modules": self.unrecognized}
+
+
+class FormatDetector:
+    """Which format (and whether it carries an activation scale) writes exactly `observed`."""
+
+    def __init__(self):
+        self._cache: dict[tuple, tuple[str, bool | None]] = {}
+
+    def __call__(self, source_shape: tuple[int, ...], source_dtype, observed: dict[str, TensorEntry]):
+        sig = tuple(sorted((k, e.shape, e.dtype) for k, e in observed.items()))
+        key = (source_shape, source_dtype, sig)
+        if key not in self._cache:
+            self._cache[key] = self._detect(source_shape, source_dtype, sig)
+        return self._cache[key]
+
+    @staticmethod
+    def _detect(shape, dtype, sig) -> tuple[str, bool | None]:
+        for fmt in FORMATS.values():
+            for act in (True, False):
+                try:
+                    specs = fmt.out_specs(shape, dtype, activation_scale=act)
+                except (InklingQuantError, ValueError):
+                    break  # the format cannot represent this shape
+                if tuple(sorted((k, tuple(o.shape), o.dtype) for k, o in specs.items())) == sig:
+                    return fmt.name, (act if fmt.quant_algo else None)
+        return UNRECOGNIZED, None
+
+
+def _source_of(cfg: ModelConfig, t: TensorName, module: str, observed: dict[str, TensorEntry]):
+    """(shape, dtype) of the source weight a module's tensors were made from. A float weight as
+    stored is its own source dtype (sources may be BF16, FP16 or FP32)."""
+    shape = expert_shape(cfg, t.projection) if t.is_expert else source_spec(cfg, module + ".weight").shape
+    w = observed.get("weight")
+    dtype = w.dtype if w is not None and w.dtype in SOURCE_DTYPES else torch.bfloat16
+    return shape, dtype
+
+
+def _quant_algo(root: Path, cfg: ModelConfig) -> str | None:
+    q = cfg.raw.get("quantization_config")
+    if isinstance(q, dict):
+        return q.get("quant_algo") or (q.get("quantization") or {}).get("quant_algo") or q.get("quant_method")
+    hf = root / "hf_quant_config.json"
+    if hf.is_file():
+        return (read_json(hf, "hf_quant_config.json").get("quantization") or {}).get("quant_algo")
+    return None
+
+
+def summarize(root: str | Path) -> Summary:
+    """Read the index, config.json and every shard header (never tensor data) and summarize."""
+    root = Path(root)
+    ckpt = Checkpoint.open(root)
+    cfg = ModelConfig.load(root / "config.json")
+    headers = ckpt.headers()
+    entries = [e for h in headers.values() for e in h.tensors.values()]
+    s = Summary(str(root), len(headers), sum(h.file_size for h in headers.values()), len(entries),
+                _quant_algo(root, cfg))
+
+    # group the weight-family tensors of each module; everything else stands alone
+    modules: dict[str, dict[str, TensorEntry]] = defaultdict(dict)
+    names: dict[str, TensorName] = {}
+    singles: list[tuple[TensorName, TensorEntry]] = []
+    for e in entries:
+        try:
+            t = classify(e.name)
+        except InklingQuantError:
+            s.unknown.append(e.name)
+            continue
+        if t.suffix in WEIGHT_SUFFIXES:
+            modules[t.module][t.suffix] = e
+            names.setdefault(t.module, t)
+        else:
+            singles.append((t, e))
+
+    parts: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "params": 0, "bytes": 0,
+                                                  "formats": defaultdict(int)})
+    detect = FormatDetector()
+    expert_fmt: dict[int, set[str]] = defaultdict(set)
+    expert_ids: dict[int, set[int]] = defaultdict(set)
+    for module, observed in modules.items():
+        t = names[module]
+        try:
+            shape, dtype = _source_of(cfg, t, module, observed)
+        except InklingQuantError:
+            fmt, act, shape = UNRECOGNIZED, None, None
+        else:
+            fmt, act = detect(tuple(shape), dtype, observed)
+        label = fmt if act is None else f"{fmt}{'' if act else ' (weight-only)'}"
+        if fmt == UNRECOGNIZED:
+            found = ", ".join(f"{k} {e.dtype} {list(e.shape)}" for k, e in sorted(observed.items()))
+            s.unrecognized.append(f"{module} ({found})")
+        nbytes = sum(e.nbytes for e in observed.values())
+        p = parts[t.part]
+        p["tensors"] += len(observed)
+        p["bytes"] += nbytes
+        p["params"] += math.prod(shape) if shape is not None else 0
+        p["formats"][label] += nbytes
+        if t.is_expert:
+            expert_fmt[t.layer].add(label)
+            expert_ids[t.layer].add(t.expert)
+    for t, e in singles:
+        p = parts[t.part]
+        p["tensors"] += 1
+        p["bytes"] += e.nbytes
+        p["params"] += math.prod(e.shape)
+        p["formats"]["passthrough"] += e.nbytes
+
+    s.parts = {k: {**v, "formats": dict(v["formats"])} for k, v in
+               sorted(parts.items(), key=lambda kv: -kv[1]["bytes"])}
+    s.expert_layers = _ranges({i: (" + ".join(sorted(f)), len(expert_ids[i])) for i, f in expert_fmt.items()})
+    d = s.parts.get("draft")
+    s.draft = {"present": d is not None, "tensors": d["tensors"] if d else 0, "bytes": d["bytes"] if d else 0,
+               "expected_by_config": cfg.draft is not None}
+    return s
+
+
+def _ranges(per_layer: dict[int, tuple[str, int]]) -> list[dict]:
+    """Consecutive layers with the same (format, expert count) merged into one range."""
+    out: list[dict] = []
+    for i in sorted(per_layer):
+        fmt, n = per_layer[i]
+        if out and out[-1]["format"] == fmt and out[-1]["experts"] == n and out[-1]["last"] == i - 1:
+            out[-1]["last"] = i
+        else:
+            out.append({"first": i, "last": i, "format": fmt, "experts": n})
+    return out
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def render(s: Summary) -> str:
+    out = [f"{s.root}: {s.tensors:,} tensors in {s.shards} shard(s), {_size(s.file_bytes)}"
+           + (f", quant_algo {s.quant_algo}" if s.quant_algo else ", no quantization_config")]
+    out.append("")
+    hdr = f"{'part':<12} {'tensors':>8} {'params':>15} {'bytes':>10}  formats"
+    out += [hdr, "-" * len(hdr)]
+    for part, p in s.parts.items():
+        fm = ", ".join(f"{f} {_size(b)}" for f, b in sorted(p["formats"].items()))
+        out.append(f"{part:<12} {p['tensors']:>8,} {p['params']:>15,} {_size(p['bytes']):>10}  {fm}")
+    out.append("")
+    if s.expert_layers:
+        out.append("routed experts:")
+        for r in s.expert_layers:
+            span = f"{r['first']}" if r["first"] == r["last"] else f"{r['first']}-{r['last']}"
+            out.append(f"  layers {span:<7} {r['format']} ({r['experts']} experts per layer)")
+    else:
+        out.append("routed experts: none")
+    d = s.draft
+    out.append("DSpark draft: " + (f"present, {d['tensors']} tensors, {_size(d['bytes'])}" if d["present"]
+                                  else "absent" + (" (config.json has a dspark_config)" if d["expected_by_config"]
+                                                   else "")))
+    for what, items in (("tensor(s) outside the layout", s.unknown),
+                        ("module(s) no format would write", s.unrecognized)):
+        if items:
+            out.append(f"{len(items)} {what}: " + "; ".join(items[:5]) + (" ..." if len(items) > 5 else ""))
+    return "\n".join(out)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a local checkpoint directory")
+    p.add_argument("--json", metavar="FILE", help="also write the summary as JSON ('-' for stdout only)")
+
+
+def run(args) -> int:
+    s = summarize(args.checkpoint)
+    if args.json == "-":
+        json.dump(s.to_dict(), sys.stdout, indent=2)
+        print()
+    else:
+        print(render(s))
+        if args.json:
+            Path(args.json).write_text(json.dumps(s.to_dict(), indent=2) + "\n")
+    return 0 if s.ok else 1

@@ -1,0 +1,135 @@
+"""A Hugging Face checkpoint directory: its index, its shards, its other files.
+
+File names come from untrusted index files, so every one is checked to stay inside the
+directory (no separators, no `..`, no absolute paths, no symlink leaving it)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CheckpointError, UnsafePathError
+from .safetensors import Header, read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MAX_JSON_BYTES = 64 << 20
+
+
+def safe_child(root: Path, name: str, what: str = "file") -> Path:
+    """root/name, refusing names that could leave root."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
+            or "\0" in name or os.path.isabs(name):
+        raise UnsafePathError(f"{root}: refusing {what} name {name!r}: must be a plain file name inside the checkpoint")
+    path = root / name
+    if path.is_symlink():
+        target = path.resolve()
+        if not target.is_relative_to(root.resolve()):
+            raise UnsafePathError(f"{path}: symlink points outside the checkpoint ({target})")
+    return path
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{path}: {what} larger than {MAX_JSON_BYTES} bytes")
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {what} not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: {what} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: {what} must be a JSON object")
+    return obj
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class Checkpoint:
+    """A local checkpoint directory, its weight map validated against the shard headers."""
+
+    root: Path
+    weight_map: dict[str, str]   # tensor -> shard file name
+    shards: list[str]            # in index order of first appearance
+    metadata: dict
+
+    @classmethod
+    def open(cls, root: str | Path) -> "Checkpoint":
+        root = Path(root)
+        if not root.is_dir():
+            raise CheckpointError(f"{root}: not a checkpoint directory")
+        index = root / INDEX_NAME
+        if index.exists():
+            obj = read_json(index, "index")
+            wm = obj.get("weight_map")
+            if not isinstance(wm, dict) or not wm:
+                raise CheckpointError(f"{index}: 'weight_map' must be a non-empty object")
+            for name, fname in wm.items():
+                if not isinstance(fname, str):
+                    raise CheckpointError(f"{index}: tensor {name!r} maps to non-string {fname!r}")
+                safe_child(root, fname, f"shard (for tensor {name!r})")
+            shards = list(dict.fromkeys(wm.values()))
+            meta = obj.get("metadata") or {}
+        elif (root / SINGLE_NAME).exists():
+            h = read_header(root / SINGLE_NAME)
+            wm = {n: SINGLE_NAME for n in h.tensors}
+            shards, meta = [SINGLE_NAME], {}
+        else:
+            raise CheckpointError(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+        for s in shards:
+            if not (root / s).is_file():
+                raise CheckpointError(f"{root / s}: shard named in the index does not exist")
+        return cls(root, dict(wm), shards, meta)
+
+    def header(self, shard: str) -> Header:
+        return read_header(safe_child(self.root, shard, "shard"))
+
+    def headers(self) -> dict[str, Header]:
+        """Every shard's header, cross-checked against the index (each tensor exactly once)."""
+        out = {s: self.header(s) for s in self.shards}
+        for s, h in out.items():
+            for name in h.tensors:
+                owner = self.weight_map.get(name)
+                if owner is None:
+                    raise CheckpointError(f"{self.root / s}: tensor {name!r} is not in the index")
+                if owner != s:
+                    raise CheckpointError(f"{self.root / s}: tensor {name!r} is indexed under {owner}")
+        for name, s in self.weight_map.items():
+            if name not in out[s].tensors:
+                raise CheckpointError(f"{self.root / s}: index lists tensor {name!r}, the shard lacks it")
+        return out
+
+    def other_files(self) -> list[Path]:
+        """Non-weight files to carry over unchanged (tokenizer, chat template, configs...)."""
+        skip = {INDEX_NAME, "config.json", "hf_quant_config.json", "checksums.sha256"}
+        out = []
+        for p in sorted(self.root.iterdir()):
+            if p.name.startswith(".") or p.name in skip or p.name.endswith((".safetensors", ".partial")):
+                continue
+            if p.is_file():
+                safe_child(self.root, p.name)
+                out.append(p)
+        return out
+
+
+def copy_file_atomic(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(dst.name + ".partial")
+    shutil.copyfile(src, tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, dst)
+
+
+def shard_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"

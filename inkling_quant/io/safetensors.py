@@ -1,0 +1,255 @@
+"""safetensors, read and written one tensor at a time.
+
+We parse and validate headers ourselves (the format is a paragraph: an 8-byte little-endian
+header length, a JSON header of {name: {dtype, shape, data_offsets}}, then the bytes) so every
+defect is reported with its file and tensor. Tensor bytes are read with `os.pread` into a
+buffer the caller may reuse, not through `safetensors.safe_open`: safe_open mmaps the whole
+file, and the touched pages of a mapped shard count toward the process's RSS, so memory would
+grow with the shard instead of the tensor. The `safetensors` library has no streaming writer
+(it serializes a whole dict at once), so `ShardWriter` writes the header first and then each
+tensor as it is produced, hashing on the way, under a temporary name renamed when complete.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from ..errors import CheckpointError
+
+MAX_HEADER_BYTES = 100_000_000  # the cap safetensors itself applies
+
+DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64,
+    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute file offsets
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class Header:
+    path: Path
+    tensors: dict[str, TensorEntry]  # in file order
+    metadata: dict[str, str]
+    data_start: int
+    file_size: int
+
+
+def read_header(path: str | Path) -> Header:
+    """Read and validate a safetensors header; raise CheckpointError naming file and tensor."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{path}: truncated: {size} bytes, no safetensors header")
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte cap")
+            if 8 + n > size:
+                raise CheckpointError(f"{path}: truncated: header claims {n} bytes, file has {size}")
+            blob = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        obj = json.loads(blob.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: header is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object")
+    metadata = obj.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
+    data_start = 8 + n
+    entries = []
+    for name, e in obj.items():
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+            raise CheckpointError(f"{where}: entry must have exactly dtype, shape, data_offsets")
+        dtype = DTYPES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
+        if dtype is None:
+            raise CheckpointError(f"{where}: unknown dtype {e['dtype']!r}")
+        shape, offs = e["shape"], e["data_offsets"]
+        if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
+            raise CheckpointError(f"{where}: shape must be a list of non-negative integers")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int and o >= 0 for o in offs)
+                and offs[0] <= offs[1]):
+            raise CheckpointError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end")
+        expected = math.prod(shape) * dtype.itemsize
+        if offs[1] - offs[0] != expected:
+            raise CheckpointError(f"{where}: {offs[1] - offs[0]} bytes for dtype {e['dtype']} "
+                                  f"shape {shape} (expected {expected})")
+        entries.append(TensorEntry(name, dtype, tuple(shape), data_start + offs[0], data_start + offs[1]))
+    entries.sort(key=lambda t: (t.begin, t.end))
+    pos = data_start
+    for t in entries:
+        if t.begin != pos:
+            kind = "overlaps the previous tensor" if t.begin < pos else "leaves a gap before it"
+            raise CheckpointError(f"{path}: tensor {t.name!r} at offset {t.begin - data_start} {kind}")
+        pos = t.end
+    if pos != size:
+        what = "truncated" if pos > size else "has trailing bytes"
+        last = entries[-1].name if entries else "(none)"
+        raise CheckpointError(f"{path}: {what}: tensors end at byte {pos}, file has {size} "
+                              f"(last tensor {last!r})")
+    return Header(path, {t.name: t for t in entries}, metadata, data_start, size)
+
+
+class ShardReader:
+    """Reads tensors of one shard by name with pread, into fresh or reused memory."""
+
+    def __init__(self, path: str | Path, header: Header | None = None):
+        self.header = header or read_header(path)
+        self.path = self.header.path
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def read_bytes(self, entry: TensorEntry, out: memoryview | None = None) -> memoryview:
+        buf = out if out is not None else memoryview(bytearray(entry.nbytes))
+        got, want = 0, entry.nbytes
+        while got < want:
+            n = os.preadv(self._fd, [buf[got:want]], entry.begin + got)
+            if n == 0:
+                raise CheckpointError(f"{self.path}: tensor {entry.name!r}: file ended while reading "
+                                      f"(truncated after the header was read?)")
+            got += n
+        return buf[:want]
+
+    def get(self, name: str, buffer: "TensorBuffer | None" = None) -> torch.Tensor:
+        """The tensor `name`. With `buffer`, its memory is reused (valid until the next get)."""
+        try:
+            entry = self.header.tensors[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: no tensor {name!r} in this shard") from None
+        if entry.nbytes == 0:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        mv = self.read_bytes(entry, buffer.view(entry.nbytes) if buffer is not None else None)
+        return torch.frombuffer(mv, dtype=entry.dtype).reshape(entry.shape)
+
+
+class TensorBuffer:
+    """A growable byte buffer reused across reads so steady-state reading allocates nothing."""
+
+    def __init__(self):
+        self._buf = bytearray(0)
+
+    def view(self, nbytes: int) -> memoryview:
+        if len(self._buf) < nbytes:
+            self._buf = bytearray(nbytes)
+        return memoryview(self._buf)[:nbytes]
+
+
+def _header_bytes(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None):
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    order = []
+    for name, dtype, shape in specs:
+        if name in header:
+            raise CheckpointError(f"duplicate tensor {name!r} in one output shard")
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        order.append((name, dtype, tuple(shape), nbytes))
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # align the data section to 8 bytes, as safetensors does
+    return struct.pack("<Q", len(blob)) + blob, order, offset
+
+
+class ShardWriter:
+    """Streams one safetensors file: the header is written from the declared specs, then each
+    tensor in declared order. The file lives under `<name>.partial` until `commit()` fsyncs and
+    renames it; `abort()` (or an exception inside `with`) removes it. sha256 is computed on the
+    way so nothing is read back."""
+
+    def __init__(self, path: str | Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self.tmp = self.path.with_name(self.path.name + ".partial")
+        head, self._order, self.data_bytes = _header_bytes(specs, metadata)
+        self._next = 0
+        self._hash = hashlib.sha256()
+        self._f = open(self.tmp, "wb")
+        self._write(head)
+        self.nbytes = len(head) + self.data_bytes
+
+    def _write(self, b) -> None:
+        self._f.write(b)
+        self._hash.update(b)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next >= len(self._order):
+            raise CheckpointError(f"{self.path}: tensor {name!r} was not declared")
+        want, dtype, shape, nbytes = self._order[self._next]
+        if name != want or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise CheckpointError(f"{self.path}: got {name!r} {tensor.dtype} {tuple(tensor.shape)}, "
+                                  f"declared {want!r} {dtype} {shape}")
+        t = tensor.contiguous()
+        if nbytes:
+            self._write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        self._next += 1
+
+    def commit(self) -> str:
+        """Finish, fsync, rename into place; return the file's sha256 hex digest."""
+        if self._next != len(self._order):
+            missing = self._order[self._next][0]
+            raise CheckpointError(f"{self.path}: closed before tensor {missing!r} was written")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self.tmp, self.path)
+        return self._hash.hexdigest()
+
+    def abort(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+        self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *rest):
+        if exc_type is not None:
+            self.abort()
+
+
+def sha256_file(path: str | Path, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(chunk)
+    mv = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(mv[:n])
+    return h.hexdigest()

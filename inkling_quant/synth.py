@@ -1,0 +1,182 @@
+"""Write a synthetic Inkling-2-Small-shaped BF16 checkpoint from the layout spec.
+
+Presets: `tiny` keeps all 48 layers with toy dimensions (seconds to make, for tests and the
+demo); `bench` keeps the reference config's real expert and attention shapes with fewer layers
+and experts (and a small vocabulary and vision/draft depth, since those pass through), so
+benchmarks see real tensor sizes. Values are deterministic per (seed, tensor name): a scaled
+Gaussian with a few outlier rows and outlier elements, as trained weights have. Generation
+streams: one tensor in memory at a time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import zlib
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .errors import UsageError
+from .io.checkpoint import INDEX_NAME, shard_name, write_json_atomic
+from .io.safetensors import ShardWriter
+from .layout import REFERENCE_CONFIG, ModelConfig, TensorSpec, classify, expected_tensors
+
+FILES = Path(__file__).parent / "configs" / "files"  # tokenizer, chat template, ... (tiny stand-ins)
+
+PRESETS: dict[str, dict] = {
+    "tiny": {
+        "vocab_size": 512, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "full_attention_num_key_value_heads": 2, "full_attention_head_dim": 32,
+        "sliding_window": 128, "relative_attention_num_buckets": 8, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 96, "max_position_embeddings": 4096,
+        "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
+                          "in_channels": 3, "spatial_merge_size": 2, "out_hidden_size": 64},
+        "dspark_config": {"num_hidden_layers": 5, "hidden_size": 64, "intermediate_size": 128,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                          "num_speculative_tokens": 7, "num_target_hidden_states": 3,
+                          "markov_head": {"type": "rnn", "hidden_size": 64}},
+        "max_shard_bytes": 1 << 20,
+    },
+    "bench": {
+        "num_hidden_layers": 6, "num_experts": 4, "vocab_size": 16384,
+        "vision_config": {"depth": 1}, "dspark_config": {"num_hidden_layers": 1, "intermediate_size": 3488},
+        "max_shard_bytes": 1 << 30,
+    },
+}
+
+
+def make_config(preset: str, layers: int | None = None, experts: int | None = None) -> dict:
+    if preset not in PRESETS:
+        raise UsageError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    cfg = json.loads(REFERENCE_CONFIG.read_text())
+    for k, v in PRESETS[preset].items():
+        if k == "max_shard_bytes":
+            continue
+        if isinstance(v, dict):
+            cfg[k] = {**cfg[k], **v}
+        else:
+            cfg[k] = v
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    if experts is not None:
+        cfg["num_experts"] = experts
+        cfg["num_experts_per_tok"] = min(cfg["num_experts_per_tok"], experts)
+    n = cfg["num_hidden_layers"]
+    if n < 1 or cfg["num_experts"] < 1:
+        raise UsageError("--layers and --experts must be at least 1")
+    cfg["layer_types"] = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(n)]
+    return cfg
+
+
+def synth_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
+    """Deterministic realistic values for one tensor, independent of generation order."""
+    g = torch.Generator().manual_seed((zlib.crc32(spec.name.encode()) << 16) ^ seed)
+    t = classify(spec.name)
+    if t.part == "norm" or t.projection in ("norm1", "norm2", "merger.ln_q", "input_layernorm",
+                                            "post_attention_layernorm", "norm"):
+        x = 1.0 + 0.05 * torch.randn(spec.shape, generator=g)
+    elif len(spec.shape) == 1:
+        x = 0.02 * torch.randn(spec.shape, generator=g)
+    else:
+        fan_in = 1
+        for s in spec.shape[1:]:
+            fan_in *= s
+        x = torch.randn(spec.shape, generator=g).mul_(fan_in ** -0.5)
+        rows = x.reshape(spec.shape[0], -1)
+        n_out_rows = max(1, spec.shape[0] // 100)  # ~1% outlier rows, x8
+        idx = torch.randint(0, spec.shape[0], (n_out_rows,), generator=g)
+        rows[idx] *= 8.0
+        n_spikes = max(1, rows.numel() // 50_000)  # rare single-element spikes, x40
+        flat = rows.reshape(-1)
+        flat[torch.randint(0, flat.numel(), (n_spikes,), generator=g)] *= 40.0
+    return x.to(spec.dtype)
+
+
+def plan_shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for s in specs:
+        if shards[-1] and size + s.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(s)
+        size += s.nbytes
+    return shards
+
+
+def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, layers: int | None = None,
+                     experts: int | None = None, max_shard_bytes: int | None = None,
+                     progress: bool = False, overwrite: bool = False) -> Path:
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise UsageError(f"{out}: exists and is not empty (pass --overwrite)")
+        shutil.rmtree(out)
+    cfg_dict = make_config(preset, layers, experts)
+    cfg = ModelConfig.from_dict(cfg_dict, f"preset {preset}")
+    specs = list(expected_tensors(cfg))
+    shards = plan_shards(specs, max_shard_bytes or PRESETS[preset]["max_shard_bytes"])
+    # Build in a sibling temp dir, rename at the end: a killed synth leaves nothing that looks complete.
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weight_map = {}
+    total = sum(s.nbytes for s in specs)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="synth", disable=not progress) as bar:
+        for i, shard in enumerate(shards):
+            name = shard_name(i, len(shards))
+            w = ShardWriter(tmp / name, [(s.name, s.dtype, s.shape) for s in shard], {"format": "pt"})
+            with w:
+                for s in shard:
+                    w.write(s.name, synth_tensor(s, seed))
+                    weight_map[s.name] = name
+                    bar.update(s.nbytes)
+                w.commit()
+    write_json_atomic(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_json_atomic(tmp / "config.json", cfg_dict)
+    for f in sorted(FILES.iterdir()):
+        shutil.copyfile(f, tmp / f.name)
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    os.replace(tmp, out)
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out", help="output directory")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=int, help="number of decoder layers (default: the preset's)")
+    p.add_argument("--experts", type=int, help="routed experts per layer (default: the preset's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-shard-size", type=_size, help="e.g. 1MB, 5GB (default: the preset's)")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+
+
+def _size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = text.strip().upper()
+    for u, m in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(u):
+            try:
+                return int(float(t[: -len(u)]) * m)
+            except ValueError:
+                break
+    try:
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MB)") from None
+
+
+parse_size = _size
+
+
+def run(args) -> int:
+    out = write_checkpoint(args.out, args.preset, args.seed, args.layers, args.experts,
+                           args.max_shard_size, progress=not args.quiet, overwrite=args.overwrite)
+    if not args.quiet:
+        print(f"wrote {out}")
+    return 0

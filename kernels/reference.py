@@ -1,0 +1,124 @@
+"""Plain-torch reference for the dequant GEMMs: the test oracle and the fallback when Triton
+cannot run. Dequantization is delegated to inkling_quant.formats (the single source of truth for
+the bits); the product is ``x.float() @ W.T`` in fp32 and the result is fp32.
+
+The ``*_w4a4`` / ``*_w8a8`` variants model the sm100 ``tl.dot_scaled`` path, which also quantizes
+the activations on the fly: they fake-quantize x with the same format (quantize + dequantize via
+inkling_quant.formats) and then run the weight-only reference.
+"""
+from __future__ import annotations
+
+import torch
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+
+
+def _fmt(name: str):
+    from inkling_quant.formats import FORMATS  # lazy: keeps `import inkling_quant.kernels` light
+
+    return FORMATS[name]
+
+
+# --- dequantization (formats) -------------------------------------------------------------------
+def dequantize_nvfp4(w_packed: torch.Tensor, w_scale: torch.Tensor, w_scale_2: torch.Tensor) -> torch.Tensor:
+    """fp32 W [.., N, K] from weight uint8 [.., N, K/2], weight_scale e4m3 [.., N, K/16] and
+    weight_scale_2 fp32 (scalar)."""
+    return _fmt("nvfp4").dequantize(
+        {"weight": w_packed, "weight_scale": w_scale, "weight_scale_2": w_scale_2}, torch.float32)
+
+
+def dequantize_mxfp8(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """fp32 W [.., N, K] from weight e4m3 [.., N, K] and weight_scale uint8 e8m0 [.., N, K/32]."""
+    return _fmt("mxfp8").dequantize({"weight": w, "weight_scale": w_scale}, torch.float32)
+
+
+# --- dense -----------------------------------------------------------------------------------------
+def matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The reference's own definition: fp32 ``x @ W^T`` with W already dequantized."""
+    return x.float() @ w.float().T
+
+
+def nvfp4_gemm(x, w_packed, w_scale, w_scale_2) -> torch.Tensor:
+    return matmul_ref(x, dequantize_nvfp4(w_packed, w_scale, w_scale_2))
+
+
+def mxfp8_gemm(x, w, w_scale) -> torch.Tensor:
+    return matmul_ref(x, dequantize_mxfp8(w, w_scale))
+
+
+# --- grouped (per-expert loop) --------------------------------------------------------------------
+def _offsets(expert_offsets: torch.Tensor) -> list[int]:
+    return [int(v) for v in expert_offsets.detach().cpu().tolist()]
+
+
+def nvfp4_grouped_gemm(x, w_packed, w_scale, w_scale_2, expert_offsets) -> torch.Tensor:
+    """Loop over experts: rows offsets[e]:offsets[e+1] of x times expert e's weight."""
+    offs = _offsets(expert_offsets)
+    s2 = w_scale_2.reshape(-1)
+    y = torch.zeros(x.shape[0], w_packed.shape[-2], dtype=torch.float32, device=x.device)
+    for e in range(len(offs) - 1):
+        if offs[e + 1] > offs[e]:
+            y[offs[e]:offs[e + 1]] = nvfp4_gemm(x[offs[e]:offs[e + 1]], w_packed[e], w_scale[e], s2[e])
+    return y
+
+
+def mxfp8_grouped_gemm(x, w, w_scale, expert_offsets) -> torch.Tensor:
+    offs = _offsets(expert_offsets)
+    y = torch.zeros(x.shape[0], w.shape[-2], dtype=torch.float32, device=x.device)
+    for e in range(len(offs) - 1):
+        if offs[e + 1] > offs[e]:
+            y[offs[e]:offs[e + 1]] = mxfp8_gemm(x[offs[e]:offs[e + 1]], w[e], w_scale[e])
+    return y
+
+
+# --- activation quantization (model of the sm100 path) -------------------------------------------
+def nvfp4_activation_amax(x: torch.Tensor, input_scale=None) -> torch.Tensor:
+    """The amax an NVFP4 activation scale is derived from (fp32 0-d): amax(x) (dynamic), or
+    ``input_scale * 6 * 448`` for a checkpoint's static input_scale."""
+    if input_scale is None:
+        return x.detach().abs().amax().float()
+    return torch.as_tensor(input_scale, dtype=torch.float32, device=x.device).reshape(()) * (E2M1_MAX * E4M3_MAX)
+
+
+def nvfp4_activation_scale(x: torch.Tensor, input_scale=None) -> torch.Tensor:
+    """Per-tensor NVFP4 activation scale the sm100 kernel uses, fp32 0-d: amax / (6*448), the
+    same expression inkling_quant.formats' NVFP4 uses for weight_scale_2 (a test checks they are
+    bit-equal), 1.0 for an all-zero x. No host sync."""
+    amax = nvfp4_activation_amax(x, input_scale)
+    s = amax / (E2M1_MAX * E4M3_MAX)
+    return torch.where(amax > 0, s, torch.ones_like(s))
+
+
+def fake_quant_nvfp4_activations(x: torch.Tensor, input_scale=None) -> torch.Tensor:
+    """x -> dequant(quant_nvfp4(x)) in fp32 via inkling_quant.formats: per-16 blocks along K
+    under one per-tensor scale derived from ``nvfp4_activation_amax`` (dynamic amax(x) when
+    input_scale is None)."""
+    amax = nvfp4_activation_amax(x, input_scale)
+    if not bool(amax > 0):
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    fmt = _fmt("nvfp4")
+    return fmt.dequantize(fmt.quantize(x.to(torch.bfloat16), global_amax=amax), torch.float32)
+
+
+def fake_quant_mxfp8_activations(x: torch.Tensor) -> torch.Tensor:
+    fmt = _fmt("mxfp8")
+    return fmt.dequantize(fmt.quantize(x.to(torch.bfloat16)), torch.float32)
+
+
+def nvfp4_w4a4_gemm(x, w_packed, w_scale, w_scale_2, input_scale=None) -> torch.Tensor:
+    return nvfp4_gemm(fake_quant_nvfp4_activations(x, input_scale), w_packed, w_scale, w_scale_2)
+
+
+def mxfp8_w8a8_gemm(x, w, w_scale) -> torch.Tensor:
+    return mxfp8_gemm(fake_quant_mxfp8_activations(x), w, w_scale)
+
+
+def nvfp4_w4a4_grouped_gemm(x, w_packed, w_scale, w_scale_2, expert_offsets, input_scale=None):
+    """One activation scale over the whole launch (all experts), as the kernel does."""
+    return nvfp4_grouped_gemm(fake_quant_nvfp4_activations(x, input_scale), w_packed, w_scale,
+                              w_scale_2, expert_offsets)
+
+
+def mxfp8_w8a8_grouped_gemm(x, w, w_scale, expert_offsets):
+    return mxfp8_grouped_gemm(fake_quant_mxfp8_activations(x), w, w_scale, expert_offsets)

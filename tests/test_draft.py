@@ -1,0 +1,266 @@
+"""inkling-quant draft extract / strip on tiny synthetic checkpoints."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from inkling_quant import cli, draft
+from inkling_quant.errors import CheckpointError, ConfigError, InklingQuantError, UsageError
+from inkling_quant.io.checkpoint import INDEX_NAME, Checkpoint
+from inkling_quant.io.safetensors import ShardReader, sha256_file
+from inkling_quant.layout import ModelConfig, draft_tensors, expected_tensors
+from inkling_quant.synth import write_checkpoint
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    """The tiny preset: 10 shards of 1 MiB; the draft spans a mixed shard and a draft-only one."""
+    return write_checkpoint(tmp_path_factory.mktemp("draft") / "src", "tiny")
+
+
+@pytest.fixture(scope="module")
+def extracted(src, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("draft") / "extracted"
+    draft.extract(src, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stripped(src, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("draft") / "stripped"
+    draft.strip(src, out)
+    return out
+
+
+def tensor_bytes(root: Path) -> dict[str, tuple[str, tuple, bytes]]:
+    """{name: (dtype, shape, raw bytes)} of a whole checkpoint, read through its (validated) index."""
+    ckpt = Checkpoint.open(root)
+    out = {}
+    for shard, h in ckpt.headers().items():
+        with ShardReader(root / shard, h) as r:
+            for name, e in h.tensors.items():
+                out[name] = (str(e.dtype), e.shape, bytes(r.read_bytes(e)))
+    return out
+
+
+def copy_ckpt(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)  # real copies: the tests below damage them
+    return dst
+
+
+def edit_config(root: Path, fn) -> None:
+    p = root / "config.json"
+    d = json.loads(p.read_text())
+    fn(d)
+    p.write_text(json.dumps(d))
+
+
+# --------------------------------------------------------------------------- extract
+def test_extract_is_byte_identical(src, extracted):
+    source, out = tensor_bytes(src), tensor_bytes(extracted)
+    draft_names = {n for n in source if n.startswith("dspark.")}
+    assert draft_names and set(out) == draft_names
+    for name, v in out.items():
+        assert v == source[name], name
+    sums = draft.read_checksums(extracted / "checksums.sha256")
+    assert sums == {s: sha256_file(extracted / s) for s in Checkpoint.open(extracted).shards}
+    index = json.loads((extracted / INDEX_NAME).read_text())
+    assert index["metadata"]["total_size"] == sum(len(v[2]) for v in out.values())
+
+
+def test_extract_config_describes_the_draft(src, extracted):
+    dc = json.loads((extracted / "config.json").read_text())
+    target = ModelConfig.load(src)
+    assert dc["architectures"] == ["DSparkDrafter"] and dc["model_type"] == "dspark"
+    assert dc["num_speculative_tokens"] == 7 == target.draft.num_speculative_tokens
+    assert dc["hidden_size"] == target.draft.hidden_size and dc["target_hidden_size"] == target.hidden_size
+    assert "quantization_config" not in dc
+    # the config alone regenerates the tensor list (names, shapes, dtypes) of the extracted shards
+    headers = Checkpoint.open(extracted).headers()
+    got = {n: (e.shape, e.dtype) for h in headers.values() for n, e in h.tensors.items()}
+    assert got == {s.name: (s.shape, s.dtype) for s in draft.draft_specs(dc)}
+    assert got == {s.name: (s.shape, s.dtype) for s in draft_tensors(target)}
+    # shared tensors by reference: named, not copied, and present in the target
+    shared = dc["target_shared_tensors"]
+    assert {v["name"] for v in shared.values()} == {"model.embed_tokens.weight", "lm_head.weight"}
+    assert not set(got) & {v["name"] for v in shared.values()}
+    src_wm = Checkpoint.open(src).weight_map
+    assert all(v["name"] in src_wm for v in shared.values())
+    assert shared["lm_head"]["shape"] == [target.vocab_size, target.hidden_size]
+
+
+def test_extract_splits_shards(src, tmp_path):
+    out = tmp_path / "d"
+    r = draft.extract(src, out, max_shard_bytes=100_000)
+    ckpt = Checkpoint.open(out)
+    assert r["shards"] == len(ckpt.shards) > 1
+    assert all(os.path.getsize(out / s) < 100_000 + 8192 or len(ckpt.header(s).tensors) == 1 for s in ckpt.shards)
+    assert tensor_bytes(out) == {k: v for k, v in tensor_bytes(src).items() if k.startswith("dspark.")}
+
+
+# --------------------------------------------------------------------------- strip
+def test_strip_and_extract_partition_the_source(src, stripped, extracted):
+    source, s, d = tensor_bytes(src), tensor_bytes(stripped), tensor_bytes(extracted)
+    assert not set(s) & set(d)                     # each tensor exactly once
+    assert set(s) | set(d) == set(source)
+    assert {**s, **d} == source                    # byte-identical
+    # the shared tensors stay in the target, once; the draft only names them
+    dc = json.loads((extracted / "config.json").read_text())
+    for ref in dc["target_shared_tensors"].values():
+        assert ref["name"] in s and list(s[ref["name"]][1]) == ref["shape"]
+
+
+def test_strip_layout(src, stripped):
+    src_ckpt, out = Checkpoint.open(src), Checkpoint.open(stripped)
+    # the tiny preset's last shard holds only draft tensors: dropped, the rest renumbered -of-00009
+    assert len(out.shards) == len(src_ckpt.shards) - 1
+    assert out.shards == [f"model-{i:05d}-of-00009.safetensors" for i in range(1, 10)]
+    # shards without draft tensors are the source files (hardlinked), the mixed one is rewritten
+    for s_src, s_out in zip(src_ckpt.shards, out.shards):
+        has_draft = any(n.startswith("dspark.") for n in src_ckpt.header(s_src).tensors)
+        same_inode = os.stat(src / s_src).st_ino == os.stat(stripped / s_out).st_ino
+        assert same_inode != has_draft, s_src
+    index = json.loads((stripped / INDEX_NAME).read_text())
+    assert index["metadata"]["total_size"] == sum(len(v[2]) for v in tensor_bytes(stripped).values())
+    for p in src_ckpt.other_files():
+        assert (stripped / p.name).read_bytes() == p.read_bytes()
+    assert not (stripped / "checksums.sha256").exists()  # the source had none
+    assert not list(stripped.parent.glob("*.partial"))
+
+
+def test_strip_then_synth_config_loads(src, stripped):
+    cfg = ModelConfig.load(stripped)
+    assert cfg.draft is None
+    raw = json.loads((stripped / "config.json").read_text())
+    assert "dspark_config" not in raw
+    note = raw[draft.STRIPPED_KEY]
+    assert note["dspark_config"] == json.loads((src / "config.json").read_text())["dspark_config"]
+    # the stripped checkpoint is exactly what the layout expects of a model without a draft
+    headers = Checkpoint.open(stripped).headers()
+    got = {n: (e.shape, e.dtype) for h in headers.values() for n, e in h.tensors.items()}
+    assert got == {s.name: (s.shape, s.dtype) for s in expected_tensors(cfg)}
+
+
+def test_strip_keeps_names_when_no_shard_is_dropped(tmp_path):
+    one = write_checkpoint(tmp_path / "one", "tiny", layers=1, max_shard_bytes=1 << 30)
+    assert Checkpoint.open(one).shards == ["model-00001-of-00001.safetensors"]
+    r = draft.strip(one, tmp_path / "s", copy=True)
+    assert (r["rewritten"], r["dropped"], r["linked"]) == (1, 0, 0)
+    assert Checkpoint.open(tmp_path / "s").shards == ["model-00001-of-00001.safetensors"]
+    assert ModelConfig.load(tmp_path / "s").draft is None
+
+
+def test_single_file_checkpoint(tmp_path):
+    one = write_checkpoint(tmp_path / "one", "tiny", layers=1, max_shard_bytes=1 << 30)
+    (one / INDEX_NAME).unlink()
+    (one / "model-00001-of-00001.safetensors").rename(one / "model.safetensors")
+    draft.strip(one, tmp_path / "s")
+    draft.extract(one, tmp_path / "d")
+    assert sorted(p.name for p in (tmp_path / "s").glob("model*")) == ["model.safetensors"]
+    assert {**tensor_bytes(tmp_path / "s"), **tensor_bytes(tmp_path / "d")} == tensor_bytes(one)
+
+
+def test_converted_checkpoint(src, tmp_path):
+    """A converted checkpoint: quantization configs and checksums.sha256 (as convert writes them)."""
+    conv = copy_ckpt(src, tmp_path / "conv")
+    qc = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "exclude_modules": ["lm_head", "dspark*"]}
+    edit_config(conv, lambda d: d.update(quantization_config=qc))
+    (conv / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": qc}))
+    listed = sorted([p.name for p in conv.iterdir() if p.name != INDEX_NAME])
+    (conv / "checksums.sha256").write_text("".join(f"{sha256_file(conv / f)}  {f}\n" for f in listed))
+
+    r = draft.strip(conv, tmp_path / "s", copy=True)
+    s = tmp_path / "s"
+    assert r["copied"] == 8 and r["checksums"]
+    assert (s / "hf_quant_config.json").read_bytes() == (conv / "hf_quant_config.json").read_bytes()
+    assert json.loads((s / "config.json").read_text())["quantization_config"] == qc
+    sums = draft.read_checksums(s / "checksums.sha256")
+    out_files = {p.name for p in s.iterdir() if p.name not in (INDEX_NAME, "checksums.sha256")}
+    assert set(sums) == out_files
+    assert all(sha256_file(s / f) == h for f, h in sums.items())
+
+    draft.extract(conv, tmp_path / "d")
+    dc = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert "quantization_config" not in dc and not (tmp_path / "d" / "hf_quant_config.json").exists()
+    assert {**tensor_bytes(s), **tensor_bytes(tmp_path / "d")} == tensor_bytes(conv)
+
+    # a source shard that does not match the checksums it ships is refused, by name
+    bad = conv / "model-00009-of-00010.safetensors"
+    lines = (conv / "checksums.sha256").read_text().replace(sha256_file(bad), "0" * 64)
+    (conv / "checksums.sha256").write_text(lines)
+    with pytest.raises(CheckpointError, match="model-00009-of-00010.safetensors.*corrupt"):
+        draft.strip(conv, tmp_path / "s2")
+    assert not (tmp_path / "s2").exists() and not (tmp_path / "s2.partial").exists()
+
+
+# --------------------------------------------------------------------------- errors
+def test_no_draft(stripped, tmp_path):
+    for fn in (draft.extract, draft.strip):
+        with pytest.raises(CheckpointError, match="no DSpark draft"):
+            fn(stripped, tmp_path / fn.__name__)
+    assert not list(tmp_path.iterdir())
+
+
+def test_config_and_tensors_disagree(src, tmp_path):
+    no_cfg = copy_ckpt(src, tmp_path / "no_cfg")
+    edit_config(no_cfg, lambda d: d.pop("dspark_config"))
+    with pytest.raises(ConfigError, match="dspark_config"):
+        draft.extract(no_cfg, tmp_path / "o1")
+    missing_key = copy_ckpt(src, tmp_path / "missing_key")
+    edit_config(missing_key, lambda d: d["dspark_config"].pop("num_speculative_tokens"))
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        draft.strip(missing_key, tmp_path / "o2")
+    deeper = copy_ckpt(src, tmp_path / "deeper")
+    edit_config(deeper, lambda d: d["dspark_config"].update(num_hidden_layers=6))
+    with pytest.raises(CheckpointError, match="draft incomplete.*dspark.layers.5"):
+        draft.extract(deeper, tmp_path / "o3")
+
+
+def test_draft_config_without_draft_tensors(stripped, tmp_path):
+    ck = copy_ckpt(stripped, tmp_path / "ck")
+    edit_config(ck, lambda d: d.update(dspark_config=d[draft.STRIPPED_KEY]["dspark_config"]))
+    with pytest.raises(CheckpointError, match="no DSpark draft tensors"):
+        draft.strip(ck, tmp_path / "o")
+
+
+def test_out_exists(src, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(UsageError, match="already exists"):
+        draft.extract(src, out)
+    assert (out / "keep.txt").exists()
+    draft.extract(src, out, overwrite=True)
+    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    assert not (tmp_path / "out.old").exists() and not (tmp_path / "out.partial").exists()
+    with pytest.raises(UsageError, match="outside the source"):
+        draft.strip(src, src / "inside", overwrite=True)
+
+
+def test_corrupt_shard_is_named(src, tmp_path):
+    bad = copy_ckpt(src, tmp_path / "bad")
+    shard = bad / "model-00003-of-00010.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) - 100)
+    for fn in (draft.extract, draft.strip):
+        with pytest.raises(CheckpointError, match="model-00003-of-00010.safetensors.*truncated"):
+            fn(bad, tmp_path / fn.__name__)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+
+
+def test_cli(src, tmp_path, capsys):
+    assert cli.COMMANDS["draft"][0] == "inkling_quant.draft"
+    p = argparse.ArgumentParser()
+    draft.add_arguments(p)  # cli.main builds the same parser for `inkling-quant draft`
+    args = p.parse_args(["extract", str(src), str(tmp_path / "d"), "--quiet", "--max-shard-size", "1MB"])
+    assert draft.run(args) == 0
+    assert capsys.readouterr().out == ""
+    args = p.parse_args(["strip", str(src), str(tmp_path / "d"), "--quiet"])
+    with pytest.raises(InklingQuantError, match="already exists"):
+        draft.run(args)

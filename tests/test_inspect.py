@@ -1,0 +1,218 @@
+"""`inkling-quant inspect`: a checkpoint summarized from its safetensors headers only."""
+import argparse
+import builtins
+import io
+import json
+import mmap
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from inkling_quant import inspect_cmd
+from inkling_quant.formats import FORMATS
+from inkling_quant.io import safetensors as st
+from inkling_quant.io.checkpoint import Checkpoint
+from inkling_quant.layout import ModelConfig, expert_shape
+from inkling_quant.synth import make_config, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("src") / "tiny", preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def converted(source, tmp_path_factory) -> Path:
+    convert = pytest.importorskip("inkling_quant.convert", exc_type=ImportError)
+    out = tmp_path_factory.mktemp("conv") / "tiny-default"
+    convert.convert(str(source), out, convert.Options(scheme="default", default_activation_amax=4.0), quiet=True)
+    return out
+
+
+def run_cli(*argv) -> int:
+    p = argparse.ArgumentParser()
+    inspect_cmd.add_arguments(p)
+    return inspect_cmd.run(p.parse_args([str(a) for a in argv]))
+
+
+def test_source_checkpoint(source):
+    s = inspect_cmd.summarize(source)
+    cfg = ModelConfig.load(source)
+    assert s.ok and s.quant_algo is None
+    assert s.tensors == len(Checkpoint.open(source).weight_map)
+    assert all(set(p["formats"]) == {"passthrough"} for p in s.parts.values())
+    assert s.expert_layers == [{"first": 0, "last": cfg.num_hidden_layers - 1, "format": "passthrough",
+                                "experts": cfg.num_experts}]
+    assert s.draft["present"] and s.draft["tensors"] > 0
+    assert sum(p["bytes"] for p in s.parts.values()) <= s.file_bytes
+    per_expert = sum(expert_shape(cfg, p)[0] * expert_shape(cfg, p)[1] for p in ("gate_proj", "up_proj", "down_proj"))
+    assert s.parts["expert"]["params"] == per_expert * cfg.num_experts * cfg.num_hidden_layers
+
+
+def test_converted_checkpoint(source, converted):
+    s = inspect_cmd.summarize(converted)
+    cfg = ModelConfig.load(converted)
+    assert s.ok, (s.unknown, s.unrecognized)
+    assert s.quant_algo == "MIXED_PRECISION"
+    n = cfg.num_hidden_layers
+    nv = round(n * 5 / 6)
+    assert [(r["first"], r["last"], r["format"]) for r in s.expert_layers] == [(0, nv - 1, "nvfp4"),
+                                                                               (nv, n - 1, "mxfp8")]
+    assert set(s.parts["expert"]["formats"]) == {"nvfp4", "mxfp8"}
+    assert set(s.parts["attention"]["formats"]) == {"passthrough"}
+    assert s.draft["present"]
+    # logical parameters are those of the source, whatever the packing; bytes shrink
+    src = inspect_cmd.summarize(source)
+    assert s.parts["expert"]["params"] == src.parts["expert"]["params"]
+    assert s.parts["expert"]["bytes"] < src.parts["expert"]["bytes"]
+    assert s.parts["attention"]["bytes"] == src.parts["attention"]["bytes"]
+
+
+def _hand_quantized(root: Path, weight_only: bool = False) -> Path:
+    """A one-shard checkpoint without draft: layer 0 experts NVFP4, layer 47 MXFP8, via formats."""
+    root.mkdir(parents=True)
+    cfg_dict = make_config("tiny")
+    cfg_dict.pop("dspark_config")
+    (root / "config.json").write_text(json.dumps(cfg_dict))
+    cfg = ModelConfig.from_dict(cfg_dict)
+    tensors = {"model.embed_tokens.weight": torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=torch.bfloat16)}
+    g = torch.Generator().manual_seed(0)
+    for layer, fmt in ((0, "nvfp4"), (47, "mxfp8")):
+        for e in range(cfg.num_experts):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                w = torch.randn(expert_shape(cfg, proj), generator=g).to(torch.bfloat16)
+                out = FORMATS[fmt].quantize(w, input_amax=None if weight_only else 4.0)
+                for suffix, t in out.items():
+                    tensors[f"model.layers.{layer}.mlp.experts.{e}.{proj}.{suffix}"] = t.contiguous()
+    specs = [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()]
+    with st.ShardWriter(root / "model.safetensors", specs) as w:
+        for k, v in tensors.items():
+            w.write(k, v)
+        w.commit()
+    return root
+
+
+def test_hand_quantized_shard_and_missing_draft(tmp_path):
+    s = inspect_cmd.summarize(_hand_quantized(tmp_path / "q"))
+    assert s.ok, (s.unknown, s.unrecognized)
+    assert [(r["first"], r["last"], r["format"], r["experts"]) for r in s.expert_layers] == [
+        (0, 0, "nvfp4", 4), (47, 47, "mxfp8", 4)]
+    assert s.draft == {"present": False, "tensors": 0, "bytes": 0, "expected_by_config": False}
+    text = inspect_cmd.render(s)
+    assert "DSpark draft: absent" in text and "layers 0" in text and "nvfp4" in text
+
+
+def test_weight_only_nvfp4_is_labelled(tmp_path):
+    s = inspect_cmd.summarize(_hand_quantized(tmp_path / "wo", weight_only=True))
+    assert s.expert_layers[0]["format"] == "nvfp4 (weight-only)"
+
+
+def test_unknown_tensors_and_unrecognized_modules(tmp_path):
+    root = _hand_quantized(tmp_path / "odd")
+    # rewrite the shard with one tensor outside the layout and one expert missing its scale
+    h = st.read_header(root / "model.safetensors")
+    keep = {}
+    with st.ShardReader(root / "model.safetensors") as r:
+        for name in h.tensors:
+            if name != "model.layers.0.mlp.experts.1.up_proj.weight_scale":
+                keep[name] = r.get(name).clone()
+    keep["model.layers.0.mlp.extra_thing"] = torch.zeros(3)
+    os.unlink(root / "model.safetensors")
+    with st.ShardWriter(root / "model.safetensors", [(k, v.dtype, tuple(v.shape)) for k, v in keep.items()]) as w:
+        for k, v in keep.items():
+            w.write(k, v)
+        w.commit()
+    s = inspect_cmd.summarize(root)
+    assert not s.ok
+    assert s.unknown == ["model.layers.0.mlp.extra_thing"]
+    assert len(s.unrecognized) == 1 and s.unrecognized[0].startswith("model.layers.0.mlp.experts.1.up_proj ")
+    assert "unrecognized" in s.expert_layers[0]["format"]
+    assert run_cli(root) == 1
+
+
+# --------------------------------------------------------------------------- no tensor bytes are read
+def _scramble_data(root: Path) -> None:
+    """Overwrite every shard's data section with random bytes of the same length."""
+    for shard in sorted(root.glob("*.safetensors")):
+        with open(shard, "r+b") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            size = os.fstat(f.fileno()).st_size
+            f.seek(8 + n)
+            f.write(os.urandom(size - 8 - n))
+
+
+def test_inspect_reads_headers_only(source, tmp_path, monkeypatch):
+    before = inspect_cmd.summarize(source).to_dict()
+
+    # 1. garbage in every data byte: the summary cannot change
+    copy = tmp_path / "scrambled"
+    shutil.copytree(source, copy)
+    _scramble_data(copy)
+    after = inspect_cmd.summarize(copy).to_dict()
+    assert {**after, "checkpoint": None} == {**before, "checkpoint": None}
+
+    # 2. every way to reach tensor data fails, and reads of shard files never pass their header
+    def forbidden(*a, **k):
+        raise AssertionError("inspect tried to read tensor data")
+
+    for mod, name in ((os, "pread"), (os, "preadv"), (os, "read"), (mmap, "mmap"),
+                      (st.ShardReader, "__init__"), (st.ShardReader, "read_bytes")):
+        monkeypatch.setattr(mod, name, forbidden)
+    import safetensors
+    monkeypatch.setattr(safetensors, "safe_open", forbidden)
+
+    header_end = {}
+    for shard in copy.glob("*.safetensors"):
+        with builtins.open(shard, "rb") as f:
+            header_end[shard.resolve()] = 8 + struct.unpack("<Q", f.read(8))[0]
+    read_upto: dict[Path, int] = {}
+    real_open = builtins.open
+
+    class Wrapper:
+        def __init__(self, f, path):
+            self._f, self._path = f, path
+
+        def read(self, n=-1):
+            data = self._f.read(n)
+            read_upto[self._path] = max(read_upto.get(self._path, 0), self._f.tell())
+            return data
+
+        def readinto(self, b):
+            forbidden()
+
+        def __getattr__(self, k):
+            return getattr(self._f, k)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._f.close()
+
+    def wrapped_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        path = Path(file).resolve() if isinstance(file, (str, os.PathLike)) else None
+        return Wrapper(f, path) if path in header_end else f
+
+    monkeypatch.setattr(builtins, "open", wrapped_open)
+    monkeypatch.setattr(io, "open", wrapped_open)
+    traced = inspect_cmd.summarize(copy).to_dict()
+    monkeypatch.undo()
+    assert {**traced, "checkpoint": None} == {**before, "checkpoint": None}
+    assert set(read_upto) == set(header_end)                       # every header was read...
+    assert all(read_upto[p] <= header_end[p] for p in header_end)  # ...and nothing past it
+
+
+def test_cli_json(source, tmp_path, capsys):
+    out = tmp_path / "summary.json"
+    assert run_cli(source, "--json", out) == 0
+    text = capsys.readouterr().out
+    assert "routed experts:" in text and "DSpark draft: present" in text
+    d = json.loads(out.read_text())
+    assert d["draft"]["present"] and d["unknown_tensors"] == [] and d["shards"] >= 1
+    assert run_cli(source, "--json", "-") == 0
+    assert json.loads(capsys.readouterr().out)["tensors"] == d["tensors"]

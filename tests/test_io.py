@@ -1,0 +1,132 @@
+import json
+import struct
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from inkling_quant.errors import CheckpointError, UnsafePathError
+from inkling_quant.io.checkpoint import Checkpoint
+from inkling_quant.io.safetensors import ShardReader, ShardWriter, TensorBuffer, read_header, sha256_file
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "b": torch.randn(7, generator=g),
+        "c": torch.randint(0, 255, (4, 2), dtype=torch.uint8, generator=g),
+        "d": torch.randn(4, 32, generator=g).to(torch.float8_e4m3fn),
+        "s": torch.tensor(0.25),
+    }
+
+
+def test_writer_output_is_read_by_safetensors(tmp_path):
+    ts = _tensors()
+    p = tmp_path / "x.safetensors"
+    w = ShardWriter(p, [(k, v.dtype, tuple(v.shape)) for k, v in ts.items()], {"format": "pt"})
+    for k, v in ts.items():
+        w.write(k, v)
+    assert not p.exists()  # only the .partial until commit
+    sha = w.commit()
+    assert sha == sha256_file(p) and not (tmp_path / "x.safetensors.partial").exists()
+    with safe_open(p, "pt") as f:
+        for k, v in ts.items():
+            got = f.get_tensor(k)
+            assert got.dtype == v.dtype and torch.equal(got.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+    buf = TensorBuffer()
+    with ShardReader(p) as r:
+        for k, v in ts.items():
+            got = r.get(k, buf).clone()
+            assert torch.equal(got.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+
+
+def test_reader_reads_library_files(tmp_path):
+    ts = {k: v for k, v in _tensors().items()}
+    p = tmp_path / "lib.safetensors"
+    save_file(ts, p)
+    with ShardReader(p) as r:
+        assert torch.equal(r.get("a"), ts["a"])
+
+
+def test_writer_enforces_declared_order_and_aborts(tmp_path):
+    p = tmp_path / "y.safetensors"
+    with pytest.raises(CheckpointError, match="declared"):
+        with ShardWriter(p, [("a", torch.float32, (2,))]) as w:
+            w.write("b", torch.zeros(2))
+    assert list(tmp_path.iterdir()) == []
+
+
+def _raw(tmp_path, header: dict, data: bytes = b"", n=None):
+    blob = json.dumps(header).encode()
+    p = tmp_path / "bad.safetensors"
+    p.write_bytes(struct.pack("<Q", len(blob) if n is None else n) + blob + data)
+    return p
+
+
+@pytest.mark.parametrize("header, data, match", [
+    ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, "truncated"),
+    ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 12, "trailing"),
+    ({"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "expected 12"),
+    ({"t": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "unknown dtype"),
+    ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "u": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "overlaps"),
+    ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, b"\0" * 16, "gap"),
+    ({"t": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, "non-negative"),
+    ({"t": [1, 2]}, b"", "exactly dtype"),
+])
+def test_bad_headers_name_file_and_tensor(tmp_path, header, data, match):
+    p = _raw(tmp_path, header, data)
+    with pytest.raises(CheckpointError, match=match) as e:
+        read_header(p)
+    assert str(p) in str(e.value)
+
+
+def test_header_length_lies(tmp_path):
+    with pytest.raises(CheckpointError, match="truncated"):
+        read_header(_raw(tmp_path, {}, n=10**6))
+    with pytest.raises(CheckpointError, match="cap"):
+        read_header(_raw(tmp_path, {}, n=10**12))
+    (tmp_path / "short.safetensors").write_bytes(b"abc")
+    with pytest.raises(CheckpointError, match="no safetensors header"):
+        read_header(tmp_path / "short.safetensors")
+
+
+def _index(tmp_path, wm):
+    save_file({"t": torch.zeros(2)}, tmp_path / "ok.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+
+
+@pytest.mark.parametrize("fname", ["../evil.safetensors", "/etc/passwd", "sub/x.safetensors", ".."])
+def test_index_paths_cannot_escape(tmp_path, fname):
+    _index(tmp_path, {"t": fname})
+    with pytest.raises(UnsafePathError, match="refusing"):
+        Checkpoint.open(tmp_path)
+
+
+def test_index_symlink_outside_refused(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    save_file({"t": torch.zeros(2)}, outside / "o.safetensors")
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "link.safetensors").symlink_to(outside / "o.safetensors")
+    (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"t": "link.safetensors"}}))
+    with pytest.raises(UnsafePathError, match="outside"):
+        Checkpoint.open(ck)
+
+
+def test_index_missing_shard_and_mismatch(tmp_path):
+    _index(tmp_path, {"t": "missing.safetensors"})
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Checkpoint.open(tmp_path)
+    _index(tmp_path, {"t": "ok.safetensors", "u": "ok.safetensors"})
+    with pytest.raises(CheckpointError, match="lacks it"):
+        Checkpoint.open(tmp_path).headers()
+    _index(tmp_path, {"x": "ok.safetensors"})
+    with pytest.raises(CheckpointError, match="not in the index"):
+        Checkpoint.open(tmp_path).headers()
+    (tmp_path / "model.safetensors.index.json").write_text("[]")
+    with pytest.raises(CheckpointError, match="JSON object"):
+        Checkpoint.open(tmp_path)

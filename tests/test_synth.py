@@ -1,0 +1,42 @@
+import json
+
+import torch
+from safetensors import safe_open
+
+from inkling_quant.io.checkpoint import Checkpoint
+from inkling_quant.layout import ModelConfig, classify, expected_tensors
+from inkling_quant.synth import synth_tensor, write_checkpoint
+
+
+def test_tiny_checkpoint_is_complete_and_readable(tiny_src):
+    cfg = ModelConfig.load(tiny_src)
+    assert cfg.num_hidden_layers == 48
+    index = json.loads((tiny_src / "model.safetensors.index.json").read_text())
+    wm = index["weight_map"]
+    specs = {s.name: s for s in expected_tensors(cfg)}
+    assert set(wm) == set(specs)
+    ck = Checkpoint.open(tiny_src)
+    assert len(ck.shards) > 1
+    headers = ck.headers()
+    total = 0
+    for shard, h in headers.items():
+        with safe_open(tiny_src / shard, "pt") as f:  # the safetensors library reads our files
+            for name in f.keys():
+                t = f.get_tensor(name)
+                assert tuple(t.shape) == specs[name].shape and t.dtype == specs[name].dtype
+                classify(name)
+                total += t.numel() * t.element_size()
+    assert index["metadata"]["total_size"] == total
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        assert (tiny_src / f).is_file()
+
+
+def test_values_deterministic_and_realistic(tmp_path):
+    cfg = ModelConfig.load(write_checkpoint(tmp_path / "a", "tiny", seed=3, layers=1, experts=1))
+    spec = next(s for s in expected_tensors(cfg) if s.name.endswith("experts.0.gate_proj.weight"))
+    a, b = synth_tensor(spec, 3), synth_tensor(spec, 3)
+    assert torch.equal(a, b) and not torch.equal(a, synth_tensor(spec, 4))
+    x = a.float()
+    row_max = x.abs().amax(dim=1)
+    assert row_max.max() > 4 * row_max.median()  # outlier rows/elements exist
+    assert torch.isfinite(x).all()

@@ -1,0 +1,471 @@
+"""`inkling-quant verify`: a good checkpoint passes every check; a corpus of broken ones (one
+defect each, generated here from one converted tiny checkpoint) is each caught with the file and
+tensor named and the documented exit code, never a traceback."""
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from xml.etree import ElementTree as ET
+
+import pytest
+import torch
+
+from inkling_quant.cli import main
+from inkling_quant.convert import Options, convert
+from inkling_quant.formats import FORMATS
+from inkling_quant.io.checkpoint import INDEX_NAME
+from inkling_quant.io.safetensors import ShardReader, ShardWriter, read_header, sha256_file
+from inkling_quant.verify import CHECKSUMS, sample_experts, verify
+
+AMAX = 4.0
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def converted(tiny_src, tmp_path_factory):
+    out = tmp_path_factory.mktemp("verify") / "tiny-default"
+    convert(tiny_src, out, Options(default_activation_amax=AMAX, max_shard_bytes=1 << 20), quiet=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def good_report(converted, tiny_src):
+    return verify(converted, tiny_src, sample=0)
+
+
+@pytest.fixture
+def broken(converted, tmp_path):
+    """A fresh copy of the good checkpoint to break."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(converted, dst)
+    return dst
+
+
+def _index(root: Path) -> dict:
+    return json.loads((root / INDEX_NAME).read_text())
+
+
+def _shard_of(root: Path, name: str) -> str:
+    return _index(root)["weight_map"][name]
+
+
+def _reseal(root: Path) -> None:
+    """Rewrite checksums.sha256 for the current files: the defect is then a 'clean lie' that only
+    the structural/value/numeric checks can catch."""
+    lines = []
+    for line in (root / CHECKSUMS).read_text().splitlines():
+        _, name = line.split("  ", 1)
+        lines.append(f"{sha256_file(root / name)}  {name}\n")
+    (root / CHECKSUMS).write_text("".join(lines))
+
+
+def _rewrite_shard(root: Path, shard: str, edit) -> None:
+    """Load a shard's tensors (tiny), let `edit(dict)` change them, write it back, fix the index."""
+    with ShardReader(root / shard) as r:
+        tensors = {n: r.get(n).clone() for n in r.header.tensors}
+    edit(tensors)
+    (root / shard).unlink()
+    w = ShardWriter(root / shard, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], {"format": "pt"})
+    for n, t in tensors.items():
+        w.write(n, t)
+    w.commit()
+    idx = _index(root)
+    wm = {n: s for n, s in idx["weight_map"].items() if s != shard or n in tensors}
+    wm.update({n: shard for n in tensors})
+    idx["weight_map"] = wm
+    (root / INDEX_NAME).write_text(json.dumps(idx))
+
+
+def _patch_bytes(root: Path, name: str, at: int, data: bytes) -> str:
+    """Overwrite bytes of tensor `name` in place, `at` bytes into its data."""
+    shard = _shard_of(root, name)
+    e = read_header(root / shard).tensors[name]
+    with open(root / shard, "r+b") as f:
+        f.seek(e.begin + at)
+        f.write(data)
+    return shard
+
+
+def _run(capsys, *argv) -> tuple[int, str, dict]:
+    """`inkling-quant verify ARGV --json R`: exit code, printed output, the JSON report."""
+    rep = Path(str(argv[0])).parent / "report.json" if Path(str(argv[0])).parent.is_dir() else None
+    args = [*map(str, argv)] + (["--json", str(rep)] if rep is not None and "--json" not in argv else [])
+    rc = main(["verify", *args])
+    cap = capsys.readouterr()
+    out = cap.out + cap.err
+    assert "Traceback" not in out
+    report = json.loads(rep.read_text()) if rep is not None and rep.exists() else {}
+    assert not report or report["exit_code"] == rc
+    return rc, out, report
+
+
+def _failed(report: dict, prefix: str) -> list[dict]:
+    bad = [c for c in report["checks"] if c["id"].startswith(prefix) and c["status"] in ("fail", "error")]
+    assert bad, f"no failing check {prefix!r}: " + "; ".join(f"{c['id']}={c['status']}" for c in report["checks"]
+                                                             if c["status"] != "pass")
+    return bad
+
+
+def _failed_ids(report: dict) -> set[str]:
+    return {c["id"] for c in report["checks"] if c["status"] in ("fail", "error")}
+
+
+def _problem(report: dict, prefix: str, file: str, tensor: str | None) -> dict:
+    """The problem of a failing check naming `file` (a path fragment) and `tensor`."""
+    for c in _failed(report, prefix):
+        for p in c["problems"]:
+            if file in p["file"] and (tensor is None or p["tensor"] == tensor or repr(tensor) in p["message"]):
+                return p
+    raise AssertionError(f"no {prefix} problem naming {file!r} / {tensor!r}: "
+                         + "; ".join(str(p) for c in _failed(report, prefix) for p in c["problems"][:5]))
+
+
+# --------------------------------------------------------------------------- the good checkpoint
+def test_good_checkpoint_passes_every_check(good_report, converted, tiny_src):
+    r = good_report
+    assert r.ok and r.exit_code == 0, r.format_summary()
+    ids = [c.id for c in r.checks]
+    shards = sorted(set(_index(converted)["weight_map"].values()))
+    for must in ["input", "index", "config", "layout", "gate_up", "checksums", "source", "passthrough"]:
+        assert must in ids
+    for s in shards:
+        assert f"header[{s}]" in ids and f"values[{s}]" in ids
+    assert [i for i in ids if i.startswith("numerics[")] == [f"numerics[layer {i}]" for i in range(48)]
+    assert all(c.status == "pass" for c in r.checks)
+    # numerics: every expert (--sample 0), both formats, within the formats' thresholds
+    assert len(r.numerics) == 48 * 4 * 3
+    for fmt in ("nvfp4", "mxfp8"):
+        rows = [n for n in r.numerics if n["format"] == fmt]
+        f = FORMATS[fmt]
+        assert rows and all(n["rel_error"] <= f.max_rel_error and n["cosine"] >= f.min_cosine for n in rows)
+    assert {n["format"] for n in r.numerics if n["layer"] < 40} == {"nvfp4"}
+    assert {n["format"] for n in r.numerics if n["layer"] >= 40} == {"mxfp8"}
+    assert r.check("passthrough").figures["tensors_compared"] > 0
+    # summary table: one row per layer range and format, plus the pass-through
+    rows = {(row.layers, row.format) for row in r.rows}
+    assert {("0-39", "nvfp4"), ("40-47", "mxfp8"), ("all", "passthrough")} <= rows
+    assert r.bytes_read == sum(p.stat().st_size for p in converted.iterdir()
+                               if p.name not in (CHECKSUMS, INDEX_NAME))
+    text = r.format_summary()
+    assert "0-39" in text and "40-47" in text and "result: PASS" in text
+
+
+def test_default_sample_is_deterministic_two_per_layer(converted, tiny_src):
+    r = verify(converted, tiny_src)
+    assert r.ok
+    assert len(r.numerics) == 48 * 2 * 3
+    picked = {(n["layer"], n["tensor"].split(".")[5]) for n in r.numerics}
+    assert picked == {(i, str(e)) for i in range(48) for e in sample_experts(i, 4, 2)}
+    assert sample_experts(7, 384, 2) == sample_experts(7, 384, 2) != sample_experts(8, 384, 2)
+
+
+def test_cli_reports_json_and_junit(converted, tiny_src, tmp_path, capsys):
+    rc, out, rep = _run(capsys, converted, "--against", tiny_src, "--json", tmp_path / "r.json",
+                        "--junit", tmp_path / "r.xml")
+    assert rc == 0 and "result: PASS (exit 0)" in out and "nvfp4" in out and "mxfp8" in out
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["ok"] and rep["exit_code"] == 0 and rep["counts"]["fail"] == 0
+    assert rep["scheme"] == "default" and rep["kernel_path"] == "torch-reference"
+    assert all({"id", "status", "problems", "figures"} <= set(c) for c in rep["checks"])
+    assert rep["numerics"] and {"rel_error", "cosine", "max_rel_error", "min_cosine"} <= set(rep["numerics"][0])
+    suite = ET.parse(tmp_path / "r.xml").getroot()
+    cases = suite.findall(".//testcase")
+    assert len(cases) == len(rep["checks"]) and suite.get("failures") == "0"
+    assert not suite.findall(".//failure") and not suite.findall(".//error")
+
+
+def test_help_documents_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        main(["verify", "--help"])
+    out = capsys.readouterr().out
+    assert "exit codes" in out and "relative error" in out
+    for code in ("0  every check passed", "1  a check failed", "2  the input could not be read"):
+        assert code in out
+
+
+# --------------------------------------------------------------------------- the broken corpus
+def test_flipped_byte(broken, tiny_src, capsys):
+    name = "model.layers.0.self_attn.q_proj.weight"
+    shard = _shard_of(broken, name)
+    first = (broken / shard).read_bytes()[read_header(broken / shard).tensors[name].begin]
+    _patch_bytes(broken, name, 0, bytes([first ^ 0x01]))  # mantissa bit: still a finite bf16
+    rc, out, r = _run(capsys, broken, "--against", tiny_src, "--sample", "1")
+    assert rc == 1 and _failed_ids(r) == {"checksums", "passthrough"}
+    _problem(r, "checksums", shard, None)
+    assert "byte 0" in _problem(r, "passthrough", shard, name)["message"]
+
+
+def test_truncated_shard(broken, capsys):
+    shard = sorted(set(_index(broken)["weight_map"].values()))[-1]
+    last = list(read_header(broken / shard).tensors)[-1]
+    os.truncate(broken / shard, (broken / shard).stat().st_size - 100)
+    rc, out, r = _run(capsys, broken)
+    assert rc == 1 and shard in out and "truncated" in out
+    assert "truncated" in _problem(r, f"header[{shard}]", shard, last)["message"]
+
+
+def test_missing_tensor(broken, capsys):
+    name = "model.layers.5.mlp.experts.2.down_proj.weight_scale"
+    _rewrite_shard(broken, _shard_of(broken, name), lambda t: t.pop(name))
+    _reseal(broken)
+    rc, out, r = _run(capsys, broken)
+    assert rc == 1 and name in out
+    assert "missing" in _problem(r, "layout", INDEX_NAME, name)["message"]
+
+
+def test_extra_tensor(broken, capsys):
+    name = "model.layers.2.self_attn.q_proj.weight_scale"
+    shard = _shard_of(broken, "model.layers.2.self_attn.q_proj.weight")
+    _rewrite_shard(broken, shard, lambda t: t.__setitem__(name, torch.ones(1, dtype=torch.float32)))
+    _reseal(broken)
+    rc, out, r = _run(capsys, broken)
+    assert rc == 1 and name in out
+    assert "unexpected" in _problem(r, "layout", shard, name)["message"]
+
+
+def test_wrong_dtype(broken, capsys):
+    name = "model.layers.1.mlp.experts.0.gate_proj.weight_scale"
+    shard = _shard_of(broken, name)
+    _rewrite_shard(broken, shard, lambda t: t.__setitem__(name, t[name].view(torch.uint8)))
+    _reseal(broken)
+    rc, out, r = _run(capsys, broken)
+    assert rc == 1 and name in out
+    p = _problem(r, "layout", shard, name)
+    assert "U8" in p["message"] and "F8_E4M3" in p["message"]
+
+
+def _swap(root: Path, a: str, b: str) -> None:
+    ra = read_header(root / _shard_of(root, a)).tensors[a]
+    rb = read_header(root / _shard_of(root, b)).tensors[b]
+    da = (root / _shard_of(root, a)).read_bytes()[ra.begin:ra.end]
+    db = (root / _shard_of(root, b)).read_bytes()[rb.begin:rb.end]
+    _patch_bytes(root, a, 0, db)
+    _patch_bytes(root, b, 0, da)
+
+
+def test_swapped_scales_caught_by_checksum_and_numerics(broken, tiny_src, capsys):
+    a = "model.layers.3.mlp.experts.0.gate_proj.weight_scale"
+    b = "model.layers.3.mlp.experts.1.gate_proj.weight_scale"
+    _swap(broken, a, b)
+    rc, out, r = _run(capsys, broken)  # structure and values are fine: the checksum catches it
+    assert rc == 1 and _failed_ids(r) == {"checksums"} and _shard_of(broken, a) in out
+    _reseal(broken)  # a forger who also rewrites the checksums: the numerics catch it
+    rc, out, r = _run(capsys, broken, "--against", tiny_src, "--sample", "0")
+    assert rc == 1 and _failed_ids(r) == {"numerics[layer 3]"}
+    _problem(r, "numerics[layer 3]", _shard_of(broken, a), a)
+    _problem(r, "numerics[layer 3]", _shard_of(broken, b), b)
+
+
+def test_layer_in_wrong_format(broken, tiny_src, capsys):
+    """Layer 40's experts written as NVFP4 (the default scheme says MXFP8), configs made to agree."""
+    layer, nv = 40, FORMATS["nvfp4"]
+    modules = [f"model.layers.{layer}.mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")]
+    src_wm = _index(tiny_src)["weight_map"]
+    new = {}
+    for e in range(4):
+        ws = {}
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            n = f"model.layers.{layer}.mlp.experts.{e}.{p}.weight"
+            with ShardReader(tiny_src / src_wm[n]) as r:
+                ws[p] = r.get(n).clone()
+        g = torch.maximum(ws["gate_proj"].float().abs().amax(), ws["up_proj"].float().abs().amax())
+        for p, w in ws.items():
+            out = nv.quantize(w, global_amax=g if p != "down_proj" else None, input_amax=AMAX)
+            new.update({f"model.layers.{layer}.mlp.experts.{e}.{p}.{k}": v for k, v in out.items()})
+    home = {m: _shard_of(broken, m + ".weight") for m in modules}
+    for s in set(home.values()):
+        mine = [m for m in modules if home[m] == s]
+
+        def edit(t, mine=mine):
+            for m in mine:
+                t.pop(f"{m}.weight")
+                t.pop(f"{m}.weight_scale")
+            t.update({k: v for k, v in new.items() if k.rsplit(".", 1)[0] in mine})
+        _rewrite_shard(broken, s, edit)
+    for f, key in (("config.json", "quantization_config"), ("hf_quant_config.json", "quantization")):
+        cfg = json.loads((broken / f).read_text())
+        for m in modules:
+            cfg[key]["quantized_layers"][m] = nv.layer_config(False)
+        (broken / f).write_text(json.dumps(cfg))
+    _reseal(broken)
+    rc, out, r = _run(capsys, broken)
+    assert rc == 1 and "stored as nvfp4" in out and "prescribes mxfp8" in out
+    for m in modules:
+        _problem(r, "layout", home[m], m)
+
+
+@pytest.mark.parametrize("name,data,what", [
+    ("model.layers.7.mlp.experts.1.down_proj.weight_scale_2", struct.pack("<f", float("nan")), "finite and positive"),
+    ("model.layers.7.mlp.experts.1.down_proj.weight_scale", b"\x7f", "finite and positive"),   # e4m3 NaN
+    ("model.layers.8.mlp.experts.0.up_proj.weight_scale", b"\x00", "finite and positive"),     # zero block scale
+    ("model.layers.44.mlp.experts.3.gate_proj.weight_scale", b"\xff", "e8m0"),                 # e8m0 NaN
+    ("model.layers.44.mlp.experts.3.gate_proj.weight", b"\x7f", "e4m3 NaN"),
+    ("model.layers.9.mlp.experts.2.down_proj.input_scale", struct.pack("<f", -1.0), "finite and positive"),
+    ("model.layers.0.self_attn.o_proj.weight", b"\x80\x7f", "NaN/Inf"),                        # bf16 +Inf
+], ids=["nan-global-scale", "nan-block-scale", "zero-block-scale", "e8m0-ff", "e4m3-nan-weight",
+        "negative-input-scale", "bf16-inf"])
+def test_bad_values(broken, capsys, name, data, what):
+    shard = _patch_bytes(broken, name, 2 if data == b"\x80\x7f" else 0, data)
+    _reseal(broken)
+    rc, out, r = _run(capsys, broken)
+    assert rc == 1 and name in out
+    assert what in _problem(r, f"values[{shard}]", shard, name)["message"]
+
+
+def test_gate_and_up_must_share_weight_scale_2(broken, capsys):
+    name = "model.layers.6.mlp.experts.3.up_proj.weight_scale_2"
+    shard = _patch_bytes(broken, name, 0, struct.pack("<f", 0.5))
+    _reseal(broken)
+    rc, out, r = _run(capsys, broken)
+    assert rc == 1 and _failed_ids(r) == {"gate_up"}
+    assert "gate_proj" in _problem(r, "gate_up", shard, name)["message"]
+
+
+def test_lying_header_offset(broken, capsys):
+    shard = sorted(set(_index(broken)["weight_map"].values()))[0]
+    raw = (broken / shard).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    head = json.loads(raw[8:8 + n])
+    last = max((k for k in head if k != "__metadata__"), key=lambda k: head[k]["data_offsets"][0])
+    head[last]["data_offsets"] = [o + 16 for o in head[last]["data_offsets"]]
+    blob = json.dumps(head).encode()
+    blob += b" " * (-len(blob) % 8)
+    (broken / shard).write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n:])
+    _reseal(broken)
+    rc, out, r = _run(capsys, broken)
+    assert rc == 1 and shard in out and last in out
+    _problem(r, f"header[{shard}]", shard, last)
+
+
+def test_index_pointing_outside_the_directory(broken, tiny_src, capsys):
+    idx = _index(broken)
+    name = "model.norm.weight"
+    idx["weight_map"][name] = f"../{tiny_src.name}/{idx['weight_map'][name]}"
+    (broken / INDEX_NAME).write_text(json.dumps(idx))
+    rc, out, r = _run(capsys, broken)
+    assert rc == 1 and "refusing" in out and name in out
+    assert "inside the checkpoint" in _problem(r, "index", INDEX_NAME, name)["message"]
+
+
+def test_config_disagrees_with_tensors(broken, capsys):
+    module = "model.layers.10.mlp.experts.2.up_proj"
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["quantization_config"]["quantized_layers"][module] = {"quant_algo": "MXFP8", "group_size": 32}
+    (broken / "config.json").write_text(json.dumps(cfg))
+    _reseal(broken)
+    rc, out, r = _run(capsys, broken)
+    assert rc == 1 and module in out and _failed_ids(r) == {"config"}
+    p = _problem(r, "config", "config.json", module + ".weight")
+    assert "MXFP8" in p["message"] and "NVFP4" in p["message"]
+    _problem(r, "config", "hf_quant_config.json", None)  # the two config files disagree too
+
+
+def test_weight_only_config_on_w4a4_tensors(broken, capsys):
+    """W4A16_NVFP4 in both configs, but the NVFP4 tensors carry input_scale."""
+    for f, key in (("config.json", "quantization_config"), ("hf_quant_config.json", "quantization")):
+        cfg = json.loads((broken / f).read_text())
+        for e in cfg[key]["quantized_layers"].values():
+            if e["quant_algo"] == "NVFP4":
+                e["quant_algo"] = "W4A16_NVFP4"
+        (broken / f).write_text(json.dumps(cfg))
+    _reseal(broken)
+    rc, out, r = _run(capsys, broken)
+    assert rc == 1 and _failed_ids(r) == {"config"} and "W4A16_NVFP4" in out and "input_scale" in out
+
+
+def test_config_dimension_disagrees_with_tensors(broken, capsys):
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 128
+    (broken / "config.json").write_text(json.dumps(cfg))
+    _reseal(broken)
+    rc, out, r = _run(capsys, broken)
+    name = "model.layers.0.mlp.experts.0.down_proj.weight"
+    assert rc == 1 and "prescribes U8 [64, 64]" in _problem(r, "layout", "", name)["message"]
+
+
+def test_excluded_quantized_module(broken, capsys):
+    for f, key in (("config.json", "quantization_config"), ("hf_quant_config.json", "quantization")):
+        cfg = json.loads((broken / f).read_text())
+        cfg[key]["exclude_modules"].append("model.layers.4*")
+        (broken / f).write_text(json.dumps(cfg))
+    _reseal(broken)
+    rc, out, r = _run(capsys, broken)
+    assert rc == 1 and _failed_ids(r) == {"config"} and "'model.layers.4*' excludes" in out
+
+
+def test_stray_shard_and_unfinished_conversion(broken, capsys):
+    shutil.copyfile(broken / sorted(set(_index(broken)["weight_map"].values()))[0], broken / "extra.safetensors")
+    (broken / ".inkling-quant-convert.json").write_text("{}")
+    rc, out, r = _run(capsys, broken)
+    assert rc == 1 and "extra.safetensors" in out and "unfinished" in out
+    _problem(r, "index", "extra.safetensors", None)
+
+
+# --------------------------------------------------------------------------- exit code 2
+def test_unreadable_inputs_exit_2(converted, tmp_path, capsys):
+    rc, out, r = _run(capsys, tmp_path / "nope", "--json", tmp_path / "r.json", "--junit", tmp_path / "r.xml")
+    assert rc == 2 and "does not exist" in out
+    assert json.loads((tmp_path / "r.json").read_text())["exit_code"] == 2
+    assert ET.parse(tmp_path / "r.xml").getroot().get("errors") == "1"
+    rc, out, r = _run(capsys, converted, "--against", tmp_path / "nope")
+    assert rc == 2 and "source directory does not exist" in out
+    rc, out, _ = _run(capsys, converted, "--scheme", "bogus")
+    assert rc == 2 and "unknown scheme" in out
+    rc, out, _ = _run(capsys, converted, "--sample", "-1")
+    assert rc == 2 and "--sample" in out
+    if not torch.cuda.is_available():
+        rc, out, _ = _run(capsys, converted, "--device", "cuda")
+        assert rc == 2 and "CUDA" in out
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root reads unreadable files")
+def test_unreadable_shard_exit_2(broken, capsys):
+    shard = sorted(set(_index(broken)["weight_map"].values()))[0]
+    os.chmod(broken / shard, 0)
+    try:
+        rc, out, _ = _run(capsys, broken)
+    finally:
+        os.chmod(broken / shard, 0o644)
+    assert rc == 2 and shard in out
+
+
+def test_subprocess_never_tracebacks(broken):
+    os.truncate(broken / sorted(set(_index(broken)["weight_map"].values()))[0], 10)
+    (broken / "config.json").write_text("{not json")
+    p = subprocess.run([sys.executable, "-m", "inkling_quant.cli", "verify", str(broken)], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 1 and "Traceback" not in p.stdout + p.stderr
+    assert "config.json" in p.stdout and "not valid JSON" in p.stdout and "truncated" in p.stdout
+
+
+# --------------------------------------------------------------------------- checksums
+def test_write_checksums(broken, tiny_src, tmp_path, capsys):
+    (broken / CHECKSUMS).unlink()
+    rc, out, _ = _run(capsys, broken)
+    assert rc == 1 and "--write-checksums" in out
+    rc, out, r = _run(capsys, broken, "--write-checksums")
+    assert rc == 0 and (broken / CHECKSUMS).is_file() and r["checksums_written"]
+    listed = {line.split("  ", 1)[1] for line in (broken / CHECKSUMS).read_text().splitlines()}
+    assert INDEX_NAME in listed and "config.json" in listed
+    assert _run(capsys, broken)[0] == 0
+    if shutil.which("sha256sum"):
+        p = subprocess.run(["sha256sum", "-c", "--quiet", CHECKSUMS], cwd=broken, capture_output=True, text=True)
+        assert p.returncode == 0, p.stdout + p.stderr
+    # never for a broken checkpoint
+    (broken / CHECKSUMS).unlink()
+    _patch_bytes(broken, "model.layers.7.mlp.experts.1.down_proj.weight_scale", 0, b"\x7f")
+    rc, out, _ = _run(capsys, broken, "--write-checksums")
+    assert rc == 1 and not (broken / CHECKSUMS).exists() and "not written" in out
+
+
+def test_write_checksums_for_a_bf16_source(tiny_src, tmp_path):
+    """Any checkpoint: a BF16 one has no quantization config (scheme 'none')."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_src, src)
+    r = verify(src, write_checksums=True)
+    assert r.ok and r.scheme == "none" and (src / CHECKSUMS).is_file()
+    r = verify(src)
+    assert r.ok and r.check("checksums").figures["matched"] == len(list(src.iterdir())) - 1
