@@ -17,6 +17,8 @@ import multiprocessing as mp
 import os
 import resource
 import shutil
+import signal
+import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from . import __version__, hub
-from .errors import CheckpointError, FormatError, InklingQuantError, UsageError
+from .errors import CheckpointError, FormatError, InklingQuantError, OutputError, UsageError
 from .formats import FORMATS
 from .formats.nvfp4 import amax as tensor_amax
 from .io.checkpoint import (INDEX_NAME, Checkpoint, copy_file_atomic, read_json, safe_child, shard_name,
@@ -37,6 +39,7 @@ from .schemes import Scheme, get_scheme
 from .synth import parse_size
 
 MANIFEST = ".inkling-quant-convert.json"
+MANIFEST_GLOB = ".inkling-quant-convert*.json"
 CHECKSUMS = "checksums.sha256"
 FLOAT_SOURCES = (torch.bfloat16, torch.float16, torch.float32)
 MODELOPT_FORMAT_VERSION = "0.47.0"  # the ModelOpt export whose layout we write (docs/formats.md)
@@ -121,28 +124,39 @@ def validate_source(cfg: ModelConfig, listing: dict[str, dict[str, tuple[str, tu
 
 def load_activation_amax(path: str | None, calibrated: dict[str, float]) -> dict[str, float]:
     """module -> activation amax from a calibration file (JSON {module: amax} or safetensors
-    {module + '.input_amax': scalar}), on top of input scales found in the source."""
+    {module + '.input_amax': one-element float tensor}), on top of input scales found in the source."""
     out = dict(calibrated)
     if not path:
         return out
+    from .io.safetensors import _short, read_header
+
     p = Path(path)
     if p.suffix == ".safetensors":
-        from .io.safetensors import read_header
-
         with ShardReader(p, read_header(p)) as r:
-            for name in r.header.tensors:
-                if not name.endswith(".input_amax"):
-                    raise CheckpointError(f"{p}: tensor {name!r}: expected '<module>.input_amax' names")
-                out[name[: -len(".input_amax")]] = float(r.get(name).float().reshape(-1)[0])
+            for name, e in r.header.tensors.items():
+                module = name[: -len(".input_amax")]
+                where = f"{p}: tensor {name[:200]!r}"
+                if not name.endswith(".input_amax") or not module:
+                    raise CheckpointError(f"{where}: expected '<module>.input_amax' names")
+                if not e.dtype.is_floating_point or e.nbytes != e.dtype.itemsize:
+                    raise CheckpointError(f"{where}: an amax is one floating-point value, got dtype "
+                                          f"{DTYPE_NAMES[e.dtype]} shape {list(e.shape)}")
+                out[module] = float(r.get(name).float().reshape(-1)[0])
     else:
         obj = read_json(p, "activation scales file")
         for k, v in obj.items():
+            if not k:
+                raise CheckpointError(f"{p}: an empty module name")
             if not isinstance(v, (int, float)) or isinstance(v, bool):
-                raise CheckpointError(f"{p}: module {k!r}: amax must be a number, got {v!r}")
-            out[k] = float(v)
+                raise CheckpointError(f"{p}: module {k[:200]!r}: amax must be a number, got {_short(v)}")
+            try:
+                out[k] = float(v)
+            except OverflowError:  # an integer past the float range
+                raise CheckpointError(f"{p}: module {k[:200]!r}: activation amax must be finite and positive, "
+                                      f"got an integer too large for a float") from None
     for k, v in out.items():
         if not (v > 0 and v < float("inf")):
-            raise CheckpointError(f"{path or 'source input_scale'}: module {k!r}: activation amax must be "
+            raise CheckpointError(f"{path or 'source input_scale'}: module {k[:200]!r}: activation amax must be "
                                   f"finite and positive, got {v}")
     return out
 
@@ -290,6 +304,8 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
 
 def _worker_init(threads: int) -> None:
     torch.set_num_threads(threads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it terminates us on interrupt
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit becomes an OSError
 
 
 # --------------------------------------------------------------------------- driver
@@ -327,29 +343,33 @@ def _peak_rss_mb() -> float:
     return max(own, kids) / 1024
 
 
-def convert(src: str, out: str | Path, opts: Options, *, resume: bool = False, overwrite: bool = False,
-            quiet: bool = False) -> dict:
-    t0 = time.perf_counter()
-    out = Path(out)
+@dataclass
+class Prepared:
+    """Everything decided before any byte is written: the same for every part and every resume."""
+
+    root: Path
+    repo: str | None
+    revision: str | None
+    cfg: ModelConfig
+    jobs: list[ShardJob]
+    other_files: list[Path]
+    fingerprint: str
+
+
+def prepare(src: str, opts: Options) -> Prepared:
     root, repo, revision = hub.resolve(str(src))
     cfg = ModelConfig.load(root)
     scheme = get_scheme(opts.scheme)
-    if opts.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available")
-
-    # 1. source listing, validated against the layout
     if repo:
         listing = {s: {n: (d, tuple(sh)) for n, (d, sh) in e.items()} for s, e in hub.tensor_listing(repo, revision).items()}
-        ckpt_other, stat = [], {"repo": repo, "revision": revision}
+        other, stat = [], {"repo": repo, "revision": revision}
     else:
         ckpt = Checkpoint.open(root)
         headers = ckpt.headers()
         listing = {s: {n: (DTYPE_NAMES[e.dtype], e.shape) for n, e in h.tensors.items()} for s, h in headers.items()}
-        ckpt_other = ckpt.other_files()
+        other = ckpt.other_files()
         stat = {s: [h.file_size, os.stat(h.path).st_mtime_ns] for s, h in headers.items()}
     tensors = validate_source(cfg, listing, str(src))
-
-    # 2. activation scales and the shard plan
     calibrated = {}
     if not opts.weight_only:
         scale_names = [t for t in tensors if t.name.endswith(".input_scale")]
@@ -362,73 +382,218 @@ def convert(src: str, out: str | Path, opts: Options, *, resume: bool = False, o
                 srcs.close()
     act = load_activation_amax(opts.activation_scales, calibrated) if not opts.weight_only else {}
     jobs = plan(cfg, tensors, scheme, opts, act)
-    fp = _fingerprint(jobs, opts, stat)
+    return Prepared(root, repo, revision, cfg, jobs, other, _fingerprint(jobs, opts, stat))
 
-    # 3. output directory, manifest, resume
-    manifest_path = out / MANIFEST
-    done: dict[str, str] = {}
-    if out.exists() and any(out.iterdir()):
-        if resume and manifest_path.exists():
-            m = read_json(manifest_path, "resume manifest")
-            if m.get("fingerprint") != fp:
-                raise UsageError(f"{out}: was started with another source, scheme or options; "
-                                 f"cannot --resume (use --overwrite to start again)")
-            for f, sha in m.get("done", {}).items():
-                p = out / f
-                if p.is_file() and sha256_file(p) == sha:
-                    done[f] = sha
-        elif resume and (out / INDEX_NAME).exists():
+
+class Interrupted(InklingQuantError):
+    """SIGINT/SIGTERM: finished shards are kept; `--resume` continues."""
+
+    exit_code = 130
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+class OutputLock:
+    """One writer per OUT (per part): a lock file holding host and pid, taken with O_EXCL.
+    A lock whose process is gone (same host) is stale and taken over."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.held = False
+
+    def acquire(self) -> "OutputLock":
+        me = f"{socket.gethostname()} {os.getpid()}\n"
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    host, pid = self.path.read_text().split()
+                    pid = int(pid)
+                except (OSError, ValueError):
+                    host, pid = "?", -1
+                if host == socket.gethostname() and not _alive(pid):
+                    self.path.unlink(missing_ok=True)  # stale: its owner died (kill -9, reboot)
+                    continue
+                raise UsageError(f"{self.path.parent}: another conversion (pid {pid} on {host}) is writing "
+                                 f"here; wait for it, or remove {self.path.name} if that process is gone") from None
+            with os.fdopen(fd, "w") as f:
+                f.write(me)
+            self.held = True
+            return self
+        raise UsageError(f"{self.path}: could not take the lock")
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _part_tag(part: tuple[int, int] | None) -> str:
+    return f"-part-{part[0]}-of-{part[1]}" if part else ""
+
+
+def _manifests(out: Path) -> list[Path]:
+    return sorted(out.glob(MANIFEST_GLOB))
+
+
+def convert(src: str, out: str | Path, opts: Options, *, resume: bool = False, overwrite: bool = False,
+            quiet: bool = False, part: tuple[int, int] | None = None) -> dict:
+    """Convert SRC into OUT. With `part=(i, n)` only every n-th shard (from the i-th) is
+    converted and nothing is finalized: `finalize(src, out, opts)` does that once all parts ran."""
+    t0 = time.perf_counter()
+    out = Path(out)
+    if opts.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    prep = prepare(src, opts)
+    jobs = [j for j in prep.jobs if part is None or j.index % part[1] == part[0] - 1]
+
+    # output directory: refuse, resume or replace; one writer per part
+    tag = _part_tag(part)
+    manifest_path = out / f".inkling-quant-convert{tag}.json"
+    if out.exists() and any(out.iterdir()) and not part:
+        if (out / INDEX_NAME).exists() and resume:
             raise UsageError(f"{out}: conversion already complete (nothing to resume)")
-        elif overwrite:
+        if not resume:
+            if not overwrite:
+                raise UsageError(f"{out}: exists and is not empty; pass --resume to continue an interrupted "
+                                 f"conversion or --overwrite to replace it")
+            lock = OutputLock(out / f".inkling-quant{tag}.lock").acquire()  # never delete under a live writer
+            lock.release()
             shutil.rmtree(out)
-        else:
-            raise UsageError(f"{out}: exists and is not empty; pass --resume to continue an interrupted "
-                             f"conversion or --overwrite to replace it")
     out.mkdir(parents=True, exist_ok=True)
-    for p in out.glob("*.partial"):
-        p.unlink()
-    for p in out.glob("*.safetensors"):
-        if p.name not in done:
-            p.unlink()
-    (out / INDEX_NAME).unlink(missing_ok=True)
-    write_json_atomic(manifest_path, {"fingerprint": fp, "done": done})
+    lock = OutputLock(out / f".inkling-quant{tag}.lock").acquire()
+    old_handlers = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM,)}
+    old_xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # file-size limit: an error, not a kill
+    try:
+        done = _load_done(manifest_path, prep.fingerprint, out) if resume else {}
+        mine = {j.file for j in jobs}
+        for p in out.glob("*.safetensors*"):
+            if p.name in mine and p.name not in done:
+                p.unlink()  # unfinished shard (or its .partial) of this run: redo it
+        (out / INDEX_NAME).unlink(missing_ok=True)
+        write_json_atomic(manifest_path, {"fingerprint": prep.fingerprint, "done": done})
+        todo = [j for j in jobs if j.file not in done]
+        _run_jobs(prep, todo, jobs, done, manifest_path, out, opts, quiet)
+        report = _report(src, out, opts, prep.jobs if not part else jobs, todo, t0)
+        if part is None:
+            finalize(src, out, opts, prep=prep, quiet=True)
+        else:
+            report["part"] = f"{part[0]}/{part[1]}"
+        return report
+    finally:
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+        signal.signal(signal.SIGXFSZ, old_xfsz)
+        lock.release()
 
-    # 4. convert shards in parallel
-    todo = [j for j in jobs if j.file not in done]
-    results: dict[str, ShardResult] = {}
-    total_src = sum(j.src_bytes for j in jobs)
-    bar_bytes = tqdm(total=total_src, unit="B", unit_scale=True, desc="convert", disable=quiet, smoothing=0.1)
+
+def _load_done(manifest_path: Path, fp: str, out: Path) -> dict[str, str]:
+    if not manifest_path.exists():
+        return {}
+    m = read_json(manifest_path, "resume manifest")
+    if m.get("fingerprint") != fp:
+        raise UsageError(f"{out}: was started with another source, scheme or options; "
+                         f"cannot --resume (use --overwrite to start again)")
+    done = {}
+    for f, sha in (m.get("done") or {}).items():
+        p = safe_child(out, f, "shard")
+        if p.is_file() and sha256_file(p) == sha:
+            done[f] = sha
+    return done
+
+
+def _run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: dict[str, str],
+              manifest_path: Path, out: Path, opts: Options, quiet: bool) -> None:
+    bar_bytes = tqdm(total=sum(j.src_bytes for j in jobs), unit="B", unit_scale=True, desc="convert",
+                     disable=quiet, smoothing=0.1)
     bar_bytes.update(sum(j.src_bytes for j in jobs if j.file in done))
     bar_shards = tqdm(total=len(jobs), unit="shard", desc="shards", disable=quiet, position=1, leave=False)
     bar_shards.update(len(jobs) - len(todo))
 
     def record(r: ShardResult):
-        results[r.file] = r
         done[r.file] = r.sha256
-        write_json_atomic(manifest_path, {"fingerprint": fp, "done": done})
+        write_json_atomic(manifest_path, {"fingerprint": prep.fingerprint, "done": done})
         bar_shards.update(1)
 
+    args = (str(prep.root), prep.repo, prep.revision, str(out), opts.device)
+    pool = None
     try:
         if opts.workers <= 1 or len(todo) <= 1:
             for j in todo:
-                record(convert_shard(j, str(root), repo, revision, str(out), opts.device, bar_bytes.update))
+                record(convert_shard(j, *args, progress=bar_bytes.update))
         else:
             threads = max(1, (os.cpu_count() or 1) // opts.workers)
             ctx = mp.get_context("spawn")  # no fork after torch/OpenMP threads exist
-            with cf.ProcessPoolExecutor(opts.workers, mp_context=ctx, initializer=_worker_init,
-                                        initargs=(threads,)) as pool:
-                futs = {pool.submit(convert_shard, j, str(root), repo, revision, str(out), opts.device): j for j in todo}
-                for f in cf.as_completed(futs):
-                    r = f.result()
-                    bar_bytes.update(r.src_bytes)
-                    record(r)
+            pool = cf.ProcessPoolExecutor(opts.workers, mp_context=ctx, initializer=_worker_init, initargs=(threads,))
+            futs = [pool.submit(convert_shard, j, *args) for j in todo]
+            for f in cf.as_completed(futs):
+                r = f.result()
+                bar_bytes.update(r.src_bytes)
+                record(r)
+            pool.shutdown()
+    except KeyboardInterrupt as e:
+        _stop(pool)
+        raise Interrupted(f"{out}: interrupted ({e or 'SIGINT'}) after {len(done)} of {len(jobs)} shards; "
+                          f"rerun the same command with --resume to finish") from None
+    except OSError as e:
+        _stop(pool)
+        raise OutputError(f"{out}: cannot write ({e.strerror or e}); {len(done)} of {len(jobs)} shards are "
+                          f"done: free space and rerun with --resume") from None
+    except BaseException:
+        _stop(pool)
+        raise
     finally:
         bar_bytes.close()
         bar_shards.close()
 
-    # 5. finalize: configs, other files, checksums, then the index last
-    config = dict(cfg.raw)
-    qc = quant_config(cfg, jobs, opts.weight_only)
+
+def _stop(pool) -> None:
+    if pool is None:
+        return
+    for p in list(getattr(pool, "_processes", {}).values()):
+        p.terminate()
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def finalize(src: str, out: str | Path, opts: Options, *, prep: Prepared | None = None, quiet: bool = False) -> dict:
+    """Write configs, non-weight files, checksums and, last, the index. Checks that every
+    planned shard is present (and matches its recorded checksum) first."""
+    out = Path(out)
+    prep = prep or prepare(src, opts)
+    recorded: dict[str, str] = {}
+    for m in _manifests(out):
+        obj = read_json(m, "part manifest")
+        if obj.get("fingerprint") != prep.fingerprint:
+            raise UsageError(f"{m}: written by a conversion with another source, scheme or options")
+        recorded.update(obj.get("done") or {})
+    sums: dict[str, str] = {}
+    missing = [j.file for j in prep.jobs if j.file not in recorded or not (out / j.file).is_file()]
+    if missing:
+        raise UsageError(f"{out}: {len(missing)} of {len(prep.jobs)} shards are not converted yet "
+                         f"(first: {missing[0]}); run the missing --part(s) first")
+    for j in prep.jobs:
+        sums[j.file] = recorded[j.file]
+    if len(_manifests(out)) > 1:  # shards from other machines: check what they recorded
+        for f, h in sums.items():
+            if sha256_file(out / f) != h:
+                raise CheckpointError(f"{out / f}: checksum differs from the one its part recorded")
+    config = dict(prep.cfg.raw)
+    qc = quant_config(prep.cfg, prep.jobs, opts.weight_only)
     config["quantization_config"] = {"quant_method": "modelopt", **qc}
     write_json_atomic(out / "hf_quant_config.json", {
         "producer": {"name": "modelopt", "version": MODELOPT_FORMAT_VERSION},
@@ -436,31 +601,36 @@ def convert(src: str, out: str | Path, opts: Options, *, resume: bool = False, o
         "converter": {"name": "inkling-quant", "version": __version__, "scheme": opts.scheme,
                       "weight_only": opts.weight_only}})
     write_json_atomic(out / "config.json", config)
-    for p in ckpt_other:
+    for p in prep.other_files:
         copy_file_atomic(p, out / p.name)
-    files = sorted([j.file for j in jobs] + ["config.json", "hf_quant_config.json"] + [p.name for p in ckpt_other])
-    sums = {f: done.get(f) or sha256_file(out / f) for f in files}
+    files = sorted(list(sums) + ["config.json", "hf_quant_config.json"] + [p.name for p in prep.other_files])
+    for f in files:
+        sums.setdefault(f, sha256_file(out / f))
     tmp = out / (CHECKSUMS + ".partial")
     tmp.write_text("".join(f"{sums[f]}  {f}\n" for f in files))
     os.replace(tmp, out / CHECKSUMS)
-    weight_map = {name: j.file for j in jobs for name, _, _ in j.specs}
-    write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": sum(j.out_bytes for j in jobs)},
+    weight_map = {name: j.file for j in prep.jobs for name, _, _ in j.specs}
+    write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": sum(j.out_bytes for j in prep.jobs)},
                                          "weight_map": weight_map})
-    manifest_path.unlink()
+    for m in _manifests(out):
+        m.unlink()
+    return {"output": str(out), "shards": len(prep.jobs), "finalized": True}
 
+
+def _report(src, out: Path, opts: Options, jobs: list[ShardJob], todo: list[ShardJob], t0: float) -> dict:
     seconds = time.perf_counter() - t0
     counts: dict[str, int] = {}
     for j in jobs:
         for u in j.units:
             counts[u.format] = counts.get(u.format, 0) + len(u.sources)
-    report = {
+    return {
         "source": str(src), "output": str(out), "scheme": opts.scheme, "weight_only": opts.weight_only,
         "shards": len(jobs), "shards_resumed": len(jobs) - len(todo), "tensors_by_format": counts,
-        "bytes_in": total_src, "bytes_out": sum(j.out_bytes for j in jobs), "seconds": round(seconds, 3),
+        "bytes_in": sum(j.src_bytes for j in jobs), "bytes_out": sum(j.out_bytes for j in jobs),
+        "seconds": round(seconds, 3),
         "source_mb_per_s": round(sum(j.src_bytes for j in todo) / 1e6 / max(seconds, 1e-9), 1),
         "workers": opts.workers, "peak_rss_mb": round(_peak_rss_mb(), 1),
     }
-    return report
 
 
 # --------------------------------------------------------------------------- CLI
@@ -478,6 +648,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="use amax X for every module without a calibrated value")
     a.add_argument("--weight-only", action="store_true", help="W4A16 NVFP4 (no input_scale; vLLM's W4A16_NVFP4)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted conversion in OUT")
+    m = p.add_argument_group("several machines sharing one OUT (docs/scale.md)")
+    m.add_argument("--part", type=_part, metavar="I/N", help="convert only part I of N (a deterministic shard subset); "
+                   "no index is written until --finalize")
+    m.add_argument("--finalize", action="store_true", help="check all parts are there and write configs, checksums, index")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--quiet", action="store_true", help="no progress bars or summary")
     p.add_argument("--json", metavar="REPORT", help="write the summary as JSON to REPORT")
@@ -492,12 +666,32 @@ def run(args) -> int:
                    default_activation_amax=args.default_activation_amax,
                    activation_scales=args.activation_scales, max_shard_bytes=args.max_shard_size,
                    workers=args.workers, device=args.device)
-    report = convert(args.src, args.out, opts, resume=args.resume, overwrite=args.overwrite, quiet=args.quiet)
+    if args.finalize:
+        if args.part:
+            raise UsageError("--finalize runs once, after all --part runs: drop --part")
+        report = finalize(args.src, args.out, opts)
+        if not args.quiet:
+            print(f"finalized {report['output']}: {report['shards']} shards")
+        return 0
+    if args.part and args.overwrite:
+        raise UsageError("--overwrite with --part would delete the other parts' shards")
+    report = convert(args.src, args.out, opts, resume=args.resume, overwrite=args.overwrite, quiet=args.quiet,
+                     part=args.part)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     if not args.quiet:
         print_summary(report)
     return 0
+
+
+def _part(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--part takes I/N, e.g. 3/8, got {text!r}") from None
+    if not 1 <= i <= n:
+        raise argparse.ArgumentTypeError(f"--part {text}: need 1 <= I <= N")
+    return i, n
 
 
 def print_summary(r: dict, file=sys.stdout) -> None:

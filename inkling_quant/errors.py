@@ -29,3 +29,7 @@ class FormatError(InklingQuantError):
 
 class UsageError(InklingQuantError):
     """Bad command-line usage (missing flag, existing output, ...)."""
+
+
+class OutputError(InklingQuantError):
+    """The output could not be written (disk full, file-size limit, permissions)."""

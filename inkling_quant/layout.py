@@ -8,7 +8,6 @@ docs/layout.md is the human-readable version of this file.
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -28,6 +27,22 @@ QUANT_SUFFIXES = ("weight_scale_2", "weight_scale", "input_scale")
 
 
 # --------------------------------------------------------------------------- config
+# Bounds on config.json values: a config is untrusted input, and shapes and loops come from it.
+_MAX_DIM = 1 << 24                 # any one tensor dimension (vocab, hidden, heads, ...)
+_MAX_LAYERS = 1 << 12              # decoder layers, vision blocks, draft layers
+_MAX_EXPERT_MODULES = 1 << 20      # layers x experts
+_LIMITS = {"num_hidden_layers": _MAX_LAYERS, "depth": _MAX_LAYERS, "num_experts": 1 << 16,
+           "max_position_embeddings": 1 << 40, "sliding_window": 1 << 40}
+
+
+def _short(v, limit: int = 80) -> str:
+    try:
+        r = repr(v)
+    except RecursionError:  # JSON nested nearly to the parser's limit
+        return f"<{type(v).__name__} nested too deeply>"
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
 @dataclass(frozen=True)
 class VisionConfig:
     depth: int
@@ -80,66 +95,86 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+        """Validate an (untrusted) config.json: every dimension an integer in a sane range (no bool,
+        float or string coerced), so no shape computed from it is negative or absurd and no loop over
+        layers or experts runs unbounded; any defect is a ConfigError naming the key."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
+
         def need(obj: dict, key: str, where: str = ""):
             if key not in obj:
                 raise ConfigError(f"{source}: missing key {where}{key!r}")
             return obj[key]
 
-        try:
-            n_layers = int(need(d, "num_hidden_layers"))
-            layer_types = tuple(need(d, "layer_types"))
-            if len(layer_types) != n_layers:
-                raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries, "
-                                  f"num_hidden_layers is {n_layers}")
-            bad = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
-            if bad:
-                raise ConfigError(f"{source}: unknown layer_types {bad}")
-            vision = None
-            if d.get("vision_config") is not None:
-                v = d["vision_config"]
-                vision = VisionConfig(**{k: int(need(v, k, "vision_config.")) for k in
-                                         VisionConfig.__dataclass_fields__})
-            draft = None
-            if d.get("dspark_config") is not None:
-                s = d["dspark_config"]
-                markov = need(s, "markov_head", "dspark_config.")
-                draft = DraftConfig(
-                    markov_hidden_size=int(need(markov, "hidden_size", "dspark_config.markov_head.")),
-                    **{k: int(need(s, k, "dspark_config.")) for k in DraftConfig.__dataclass_fields__
-                       if k != "markov_hidden_size"})
-            ints = {k: int(need(d, k)) for k in (
-                "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "sliding_window", "relative_attention_num_buckets", "short_conv_kernel_size",
-                "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                "max_position_embeddings")}
-            cfg = cls(
-                num_hidden_layers=n_layers, layer_types=layer_types,
-                full_attention_num_key_value_heads=int(d.get("full_attention_num_key_value_heads",
-                                                             ints["num_key_value_heads"])),
-                full_attention_head_dim=int(d.get("full_attention_head_dim", ints["head_dim"])),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                vision=vision, draft=draft, raw=dict(d), **ints)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{source}: malformed value: {e}") from None
-        for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_experts", "moe_intermediate_size"):
-            if getattr(cfg, k) <= 0:
-                raise ConfigError(f"{source}: {k} must be positive, got {getattr(cfg, k)}")
-        return cfg
+        def section(key: str, where: str = "", obj: dict = d) -> dict | None:
+            v = obj.get(key)
+            if v is not None and not isinstance(v, dict):
+                raise ConfigError(f"{source}: {where}{key} must be an object, got {_short(v)}")
+            return v
+
+        def integer(v, key: str, lo: int = 1, hi: int = _MAX_DIM) -> int:
+            if type(v) is not int:  # not bool, not 4096.0, not "4096"
+                raise ConfigError(f"{source}: {key} must be an integer, got {_short(v)}")
+            if not lo <= v <= hi:
+                raise ConfigError(f"{source}: {key} must be between {lo} and {hi}, got {_short(v)}")
+            return v
+
+        def ints(obj: dict, keys, where: str = "") -> dict[str, int]:
+            return {k: integer(need(obj, k, where), where + k, 1, _LIMITS.get(k, _MAX_DIM)) for k in keys}
+
+        n_layers = integer(need(d, "num_hidden_layers"), "num_hidden_layers", 1, _MAX_LAYERS)
+        layer_types = need(d, "layer_types")
+        if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+            raise ConfigError(f"{source}: layer_types must be a list of strings, got {_short(layer_types)}")
+        layer_types = tuple(layer_types)
+        if len(layer_types) != n_layers:
+            raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries, "
+                              f"num_hidden_layers is {n_layers}")
+        bad = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+        if bad:
+            raise ConfigError(f"{source}: unknown layer_types {_short(bad)}")
+        vision = None
+        if (v := section("vision_config")) is not None:
+            vision = VisionConfig(**ints(v, VisionConfig.__dataclass_fields__, "vision_config."))
+        draft = None
+        if (s := section("dspark_config")) is not None:
+            markov = need(s, "markov_head", "dspark_config.")
+            if not isinstance(markov, dict):
+                raise ConfigError(f"{source}: dspark_config.markov_head must be an object, got {_short(markov)}")
+            draft = DraftConfig(
+                markov_hidden_size=integer(need(markov, "hidden_size", "dspark_config.markov_head."),
+                                           "dspark_config.markov_head.hidden_size"),
+                **ints(s, [k for k in DraftConfig.__dataclass_fields__ if k != "markov_hidden_size"],
+                       "dspark_config."))
+        top = ints(d, ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                       "sliding_window", "relative_attention_num_buckets", "short_conv_kernel_size",
+                       "num_experts", "num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings"))
+        if top["num_experts_per_tok"] > top["num_experts"]:
+            raise ConfigError(f"{source}: num_experts_per_tok ({top['num_experts_per_tok']}) exceeds "
+                              f"num_experts ({top['num_experts']})")
+        if n_layers * top["num_experts"] > _MAX_EXPERT_MODULES:
+            raise ConfigError(f"{source}: {n_layers} layers x {top['num_experts']} experts is more than "
+                              f"{_MAX_EXPERT_MODULES} expert modules")
+        full_kv = integer(d.get("full_attention_num_key_value_heads", top["num_key_value_heads"]),
+                          "full_attention_num_key_value_heads")
+        full_hd = integer(d.get("full_attention_head_dim", top["head_dim"]), "full_attention_head_dim")
+        tie = d.get("tie_word_embeddings", False)
+        if tie is None:
+            tie = False
+        if not isinstance(tie, bool):
+            raise ConfigError(f"{source}: tie_word_embeddings must be true or false, got {_short(tie)}")
+        return cls(num_hidden_layers=n_layers, layer_types=layer_types, full_attention_num_key_value_heads=full_kv,
+                   full_attention_head_dim=full_hd, tie_word_embeddings=tie, vision=vision, draft=draft,
+                   raw=dict(d), **top)
 
     @classmethod
     def load(cls, path: str | Path) -> "ModelConfig":
+        from .io.checkpoint import read_json  # the one untrusted-JSON reader (size cap, FIFO, depth)
+
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: not valid JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
-        return cls.from_dict(d, str(path))
+        return cls.from_dict(read_json(path, "config.json", ConfigError), str(path))
 
     @classmethod
     def reference(cls) -> "ModelConfig":

@@ -20,7 +20,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -403,8 +402,7 @@ def _span(layers: list[int]) -> str:
     return f"{min(layers)}-{max(layers)}" if layers else "none"
 
 
-def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0, dtype: str = "bf16",
-          read_values: bool = True) -> Plan:
+def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0, dtype: str = "bf16") -> Plan:
     """Validate the adapter against the checkpoint and plan the merge; raise on anything we refuse."""
     if not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise UsageError(f"--scale must be a finite number, got {scale!r}")
@@ -508,12 +506,11 @@ def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0,
         raise ConfigError(f"{aw}: target_modules selects {len(missing)} module(s) the adapter has no weights for, e.g. "
                           f"{missing[0][0]!r}: incomplete adapter or another model")
 
-    # 4. adapter values: finite (a cheap pass: adapters are small beside the model)
-    if read_values:
-        with ShardReader(aw, adapter.header) as reader:
-            for a, b in adapter.modules.values():
-                _read_lora(reader, a)
-                _read_lora(reader, b)
+    # 4. adapter values: finite (one tensor at a time; adapters are small beside the model)
+    with ShardReader(aw, adapter.header) as reader:
+        for a, b in adapter.modules.values():
+            _read_lora(reader, a)
+            _read_lora(reader, b)
 
     if acfg.base_model:
         warnings.append(f"adapter trained on {acfg.base_model!r} (base_model_name_or_path; shapes and layer "
@@ -537,7 +534,7 @@ def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: floa
     return delta.to(w.dtype)
 
 
-def _rewrite_shard(plan: Plan, shard: str, dst: Path, lora: ShardReader, expected: str | None, bar) -> str:
+def _rewrite_shard(plan: Plan, shard: str, dst: Path, factors: ShardReader, expected: str | None, bar) -> str:
     """dst = the source shard with its targeted tensors merged, every other tensor byte for byte,
     file order and metadata kept. The source file is hashed on the way and checked when its
     digest is known. Returns dst's sha256."""
@@ -558,7 +555,7 @@ def _rewrite_shard(plan: Plan, shard: str, dst: Path, lora: ShardReader, expecte
             tgt = targets.get(e.name)
             if tgt is not None:
                 a_e, b_e = plan.adapter.modules[tgt.module]
-                merged = merged_weight(t, _read_lora(lora, a_e), _read_lora(lora, b_e), tgt.scale)
+                merged = merged_weight(t, _read_lora(factors, a_e), _read_lora(factors, b_e), tgt.scale)
                 if not bool(torch.isfinite(merged).all()):
                     raise CheckpointError(f"{header.path}: tensor {e.name!r}: the merged weight has Inf/NaN "
                                           f"(overflow of {DTYPE_NAMES[e.dtype]}; is --scale too large?)")
@@ -598,12 +595,12 @@ def merge(ckpt_dir: str | Path, adapter_spec: str | Path, out: str | Path, *, sc
     counts = {"rewritten": 0, "linked": 0, "copied": 0}
     bar_total = sum(h.file_size for h in headers.values())
     with staged_output(out, root, overwrite) as tmp, \
-            ShardReader(plan.adapter.path, plan.adapter.header) as lora, \
+            ShardReader(plan.adapter.path, plan.adapter.header) as factors, \
             tqdm(total=bar_total, unit="B", unit_scale=True, desc="lora merge", disable=not progress) as bar:
         for s in ckpt.shards:
             expected = sums_in.get(s) if sums_in is not None else None
             if s in rewrite:
-                digest = _rewrite_shard(plan, s, tmp / s, lora, expected, bar)
+                digest = _rewrite_shard(plan, s, tmp / s, factors, expected, bar)
                 counts["rewritten"] += 1
             else:
                 digest, how = _link_or_copy(safe_child(root, s, "shard"), tmp / s, copy, expected, False, bar)

@@ -30,6 +30,7 @@ import os
 import random
 import re
 import sys
+import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 from xml.etree import ElementTree as ET
 
+import numpy as np
 import torch
 
 from . import __version__
@@ -386,35 +388,46 @@ class _Stream:
 
 
 # ============================================================================ value rules
-def _value_rule(t: TensorName | None, entry: TensorEntry) -> tuple[str, Callable[[torch.Tensor], bool]] | None:
-    """(what is checked, bad(piece as tensor of `entry.dtype`) -> bool) for one tensor. Driven by
-    dtype and name suffix: block scales and global scales must be finite and positive, e8m0
-    exponents must not be 0xFF (NaN), every float tensor finite."""
+def _value_rule(t: TensorName | None, entry: TensorEntry) -> tuple[str, Callable[[memoryview], bool]] | None:
+    """(what is checked, bad(bytes of whole elements) -> bool) for one tensor. Driven by dtype and
+    name suffix: block and global scales must be finite and positive, e8m0 exponents must not be
+    0xFF (NaN), every float tensor must be finite. Each test is one or two passes over the bytes
+    with no per-element Python (min/max propagate NaN and show Inf), ~1.5-3 GB/s on one core."""
     suffix = t.suffix if t is not None else ""
     is_scale = suffix in ("weight_scale", "weight_scale_2", "input_scale")
     dt = entry.dtype
-    if dt == torch.bfloat16 or dt == torch.float16:
-        mask = 0x7F80 if dt == torch.bfloat16 else 0x7C00
+    if dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         if is_scale:
-            return "finite and positive", lambda x: bool((~torch.isfinite(x) | (x <= 0)).any())
+            def bad_scale(b, dt=dt):
+                mn, mx = torch.aminmax(torch.frombuffer(b, dtype=dt))
+                return not (float(mn) > 0 and math.isfinite(float(mx)))
+            return "finite and positive", bad_scale
 
-        def bad16(x, mask=mask):  # exponent all ones <=> Inf/NaN: integer ops, no upcast
-            v = x.view(torch.int16)
-            return bool(((v & mask) == mask).any())
-        return "finite (no NaN/Inf)", bad16
-    if dt in (torch.float32, torch.float64):
-        if is_scale:
-            return "finite and positive", lambda x: bool((~torch.isfinite(x) | (x <= 0)).any())
-        return "finite (no NaN/Inf)", lambda x: not bool(torch.isfinite(x).all())
+        def bad_float(b, dt=dt):
+            mn, mx = torch.aminmax(torch.frombuffer(b, dtype=dt))
+            return not (math.isfinite(float(mn)) and math.isfinite(float(mx)))
+        return "finite (no NaN/Inf)", bad_float
     if dt == torch.float8_e4m3fn:
         if is_scale:  # positive finite e4m3 <=> byte in [0x01, 0x7E]; (b - 1) wraps 0 to 255
-            return "finite and positive (e4m3 scale)", lambda x: int((x.view(torch.uint8) - 1).max()) > 0x7D
-        return "finite (no e4m3 NaN)", lambda x: int((x.view(torch.uint8) & 0x7F).max()) == 0x7F
+            return "finite and positive (e4m3 scale)", lambda b: int(_u8_op(b, np.subtract, 1).max()) > 0x7D
+        return "finite (no e4m3 NaN)", lambda b: int(_u8_op(b, np.bitwise_and, 0x7F).max()) == 0x7F
     if dt == torch.float8_e5m2:
-        return "finite (no NaN/Inf)", lambda x: bool(((x.view(torch.uint8) & 0x7C) == 0x7C).any())
+        return "finite (no NaN/Inf)", lambda b: int(_u8_op(b, np.bitwise_and, 0x7C).max()) == 0x7C
     if (dt == torch.uint8 or dt == torch.float8_e8m0fnu) and suffix == "weight_scale":
-        return "e8m0 exponent in range (not 0xFF)", lambda x: int(x.view(torch.uint8).max()) == 0xFF
+        return "e8m0 exponent in range (not 0xFF)", lambda b: int(np.frombuffer(b, np.uint8).max()) == 0xFF
     return None
+
+
+_U8_TMP = threading.local()
+
+
+def _u8_op(b: memoryview, op, value: int) -> np.ndarray:
+    """op(bytes, value) into a reused scratch buffer (uint8 arithmetic wraps)."""
+    a = np.frombuffer(b, np.uint8)
+    tmp = getattr(_U8_TMP, "buf", None)
+    if tmp is None or tmp.size < a.size:
+        tmp = _U8_TMP.buf = np.empty(max(a.size, SLICE), np.uint8)
+    return op(a, np.uint8(value), out=tmp[:a.size])
 
 
 def _first_bad(x: torch.Tensor, rule: str) -> tuple[int, str]:
@@ -1094,9 +1107,8 @@ class Verifier:
                         break
             elif rule is not None and not bad:
                 for lo in range(0, len(piece), SLICE):
-                    x = torch.frombuffer(piece[lo:lo + SLICE], dtype=e.dtype)
-                    if rule[1](x):
-                        idx, val = _first_bad(x, rule[0])
+                    if rule[1](piece[lo:lo + SLICE]):
+                        idx, val = _first_bad(torch.frombuffer(piece[lo:lo + SLICE], dtype=e.dtype), rule[0])
                         where = f" ({t.suffix} of {t.module})" if t is not None and t.suffix != "weight" else ""
                         c.fail(self.root / shard, name, f"must be {rule[0]}{where}: element "
                                f"{(offset + lo) // item + idx} is {val}")

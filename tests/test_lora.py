@@ -6,7 +6,8 @@ attention projection names and shapes, the same adapter applied by PEFT, `merge_
   (B @ A) * scaling in FP32 and adds it to the BF16 weight in FP32, rounding once: our merge is
   the same computation, so the bits must be identical.
 - BF16 adapter weights: PEFT rounds the delta to BF16 before adding (two roundings), we round
-  once, so the two may differ by one BF16 ulp, never more.
+  once, so the two may differ by one BF16 ulp (at the magnitude of the larger of W, the delta
+  and the result: where W and the delta cancel, PEFT's early rounding shows), never more.
 Without peft, the same properties are checked against an explicit FP64 reference of PEFT's
 formula (scaling = alpha / r, or alpha / sqrt(r) with rsLoRA; rank_pattern / alpha_pattern).
 """
@@ -25,7 +26,7 @@ from safetensors.torch import save_file
 
 from inkling_quant import cli, lora
 from inkling_quant.convert import Options, convert
-from inkling_quant.errors import CheckpointError, ConfigError, InklingQuantError, UsageError
+from inkling_quant.errors import CheckpointError, ConfigError, UsageError
 from inkling_quant.io.checkpoint import INDEX_NAME, Checkpoint
 from inkling_quant.io.safetensors import ShardReader, sha256_file
 from inkling_quant.layout import ModelConfig
@@ -161,7 +162,7 @@ def merged_converted(converted, rs_adapter, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def peft_case(src, cfg, tmp_path_factory):
-    """(adapter dir, PEFT-merged state dict) for an adapter trained... well, made by PEFT itself."""
+    """(adapter dir, PEFT-merged state dict): an adapter made and merged by PEFT itself."""
     peft = pytest.importorskip("peft")
     return _peft_adapter(peft, src, cfg, tmp_path_factory.mktemp("lora") / "peft", autocast=True)
 
@@ -244,7 +245,7 @@ def test_check_cli_prints_plan_and_json(converted, rs_adapter, capsys):
 # --------------------------------------------------------------------------- merge: numerics
 def test_merge_into_converted_matches_reference_formula(converted, merged_converted, rs_adapter):
     """No peft needed: every merged projection within one ulp of PEFT's formula computed in FP64
-    (the FP32 matmul may round a tie the other way), nearly all identical; the rest untouched."""
+    (FP32 arithmetic may round a near-tie the other way), nearly all identical; the rest untouched."""
     before, after = load_all(converted), load_all(merged_converted)
     assert set(before) == set(after)
     adapter = load_all_adapter(rs_adapter)
@@ -456,7 +457,7 @@ def test_corrupt_adapter_files(src, cfg, tmp_path):
         lora.check(src, d)
     d = variant("config")
     (d / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4,')
-    with pytest.raises(CheckpointError, match="adapter config is not valid JSON"):
+    with pytest.raises(CheckpointError, match=r"adapter_config.json.*not valid JSON"):
         lora.check(src, d)
     d = variant("nan")
     a, b = load_all_adapter(good)["model.layers.0.self_attn.q_proj"]
@@ -621,6 +622,3 @@ def test_merges_stack_and_record_provenance(src, cfg, tmp_path):
     assert_one_ulp(w1, reference_merge(w, *ad1[m], 2.0), w, *ad1[m], 2.0, name, 0.99)
     assert_one_ulp(w2, reference_merge(w1, *ad2[m], -2.0), w1, *ad2[m], -2.0, name, 0.99)
 
-
-def test_errors_are_inkling_errors():
-    assert issubclass(ConfigError, InklingQuantError) and issubclass(CheckpointError, InklingQuantError)

@@ -108,9 +108,9 @@ def errors(args) -> None:
     variants = {
         "synth": {},                                            # inkling_quant.synth's recipe
         "heavy outliers": {"outlier_rows": 0.05, "row_mult": 30.0, "spike_every": 5_000, "spike_mult": 200.0},
-        "plain gaussian": {"outlier_rows": 0.0, "spike_every": 10 ** 12},
+        "plain gaussian": {"row_mult": 1.0, "spike_mult": 1.0},
     }
-    shapes = [(3488, 3072), (3072, 3488), (96, 64), (64, 96)]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     seeds = range(args.seeds)
     print(f"{'format':<7} {'weights':<15} {'shape':<12} {'rel.err mean':>12} {'max':>8} {'cos min':>9}")
     for name in args.formats.split(","):
@@ -147,6 +147,8 @@ def main(argv=None) -> None:
     p.add_argument("--no-modelopt", action="store_true", help="time ours only")
     p.add_argument("--errors", action="store_true", help="print the error statistics table instead")
     p.add_argument("--seeds", type=int, default=5, help="--errors: weights per (variant, shape)")
+    p.add_argument("--shapes", default="3488x3072,3072x3488,96x64,64x96",
+                   help="--errors: weight shapes (real experts, the tiny preset's experts)")
     args = p.parse_args(argv)
     errors(args) if args.errors else speed(args)
 

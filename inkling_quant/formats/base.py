@@ -44,9 +44,10 @@ class Format:
         return sum(s.nbytes for s in self.out_specs(shape, dtype, activation_scale).values())
 
     def quantize(self, weight: torch.Tensor, *, global_amax: torch.Tensor | None = None,
-                 input_amax: float | None = None) -> dict[str, torch.Tensor]:
+                 input_amax: float | None = None, name: str = "") -> dict[str, torch.Tensor]:
         """suffix -> tensor, exactly the out_specs. `global_amax` (NVFP4) is the amax shared
-        by fused projections; `input_amax` the calibrated activation amax (None: weight-only)."""
+        by fused projections; `input_amax` the calibrated activation amax (None: weight-only).
+        `name` (optional) is the tensor's name, quoted in FormatError messages."""
         raise NotImplementedError
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -66,7 +67,7 @@ class Passthrough(Format):
     def out_specs(self, shape, dtype, activation_scale=True):
         return {"weight": OutSpec(tuple(shape), dtype)}
 
-    def quantize(self, weight, *, global_amax=None, input_amax=None):
+    def quantize(self, weight, *, global_amax=None, input_amax=None, name=""):
         return {"weight": weight}
 
     def dequantize(self, tensors, dtype=torch.float32):

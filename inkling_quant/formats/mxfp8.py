@@ -142,10 +142,11 @@ class MXFP8(Format):
     name = "mxfp8"
     quant_algo = "MXFP8"
     block_size = BLOCK_SIZE
-    # verify's thresholds for y = x @ W^T vs the BF16 source (docs/formats.md "Error statistics"):
-    # measured relative error 0.026-0.030 on Gaussian + outlier weights, cosine >= 0.99956.
-    max_rel_error = 0.05
-    min_cosine = 0.998
+    # verify's thresholds for y = x @ W^T vs the BF16 source (docs/formats.md "Error statistics",
+    # tools/bench_formats.py --errors): relative error ~0.027 typical, worst 0.053 and cosine
+    # >= 0.9993 over 1200 Gaussian + outlier weights (an e4m3 element is off by <= 2^-4 relative).
+    max_rel_error = 0.08
+    min_cosine = 0.996
 
     def out_specs(self, shape, dtype=torch.bfloat16, activation_scale=True):
         shape = tuple(shape)

@@ -257,6 +257,21 @@ def _e2m1_code_doc() -> None:
     """
 
 
+def _e2m1_magnitude(y: np.ndarray, code: np.ndarray, lo: np.ndarray, u: np.ndarray, t: np.ndarray,
+                    three: np.ndarray) -> None:
+    """code[...] = e2m1 magnitude code (0..7) of fp32 ``y >= 0``, ModelOpt's rounding (see
+    :func:`_e2m1_code_doc`). lo, u, t: fp32 scratch like y; three: fp32 filled with 3.0."""
+    np.add(y, np.float32(_M22), out=lo)                 # bits(lo) - bits(2^22) = R(2y)
+    np.subtract(y, np.float32(2.0), out=u)
+    np.multiply(y, np.float32(0.5), out=t)
+    np.minimum(u, t, out=u)
+    np.minimum(u, three, out=u)
+    np.add(u, np.float32(_M23H), out=u)                 # bits(u) - bits(1.5*2^23) = R(u)
+    ui = u.view(np.int32)
+    np.add(ui, _B22 + 4 - _B23H, out=ui)                # now bits(2^22) + 4 + R(u)
+    np.minimum(lo.view(np.int32), ui, out=code, casting="unsafe")  # low byte: bits(2^22) ends in 0x00
+
+
 def _nvfp4_cpu(w: torch.Tensor, s2: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed uint8 [numel/2], scale uint8 [numel/16]) for a contiguous CPU weight."""
     bits_t, _, _, min_exp = _BITS[w.dtype]
@@ -316,20 +331,10 @@ def _nvfp4_cpu(w: torch.Tensor, s2: torch.Tensor, name: str) -> tuple[torch.Tens
         np.divide(y, np.repeat(d, 8), out=y)                # |x| / d == |x / d| exactly
         if float(d.max()) >= d_exact_sign:
             np.logical_and(sgn, y > 0, out=sgn)
-        # --- e2m1 magnitude code (see _e2m1_code_doc)
-        lo = xx.view(np.float32)                            # x no longer needed
-        np.add(y, np.float32(_M22), out=lo)
-        u = _buf("nv:u", (2, H), np.float32)[:, :h]
-        t = _buf("nv:t", (2, H), np.float32)[:, :h]
-        np.subtract(y, np.float32(2.0), out=u)
-        np.multiply(y, np.float32(0.5), out=t)
-        np.minimum(u, t, out=u)
-        np.minimum(u, _const("three", (2, H), np.float32, 3.0)[:, :h], out=u)
-        np.add(u, np.float32(_M23H), out=u)
-        ui = u.view(np.int32)
-        np.add(ui, _B22 + 4 - _B23H, out=ui)
         code = _buf("nv:code", (2, H), np.uint8)[:, :h]
-        np.minimum(lo.view(np.int32), ui, out=code, casting="unsafe")  # low byte == code
+        _e2m1_magnitude(y, code, xx.view(np.float32),      # x is no longer needed: scratch
+                        _buf("nv:u", (2, H), np.float32)[:, :h], _buf("nv:t", (2, H), np.float32)[:, :h],
+                        _const("three", (2, H), np.float32, 3.0)[:, :h])
         # byte shifts on uint16 views: AVX2 has no 8-bit shifts, and no bit crosses a byte here
         for r in (0, 1):
             s16 = sgn[r].view(np.uint16)
@@ -378,11 +383,12 @@ class NVFP4(Format):
     name = "nvfp4"
     quant_algo = "NVFP4"
     block_size = BLOCK_SIZE
-    # verify's thresholds for y = x @ W^T vs the BF16 source (docs/formats.md "Error statistics"):
-    # measured relative error 0.103-0.108 on Gaussian + outlier weights (max over 40 tensors), cosine
-    # >= 0.9941; set with margin, yet far below a broken scale or nibble order (rel. error ~1).
-    max_rel_error = 0.15
-    min_cosine = 0.985
+    # verify's thresholds for y = x @ W^T vs the BF16 source (docs/formats.md "Error statistics",
+    # tools/bench_formats.py --errors): relative error ~0.095 typical, worst 0.125 and cosine
+    # >= 0.992 over 1200 Gaussian + outlier weights of the tiny and real expert shapes. ~1.45x
+    # margin, far below what a broken scale or nibble order gives (relative error ~1).
+    max_rel_error = 0.18
+    min_cosine = 0.98
 
     def out_specs(self, shape, dtype=torch.bfloat16, activation_scale=True):
         shape = tuple(shape)

@@ -11,37 +11,55 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError, UnsafePathError
-from .safetensors import Header, read_header
+from .safetensors import Header, _encodable, _short, open_regular, parse_json_bytes, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 MAX_JSON_BYTES = 64 << 20
 
 
+MAX_NAME_BYTES = 255  # NAME_MAX of every common file system
+
+
 def safe_child(root: Path, name: str, what: str = "file") -> Path:
-    """root/name, refusing names that could leave root."""
+    """root/name, refusing names that could leave root (or that no file system can hold)."""
     if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
-            or "\0" in name or os.path.isabs(name):
-        raise UnsafePathError(f"{root}: refusing {what} name {name!r}: must be a plain file name inside the checkpoint")
+            or "\0" in name or os.path.isabs(name) or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES \
+            or not _encodable(name):
+        raise UnsafePathError(f"{root}: refusing {what} name {_short(name)}: must be a plain file name "
+                              f"inside the checkpoint")
     path = root / name
-    if path.is_symlink():
-        target = path.resolve()
-        if not target.is_relative_to(root.resolve()):
-            raise UnsafePathError(f"{path}: symlink points outside the checkpoint ({target})")
+    try:
+        if path.is_symlink():
+            target = path.resolve()
+            if not target.is_relative_to(root.resolve()):
+                raise UnsafePathError(f"{path}: symlink points outside the checkpoint ({target})")
+    except (OSError, RuntimeError) as e:  # a loop (RuntimeError before Python 3.13), a name too long
+        raise UnsafePathError(f"{path}: symlink cannot be resolved: {getattr(e, 'strerror', None) or e}") from None
     return path
 
 
-def read_json(path: Path, what: str) -> dict:
+def read_json(path: Path, what: str, error: type[Exception] = CheckpointError) -> dict:
+    """A JSON object from an untrusted file, at most MAX_JSON_BYTES; any defect (not a regular
+    file, not UTF-8, not JSON, a duplicate key, too deep, not an object) raises `error`."""
     try:
-        if path.stat().st_size > MAX_JSON_BYTES:
-            raise CheckpointError(f"{path}: {what} larger than {MAX_JSON_BYTES} bytes")
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        fd = open_regular(path)
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: {what} not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: {what} is not valid JSON: {e}") from None
+        raise error(f"{path}: {what} not found") from None
+    except CheckpointError as e:  # not a regular file
+        raise error(f"{e} ({what})") from None
+    except OSError as e:
+        raise error(f"{path}: cannot read {what}: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            blob = f.read(MAX_JSON_BYTES + 1)
+    except OSError as e:
+        raise error(f"{path}: cannot read {what}: {e.strerror or e}") from None
+    if len(blob) > MAX_JSON_BYTES:
+        raise error(f"{path}: {what} larger than {MAX_JSON_BYTES} bytes")
+    obj = parse_json_bytes(blob, f"{path}: {what}", error)
     if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: {what} must be a JSON object")
+        raise error(f"{path}: {what} must be a JSON object")
     return obj
 
 
@@ -77,19 +95,24 @@ class Checkpoint:
                 raise CheckpointError(f"{index}: 'weight_map' must be a non-empty object")
             for name, fname in wm.items():
                 if not isinstance(fname, str):
-                    raise CheckpointError(f"{index}: tensor {name!r} maps to non-string {fname!r}")
-                safe_child(root, fname, f"shard (for tensor {name!r})")
+                    raise CheckpointError(f"{index}: tensor {_short(name, 200)} maps to non-string {_short(fname)}")
+                safe_child(root, fname, f"shard (for tensor {_short(name, 200)})")
             shards = list(dict.fromkeys(wm.values()))
-            meta = obj.get("metadata") or {}
-        elif (root / SINGLE_NAME).exists():
-            h = read_header(root / SINGLE_NAME)
+            meta = obj.get("metadata")
+            if meta is None:
+                meta = {}
+            if not isinstance(meta, dict):
+                raise CheckpointError(f"{index}: 'metadata' must be an object, got {_short(meta)}")
+        elif (root / SINGLE_NAME).exists() or (root / SINGLE_NAME).is_symlink():
+            h = read_header(safe_child(root, SINGLE_NAME, "shard"))
             wm = {n: SINGLE_NAME for n in h.tensors}
             shards, meta = [SINGLE_NAME], {}
         else:
             raise CheckpointError(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
         for s in shards:
             if not (root / s).is_file():
-                raise CheckpointError(f"{root / s}: shard named in the index does not exist")
+                what = "is not a regular file" if (root / s).exists() else "does not exist"
+                raise CheckpointError(f"{root / s}: shard named in the index {what}")
         return cls(root, dict(wm), shards, meta)
 
     def header(self, shard: str) -> Header:

@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,13 +58,83 @@ class Header:
     file_size: int
 
 
+MAX_RANK = 64  # no checkpoint tensor has more dimensions; bounds the work a shape list can cause
+_INT64_MAX = (1 << 63) - 1
+
+
+class _Duplicate(Exception):
+    pass
+
+
+def _no_duplicates(pairs: list) -> dict:
+    """json object_pairs_hook: a key given twice is ambiguous (which one does a reader use?)."""
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise _Duplicate(k)
+        d[k] = v
+    return d
+
+
+def parse_json_bytes(blob: bytes, where: str, error: type[Exception] = CheckpointError):
+    """JSON from untrusted bytes: every way it can be malformed becomes `error` naming `where`
+    (invalid UTF-8, syntax, a key given twice, nesting too deep, an integer too long to convert)."""
+    try:
+        return json.loads(blob.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except _Duplicate as e:
+        raise error(f"{where}: key {e.args[0]!r} appears more than once") from None
+    except RecursionError:
+        raise error(f"{where}: not valid JSON: nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, and int() past its digit limit
+        raise error(f"{where}: not valid JSON: {e}") from None
+
+
+def _encodable(s: str) -> bool:
+    """False for strings with lone surrogates (JSON "\\ud800"): no file system or terminal takes them."""
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def open_regular(path: Path) -> int:
+    """A read-only fd of `path`, refusing anything but a regular file (a FIFO would block the
+    open and every read; a device has no size). O_NONBLOCK: the open itself cannot hang."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{path}: not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _numel(shape: list[int], limit: int) -> int | None:
+    """Product of `shape`, or None when the nonzero dims multiply past `limit` (so a list of huge
+    dims costs no big-integer arithmetic, and no zero dim can hide an overflowing one)."""
+    n, zero = 1, False
+    for s in shape:
+        if s == 0:
+            zero = True
+            continue
+        n *= s
+        if n > limit:
+            return None
+    return 0 if zero else n
+
+
 def read_header(path: str | Path) -> Header:
-    """Read and validate a safetensors header; raise CheckpointError naming file and tensor."""
+    """Read and validate a safetensors header; raise CheckpointError naming file and tensor.
+    Nothing is allocated from a length or shape in the file before it is checked against the
+    file's size."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            raw = f.read(8)
+        fd = open_regular(path)
+        try:
+            size = os.fstat(fd).st_size
+            raw = os.pread(fd, 8, 0)
             if len(raw) < 8:
                 raise CheckpointError(f"{path}: truncated: {size} bytes, no safetensors header")
             (n,) = struct.unpack("<Q", raw)
@@ -71,51 +142,76 @@ def read_header(path: str | Path) -> Header:
                 raise CheckpointError(f"{path}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte cap")
             if 8 + n > size:
                 raise CheckpointError(f"{path}: truncated: header claims {n} bytes, file has {size}")
-            blob = f.read(n)
+            blob = bytearray()
+            while len(blob) < n:
+                chunk = os.pread(fd, n - len(blob), 8 + len(blob))
+                if not chunk:
+                    raise CheckpointError(f"{path}: truncated while reading the {n}-byte header")
+                blob += chunk
+        finally:
+            os.close(fd)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
-    try:
-        obj = json.loads(blob.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: header is not valid JSON: {e}") from None
+    obj = parse_json_bytes(bytes(blob), f"{path}: header")
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: header is not a JSON object")
-    metadata = obj.pop("__metadata__", None) or {}
+    metadata = obj.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
+    if not all(_encodable(k) and _encodable(v) for k, v in metadata.items()):
+        raise CheckpointError(f"{path}: __metadata__ holds a string that is not valid Unicode (lone surrogate)")
     data_start = 8 + n
     entries = []
     for name, e in obj.items():
-        where = f"{path}: tensor {name!r}"
+        where = f"{path}: tensor {_short(name, 200)}"
+        if not _encodable(name):
+            raise CheckpointError(f"{where}: name is not valid Unicode (lone surrogate)")
         if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
             raise CheckpointError(f"{where}: entry must have exactly dtype, shape, data_offsets")
         dtype = DTYPES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
         if dtype is None:
-            raise CheckpointError(f"{where}: unknown dtype {e['dtype']!r}")
+            raise CheckpointError(f"{where}: unknown dtype {_short(e['dtype'])}")
         shape, offs = e["shape"], e["data_offsets"]
         if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
-            raise CheckpointError(f"{where}: shape must be a list of non-negative integers")
+            raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {_short(shape)}")
+        if len(shape) > MAX_RANK:
+            raise CheckpointError(f"{where}: shape has {len(shape)} dimensions (at most {MAX_RANK})")
         if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int and o >= 0 for o in offs)
                 and offs[0] <= offs[1]):
-            raise CheckpointError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end")
-        expected = math.prod(shape) * dtype.itemsize
+            raise CheckpointError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, "
+                                  f"got {_short(offs)}")
+        numel = _numel(shape, _INT64_MAX)
+        if numel is None:
+            raise CheckpointError(f"{where}: shape {_short(shape)} has more elements than a tensor can hold")
+        expected = numel * dtype.itemsize
         if offs[1] - offs[0] != expected:
             raise CheckpointError(f"{where}: {offs[1] - offs[0]} bytes for dtype {e['dtype']} "
-                                  f"shape {shape} (expected {expected})")
+                                  f"shape {_short(shape)} (expected {expected})")
         entries.append(TensorEntry(name, dtype, tuple(shape), data_start + offs[0], data_start + offs[1]))
     entries.sort(key=lambda t: (t.begin, t.end))
     pos = data_start
     for t in entries:
         if t.begin != pos:
             kind = "overlaps the previous tensor" if t.begin < pos else "leaves a gap before it"
-            raise CheckpointError(f"{path}: tensor {t.name!r} at offset {t.begin - data_start} {kind}")
+            raise CheckpointError(f"{path}: tensor {_short(t.name, 200)} at offset {_short(t.begin - data_start)} {kind}")
         pos = t.end
     if pos != size:
         what = "truncated" if pos > size else "has trailing bytes"
-        last = entries[-1].name if entries else "(none)"
-        raise CheckpointError(f"{path}: {what}: tensors end at byte {pos}, file has {size} "
-                              f"(last tensor {last!r})")
+        last = _short(entries[-1].name, 200) if entries else "(none)"
+        raise CheckpointError(f"{path}: {what}: tensors end at byte {_short(pos)}, file has {size} "
+                              f"(last tensor {last})")
     return Header(path, {t.name: t for t in entries}, metadata, data_start, size)
+
+
+def _short(v, limit: int = 80) -> str:
+    """repr of an untrusted value for a message, cut short (a shape list can be megabytes)."""
+    try:
+        r = repr(v)
+    except RecursionError:  # JSON nested nearly to the parser's limit
+        return f"<{type(v).__name__} nested too deeply>"
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 class ShardReader:
@@ -124,7 +220,10 @@ class ShardReader:
     def __init__(self, path: str | Path, header: Header | None = None):
         self.header = header or read_header(path)
         self.path = self.header.path
-        self._fd = os.open(self.path, os.O_RDONLY)
+        try:
+            self._fd = open_regular(self.path)
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot open: {e.strerror or e}") from None
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -233,9 +332,13 @@ class ShardWriter:
         return self._hash.hexdigest()
 
     def abort(self) -> None:
-        if not self._f.closed:
-            self._f.close()
-        self.tmp.unlink(missing_ok=True)
+        try:
+            if not self._f.closed:
+                self._f.close()  # may fail again flushing (disk full): the file goes anyway
+        except OSError:
+            pass
+        finally:
+            self.tmp.unlink(missing_ok=True)
 
     def __enter__(self):
         return self

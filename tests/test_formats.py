@@ -1,0 +1,474 @@
+"""NVFP4 / MXFP8 formats: bit-exact against NVIDIA ModelOpt's own quantizers (packed bits, block
+scales, global scale), dequantization, the conventions docs/formats.md pins, and the errors.
+
+ModelOpt is imported lazily (a module fixture): `import inkling_quant.formats` must not load it."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from inkling_quant.errors import FormatError
+from inkling_quant.formats import FORMATS, MXFP8, NVFP4, get_format
+from inkling_quant.formats.mxfp8 import _e8m0_from_bits, _mxfp8_torch, e8m0_exponent
+from inkling_quant.formats.nvfp4 import (E2M1_BOUNDS, E2M1_VALUES, _e2m1_codes_torch, _e2m1_magnitude,
+                                         _nvfp4_torch, amax, pack_e2m1, unpack_e2m1)
+
+BF = torch.bfloat16
+U8 = torch.uint8
+
+
+# ------------------------------------------------------------------------------ fixtures / helpers
+@pytest.fixture(scope="module")
+def mo():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from modelopt.torch.quantization.qtensor import MXFP8QTensor, NVFP4QTensor
+    return NVFP4QTensor, MXFP8QTensor
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    """Run with 2 torch threads (the chunked kernel then uses 2 worker threads) unless a test
+    says otherwise; restore the caller's setting."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(n)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(U8) if t.dtype in (torch.float8_e4m3fn, U8) else t
+
+
+def gaussian(rows=64, cols=256, seed=0, std=0.02, dtype=BF):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, cols, generator=g) * std).to(dtype)
+
+
+def outliers(rows=64, cols=256, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * 0.02
+    w[3] *= 1000.0                                    # a whole row x1000
+    w[10, 17] = 250.0                                 # single huge elements
+    w[20, 5] = -3000.0
+    w.view(-1)[torch.randint(0, w.numel(), (40,), generator=g)] *= 60.0
+    return w.to(BF)
+
+
+def zero_blocks(rows=64, cols=256, seed=2):
+    w = gaussian(rows, cols, seed)
+    w[0, :16] = 0                                     # one NVFP4 block
+    w[1, 32:64] = 0                                   # one MXFP8 block
+    w[2, :] = 0                                       # a whole row
+    w[5, 16:32] = -0.0                                # a block of negative zeros
+    w[6, 3] = -0.0                                    # lone negative zeros
+    w[7, 100] = -0.0
+    return w
+
+
+def subnormal(rows=64, cols=256, seed=3):
+    """bf16 subnormals (|x| < 2^-126): a whole tensor of them would be all-subnormal; here half
+    the rows are subnormal-only and half mix 1e-40-ish values into normal blocks."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * 1e-39
+    w[rows // 2:] = torch.randn(rows - rows // 2, cols, generator=g) * 0.02
+    w[rows // 2:, ::7] = torch.randn(rows - rows // 2, (cols + 6) // 7, generator=g) * 1e-40
+    return w.to(BF)
+
+
+def underflow(rows=8, cols=64):
+    """A block with a huge element and tiny negatives: x / d underflows to -0.0, which ModelOpt
+    does not count as negative (code 0, not 8)."""
+    w = torch.zeros(rows, cols)
+    w[:, 0] = 3.0e38
+    w[:, 1:16] = -9.2e-41
+    w[:, 16:32] = torch.linspace(-1e-30, 1e-30, 16)
+    w[:, 32:] = 1.0
+    return w.to(BF)
+
+
+def ties(seed=4):
+    """Weights landing exactly on the e2m1 rounding bounds (and one bf16 ulp either side), with
+    power-of-two scales so that y = x / d is exact: global amax 2.625 -> weight_scale_2 = 2^-10,
+    block amax 0.375 -> block scale 64 -> d = 2^-4."""
+    d = 2.0 ** -4
+    vals = []
+    for b in E2M1_BOUNDS.tolist() + [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0]:
+        x = torch.tensor(b * d).to(BF)
+        up = (x.view(torch.int16) + 1).view(BF)
+        down = (x.view(torch.int16) - 1).view(BF) if b > 0 else x
+        vals += [x, up, down, -x, -up, -down]
+    body = torch.stack(vals).float()
+    rows = []
+    for r in range(0, len(body), 15):
+        blk = body[r:r + 15]
+        blk = torch.cat([blk, torch.zeros(15 - len(blk))])
+        rows.append(torch.cat([torch.tensor([6 * d]), blk]))      # each block's amax = 6d
+    w = torch.cat(rows).reshape(-1, 32)
+    w = torch.cat([w, torch.full((1, 32), 2.625)])                # global amax
+    return w.to(BF)
+
+
+CASES = {
+    "gaussian": gaussian,
+    "outliers": outliers,
+    "zero_blocks": zero_blocks,
+    "subnormal": subnormal,
+    "underflow": underflow,
+    "ties": ties,
+    "fp16": lambda: gaussian(dtype=torch.float16),
+    "fp32": lambda: outliers().float() * 1.0001,
+    "partial_chunk": lambda: gaussian(333, 3072, seed=5),          # blocks not a multiple of a chunk
+}
+
+
+def mo_nvfp4(mo, w, s2=None):
+    qt, s, s2_ = mo[0].quantize(w, 16, weights_scaling_factor_2=s2)
+    return qt, s, s2_
+
+
+def assert_nvfp4_equal(ours, qt, s, s2):
+    assert ours["weight"].dtype == U8 and ours["weight_scale"].dtype == torch.float8_e4m3fn
+    assert torch.equal(ours["weight"], qt._quantized_data), "packed e2m1 bits differ"
+    assert torch.equal(_bits(ours["weight_scale"]), _bits(s)), "block scales differ"
+    assert ours["weight_scale_2"].shape == () and ours["weight_scale_2"].dtype == torch.float32
+    assert torch.equal(ours["weight_scale_2"], s2.reshape(())), "global scale differs"
+
+
+# ------------------------------------------------------------------------------ NVFP4 vs ModelOpt
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_nvfp4_bit_exact(mo, case):
+    w = CASES[case]()
+    qt, s, s2 = mo_nvfp4(mo, w)
+    ours = NVFP4().quantize(w)
+    assert_nvfp4_equal(ours, qt, s, s2)
+    # the plain-torch path (used on GPUs) gives the same bits
+    p, sc = _nvfp4_torch(w.contiguous(), ours["weight_scale_2"], "")
+    assert torch.equal(p.reshape(qt._quantized_data.shape), qt._quantized_data)
+    assert torch.equal(sc.reshape(s.shape), _bits(s))
+
+
+def test_nvfp4_medium_tensor_and_threads(mo):
+    w = outliers(512, 3072, seed=7)
+    qt, s, s2 = mo_nvfp4(mo, w)
+    torch.set_num_threads(1)
+    one = NVFP4().quantize(w)
+    torch.set_num_threads(2)
+    two = NVFP4().quantize(w)
+    assert_nvfp4_equal(one, qt, s, s2)
+    assert_nvfp4_equal(two, qt, s, s2)
+
+
+def test_nvfp4_shared_global_scale(mo):
+    """Fused gate/up: both quantized with weights_scaling_factor_2 = max(amax)/(6*448)."""
+    gate, up = gaussian(64, 256, seed=11), gaussian(64, 256, seed=12, std=0.2)
+    g = torch.maximum(amax(gate), amax(up))
+    s2 = g / (6 * 448)
+    for w in (gate, up):
+        qt, s, s2_mo = mo_nvfp4(mo, w, s2)
+        ours = NVFP4().quantize(w, global_amax=g)
+        assert_nvfp4_equal(ours, qt, s, s2_mo)
+    assert torch.equal(NVFP4().quantize(gate, global_amax=g)["weight_scale_2"],
+                       NVFP4().quantize(up, global_amax=g)["weight_scale_2"])
+
+
+@pytest.mark.parametrize("factor", [1e-6, 1e-3, 0.5, 10.0, 1e6])
+def test_nvfp4_foreign_global_amax(mo, factor):
+    """A global amax far above the tensor's (block scales clamp at 2^-9) or below it (block
+    scales clamp at 448, values saturate at 6): same as ModelOpt given the same scale."""
+    w = outliers(32, 128, seed=13)
+    g = amax(w) / factor
+    qt, s, s2 = mo_nvfp4(mo, w, g / (6 * 448))
+    assert_nvfp4_equal(NVFP4().quantize(w, global_amax=g), qt, s, s2)
+
+
+def test_nvfp4_stacked_experts(mo):
+    w = torch.stack([gaussian(32, 128, seed=s) for s in range(3)])  # [E, out, in]
+    qt, s, s2 = mo_nvfp4(mo, w)
+    ours = NVFP4().quantize(w)
+    assert ours["weight"].shape == (3, 32, 64) and ours["weight_scale"].shape == (3, 32, 8)
+    assert_nvfp4_equal(ours, qt, s, s2)
+
+
+def test_nvfp4_dequantize_matches_modelopt(mo):
+    for w in (outliers(), zero_blocks(), subnormal()):
+        qt, s, s2 = mo_nvfp4(mo, w)
+        ref = qt.dequantize(dtype=torch.float32, scale=s, double_scale=s2, block_sizes={-1: 16})
+        ours = NVFP4().dequantize(NVFP4().quantize(w), torch.float32)
+        assert torch.equal(ours, ref)
+        # and the explicit formula: e2m1(code) * fp32(scale) * s2 per block
+        t = NVFP4().quantize(w)
+        vals = E2M1_VALUES[unpack_e2m1(t["weight"]).long()].view(w.shape[0], -1, 16)
+        formula = vals * (t["weight_scale"].float() * t["weight_scale_2"]).unsqueeze(-1)
+        assert torch.equal(ours, formula.reshape(w.shape))
+        assert NVFP4().dequantize(t, BF).dtype == BF
+
+
+def test_nvfp4_all_zero_is_finite_where_modelopt_is_nan(mo):
+    """ModelOpt divides 0/0 for an all-zero tensor (NaN scales, codes 6.0); we write a valid
+    all-zero encoding: codes 0, block scales 1.0, weight_scale_2 = 1/2688."""
+    w = torch.zeros(16, 64, dtype=BF)
+    _, s, s2 = mo_nvfp4(mo, w)
+    assert torch.isnan(s.float()).all() and float(s2) == 0.0
+    t = NVFP4().quantize(w)
+    assert int(t["weight"].max()) == 0
+    assert (t["weight_scale"].float() == 1.0).all()
+    assert float(t["weight_scale_2"]) == pytest.approx(1 / 2688)
+    assert not NVFP4().dequantize(t).any()
+    t2 = NVFP4().quantize(w, global_amax=torch.tensor(0.0))  # gate and up both zero
+    assert torch.equal(t2["weight_scale_2"], t["weight_scale_2"])
+    with pytest.raises(FormatError, match="not all zero"):
+        NVFP4().quantize(gaussian(), global_amax=0.0, name="x.weight")
+
+
+def test_nvfp4_input_scale():
+    w = gaussian()
+    t = NVFP4().quantize(w, input_amax=3.5)
+    assert set(t) == {"weight", "weight_scale", "weight_scale_2", "input_scale"}
+    assert t["input_scale"].shape == () and t["input_scale"].dtype == torch.float32
+    assert torch.equal(t["input_scale"], torch.tensor(3.5, dtype=torch.float32) / 2688.0)
+    assert "input_scale" not in NVFP4().quantize(w)
+    with pytest.raises(FormatError, match="input_amax"):
+        NVFP4().quantize(w, input_amax=0.0)
+    with pytest.raises(FormatError, match="input_amax"):
+        NVFP4().quantize(w, input_amax=float("nan"))
+
+
+# ------------------------------------------------------------------------------ e2m1 rounding
+def test_e2m1_rounding_formula_matches_modelopt_cast(mo):
+    """The kernel's magic-number rounding vs ModelOpt's own _cast_fp4 (searchsorted + odd-bound
+    tie fix) on: every bf16 value, every fp32 within 4096 ulps of each bound and grid point, and
+    random fp32 in [0, 8] and up to 1e38. (All fp32 in [0, 8.5] were checked once, offline.)"""
+    allbf = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(BF).float()
+    pts = torch.cat([E2M1_BOUNDS, E2M1_VALUES[:8], torch.tensor([8.0])])
+    near = (pts.view(torch.int32)[:, None] + torch.arange(-4096, 4097, dtype=torch.int32)).reshape(-1)
+    near = near[near >= 0].view(torch.float32)
+    g = torch.Generator().manual_seed(0)
+    rnd = torch.cat([torch.rand(1 << 18, generator=g) * 8, torch.rand(1 << 14, generator=g) * 1e38])
+    y = torch.cat([allbf, near, rnd]).contiguous()
+    yn = y.numpy()
+    code = np.empty(yn.shape, np.uint8)
+    _e2m1_magnitude(yn, code, np.empty_like(yn), np.empty_like(yn), np.empty_like(yn), np.full_like(yn, 3.0))
+    ref = mo[0]._cast_fp4(y.clone())
+    assert torch.equal(torch.from_numpy(code), ref)
+    assert torch.equal(_e2m1_codes_torch(y), ref)
+    assert torch.equal(_e2m1_codes_torch(-y[y > 0]), ref[y > 0] + 8)
+
+
+def test_e2m1_ties_round_half_to_even():
+    y = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.01, 7.0, 100.0])
+    assert _e2m1_codes_torch(y).tolist() == [0, 2, 2, 4, 4, 6, 6, 7, 7, 7]
+    assert E2M1_VALUES[_e2m1_codes_torch(y).long()].tolist() == [0, 1, 1, 2, 2, 4, 4, 6, 6, 6]
+
+
+def test_pack_unpack_nibble_order():
+    codes = torch.tensor([[1, 2, 3, 15, 0, 8]], dtype=U8)
+    packed = pack_e2m1(codes)
+    assert packed.tolist() == [[0x21, 0xF3, 0x80]]           # element 2j in the low nibble
+    assert torch.equal(unpack_e2m1(packed), codes)
+    g = torch.Generator().manual_seed(0)
+    c = torch.randint(0, 16, (7, 64), generator=g, dtype=torch.int32).to(U8)
+    assert torch.equal(unpack_e2m1(pack_e2m1(c)), c)
+
+
+def test_e2m1_values_table():
+    assert E2M1_VALUES[:8].tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+    assert torch.equal(E2M1_VALUES[8:], -E2M1_VALUES[:8])
+    assert torch.signbit(E2M1_VALUES[8])                      # code 8 is -0.0
+
+
+# ------------------------------------------------------------------------------ amax
+def test_amax_exact():
+    w = gaussian()
+    w[3, 4] = -7.5                                            # the max is negative
+    for t in (w, w.half(), w.float()):
+        a = amax(t)
+        assert a.dtype == torch.float32 and a.shape == ()
+        assert float(a) == 7.5
+    assert float(amax(torch.full((4, 16), -0.0, dtype=BF))) == 0.0
+    assert float(amax(subnormal()[:32])) == float(subnormal()[:32].float().abs().max())
+    big = outliers(300, 1024)                                 # several chunks
+    assert float(amax(big)) == float(big.float().abs().max())
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        w2 = gaussian()
+        w2[1, 2] = bad
+        with pytest.raises(FormatError, match="NaN or Inf") as e:
+            amax(w2, "model.layers.0.mlp.experts.0.up_proj.weight")
+        assert "up_proj" in str(e.value)
+
+
+# ------------------------------------------------------------------------------ MXFP8 vs ModelOpt
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_mxfp8_bit_exact(mo, case):
+    w = CASES[case]()
+    mq, ms = mo[1].quantize(w)
+    ours = MXFP8().quantize(w)
+    assert set(ours) == {"weight", "weight_scale"}
+    assert ours["weight"].dtype == torch.float8_e4m3fn and ours["weight_scale"].dtype == U8
+    assert torch.equal(_bits(ours["weight"]), _bits(mq._quantized_data))
+    assert torch.equal(ours["weight_scale"], ms)
+    q, e = _mxfp8_torch(w.contiguous(), "")
+    assert torch.equal(_bits(q).reshape(w.shape), _bits(mq._quantized_data))
+    assert torch.equal(e.reshape(ms.shape), ms)
+
+
+def test_mxfp8_medium_tensor_and_threads(mo):
+    w = outliers(512, 3072, seed=8)
+    mq, ms = mo[1].quantize(w)
+    for nt in (1, 2):
+        torch.set_num_threads(nt)
+        ours = MXFP8().quantize(w)
+        assert torch.equal(_bits(ours["weight"]), _bits(mq._quantized_data))
+        assert torch.equal(ours["weight_scale"], ms)
+
+
+def test_mxfp8_dequantize_matches_modelopt(mo):
+    for w in (outliers(), zero_blocks(), subnormal()):
+        mq, ms = mo[1].quantize(w)
+        ref = mq.dequantize(dtype=torch.float32, scale=ms)
+        t = MXFP8().quantize(w)
+        ours = MXFP8().dequantize(t, torch.float32)
+        assert torch.equal(ours, ref)
+        formula = (t["weight"].float().view(w.shape[0], -1, 32)
+                   * torch.exp2(t["weight_scale"].float() - 127).unsqueeze(-1)).reshape(w.shape)
+        assert torch.equal(ours, formula)
+
+
+def test_e8m0_integer_rule_on_every_bf16_and_fp16_amax(mo):
+    """Our integer ceil(log2(amax/448)) equals ModelOpt's torch.log2 form for every finite bf16
+    and fp16 block amax (all 32640 / 31744 patterns)."""
+    for dt, top in ((BF, 0x7F80), (torch.float16, 0x7C00)):
+        a = torch.arange(0, top, dtype=torch.int32).to(torch.int16).view(dt)
+        ref = (mo[1]._compute_e8m0_exponent(a) + 127).to(U8)
+        ours = _e8m0_from_bits(a.float().view(torch.int32).numpy(), exact_int=True)
+        assert torch.equal(torch.from_numpy(ours), ref)
+        assert torch.equal(e8m0_exponent(a), ref)
+
+
+def test_e8m0_follows_modelopt_not_ocp_floor(mo):
+    """ModelOpt: E = ceil(log2(amax/448)) (nothing clips). OCP MX v1.0: floor(log2(amax)) - 8,
+    which for these blocks is one lower and clips the block maximum at 448."""
+    w = torch.zeros(2, 64)
+    w[0, :32] = torch.linspace(-500.0, 500.0, 32)            # amax 500
+    w[1, 32:] = torch.linspace(-1.9, 1.9, 32)                 # amax 1.9
+    w[0, 32:] = torch.linspace(-1.0, 1.0, 32)                 # amax 1 (a power of two: both agree)
+    w = w.to(BF)
+    t = MXFP8().quantize(w)
+    e = t["weight_scale"].int() - 127
+    amaxes = torch.tensor([[500.0, 1.0], [0.0, 1.9]]).to(BF).float()
+    ocp = torch.floor(torch.log2(amaxes)) - 8
+    modelopt = torch.ceil(torch.log2(amaxes / 448))
+    assert e[0].tolist() == [1, -8] and e[1, 1] == -7
+    assert e[0, 0] == modelopt[0, 0] == ocp[0, 0] + 1
+    assert e[1, 1] == modelopt[1, 1] == ocp[1, 1] + 1
+    assert e[0, 1] == modelopt[0, 1] == ocp[0, 1]
+    assert int(e[1, 0]) == -127                               # an all-zero block
+    _, ms = mo[1].quantize(w)
+    assert torch.equal(t["weight_scale"], ms)
+    deq = MXFP8().dequantize(t)
+    assert float(deq[0, :32].abs().max()) > 448               # OCP's scale would clip to 448
+
+
+# ------------------------------------------------------------------------------ errors, specs
+@pytest.mark.parametrize("fmt, shape", [(NVFP4(), (64, 250)), (NVFP4(), (64, 8)), (MXFP8(), (64, 48)),
+                                        (MXFP8(), (64, 16))])
+def test_bad_shape_raises(fmt, shape):
+    w = torch.zeros(shape, dtype=BF)
+    with pytest.raises(FormatError, match="divisible by") as e:
+        fmt.quantize(w, name="model.layers.3.mlp.experts.1.down_proj.weight")
+    assert "down_proj" in str(e.value) and str(shape[-1]) in str(e.value)
+    with pytest.raises(FormatError):
+        fmt.out_specs(shape, BF)
+
+
+@pytest.mark.parametrize("fmt", [NVFP4(), MXFP8()])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
+def test_nonfinite_raises(fmt, bad, dtype):
+    w = gaussian(64, 256).to(dtype)
+    w[40, 200] = bad
+    with pytest.raises(FormatError, match="NaN or Inf") as e:
+        fmt.quantize(w, name="model.layers.2.mlp.experts.5.gate_proj.weight")
+    assert "gate_proj" in str(e.value)
+    if fmt.name == "nvfp4":  # also when the global amax comes from elsewhere
+        with pytest.raises(FormatError, match="NaN or Inf"):
+            fmt.quantize(w, global_amax=torch.tensor(1.0))
+
+
+def test_bad_global_amax_and_dtype():
+    w = gaussian()
+    with pytest.raises(FormatError, match="global_amax"):
+        NVFP4().quantize(w, global_amax=float("inf"))
+    with pytest.raises(FormatError, match="global_amax"):
+        NVFP4().quantize(w, global_amax=torch.tensor(-1.0))
+    for fmt in (NVFP4(), MXFP8()):
+        with pytest.raises(FormatError, match="bf16/fp16/fp32"):
+            fmt.quantize(w.to(torch.float64))
+
+
+def test_out_specs_match_quantize():
+    w = gaussian(96, 64)
+    for fmt, kw in ((NVFP4(), {"input_amax": 2.0}), (NVFP4(), {}), (MXFP8(), {}), (get_format("passthrough"), {})):
+        t = fmt.quantize(w, **kw)
+        specs = fmt.out_specs(tuple(w.shape), BF, activation_scale="input_amax" in kw)
+        assert set(t) == set(specs)
+        for k, spec in specs.items():
+            assert tuple(t[k].shape) == spec.shape and t[k].dtype == spec.dtype, k
+        assert fmt.nbytes(tuple(w.shape), BF, "input_amax" in kw) == sum(x.numel() * x.element_size() for x in t.values())
+    assert NVFP4().nbytes((3488, 3072)) == 3488 * 1536 + 3488 * 192 + 4 + 4
+
+
+def test_layer_config_and_registry():
+    assert NVFP4().layer_config() == {"quant_algo": "NVFP4", "group_size": 16}
+    assert NVFP4().layer_config(weight_only=True) == {"quant_algo": "W4A16_NVFP4", "group_size": 16}
+    assert MXFP8().layer_config() == {"quant_algo": "MXFP8", "group_size": 32}
+    assert (FORMATS["nvfp4"].quant_algo, FORMATS["nvfp4"].block_size) == ("NVFP4", 16)
+    assert (FORMATS["mxfp8"].quant_algo, FORMATS["mxfp8"].block_size) == ("MXFP8", 32)
+    for f in (NVFP4(), MXFP8()):
+        assert 0 < f.max_rel_error < 0.5 and 0.9 < f.min_cosine < 1
+
+
+def test_thresholds_hold_on_synthetic_weights():
+    """verify's thresholds pass realistic weights with room to spare, and fail a broken one."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 64, generator=g) * 64 ** -0.5)
+    w[7] *= 8
+    w = w.to(BF)
+    x = torch.randn(32, 64, generator=g).to(BF).double()
+    ref = x @ w.double().T
+    for fmt in (NVFP4(), MXFP8()):
+        t = fmt.quantize(w)
+        y = x @ fmt.dequantize(t).double().T
+        rel = float((y - ref).norm() / ref.norm())
+        cos = float((y * ref).sum() / (y.norm() * ref.norm()))
+        assert rel < fmt.max_rel_error / 1.3 and cos > 1 - (1 - fmt.min_cosine) / 1.3
+        if fmt.name == "nvfp4":   # swap the nibbles: the check must fail
+            t["weight"] = (t["weight"] >> 4) | (t["weight"] << 4)
+        else:                     # scales off by one power of two
+            t["weight_scale"] = t["weight_scale"] + 1
+        y = x @ fmt.dequantize(t).double().T
+        assert float((y - ref).norm() / ref.norm()) > fmt.max_rel_error
+
+
+def test_input_not_modified_and_noncontiguous():
+    w = outliers()
+    before = w.clone()
+    a = NVFP4().quantize(w.t().contiguous().t().contiguous())
+    b = NVFP4().quantize(w)
+    assert torch.equal(w, before)
+    assert torch.equal(a["weight"], b["weight"])
+    wt = outliers(256, 64).t()                                 # non-contiguous view
+    assert torch.equal(NVFP4().quantize(wt)["weight"], NVFP4().quantize(wt.contiguous())["weight"])
+    assert torch.equal(_bits(MXFP8().quantize(wt)["weight"]), _bits(MXFP8().quantize(wt.contiguous())["weight"]))
+
+
+def test_import_does_not_load_modelopt():
+    code = ("import sys, inkling_quant.formats as f; f.FORMATS['nvfp4'].quantize(__import__('torch').zeros(2, 16)); "
+            "assert not [m for m in sys.modules if m.startswith('modelopt')], 'modelopt imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
