@@ -29,7 +29,7 @@ import json
 import math
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -283,8 +283,7 @@ class KVSpec:
         return (cdiv(num_tokens, self.block_size) + 1) * self.page_size_bytes
 
     def with_block_size(self, block_size: int) -> "KVSpec":
-        return KVSpec(self.kind, self.num_kv_heads, self.head_size, self.dtype_bytes, block_size,
-                      self.sliding_window)
+        return replace(self, block_size=block_size)
 
 
 @dataclass(frozen=True)

@@ -64,10 +64,6 @@ UNQUANTIZED = "none"       # pseudo-scheme: a checkpoint with no quantization co
 PASS, FAIL, SKIP, ERROR = "pass", "fail", "skip", "error"
 
 
-class InputError(InklingQuantError):
-    """The input could not be read (not a directory, permission, I/O): exit 2."""
-
-
 # ============================================================================ report
 @dataclass
 class Problem:
@@ -274,7 +270,7 @@ class VerifyReport:
                          f"{self.stream_seconds:.2f} s: {self.throughput_mb_s:.0f} MB/s; total {self.seconds:.2f} s")
         if self.checksums_written:
             lines.append(f"  wrote {self.checksums_written}")
-        verdict = {0: "PASS", 1: "FAIL", 2: "INCOMPLETE (input could not be read)"}[self.exit_code]
+        verdict = {0: "PASS", 1: "FAIL", 2: "INCOMPLETE (usage error or unreadable input)"}[self.exit_code]
         lines.append(f"  result: {verdict} (exit {self.exit_code})")
         return "\n".join(lines)
 
@@ -313,7 +309,8 @@ class _Stream:
     hash is done. `pieces(n, item)` yields the next n bytes as memoryviews whose lengths are
     multiples of `item` (a tensor larger than a chunk comes in several pieces)."""
 
-    def __init__(self, path: Path, hasher: ThreadPoolExecutor, bufs: list[bytearray]):
+    def __init__(self, path: Path, hasher: ThreadPoolExecutor, bufs: list[bytearray], progress=None):
+        self.progress = progress
         self.path = path
         self.f = open(path, "rb", buffering=0)
         self.size = os.fstat(self.f.fileno()).st_size
@@ -341,6 +338,8 @@ class _Stream:
             raise EOFError(f"{self.path}: file ended at byte {self.read} (changed while being read?)")
         self.pending[self.cur] = self.hasher.submit(self.hash.update, mv[k:k + got])
         self.read += got
+        if self.progress is not None:
+            self.progress(got)
         self.mv, self.lo, self.hi = mv, 0, k + got
 
     def pieces(self, nbytes: int, item: int = 1) -> Iterator[memoryview]:
@@ -488,8 +487,11 @@ def _load_json(path: Path, what: str, check: Check) -> dict | None:
     except PermissionError as e:
         check.error(path, f"cannot read {what}: {e.strerror}")
         return None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, int digit limit
         check.fail(path, None, f"{what} is not valid JSON: {e}")
+        return None
+    except RecursionError:
+        check.fail(path, None, f"{what} is not valid JSON: nested too deeply")
         return None
     except OSError as e:
         check.error(path, f"cannot read {what}: {e.strerror or e}")
@@ -639,17 +641,22 @@ class Verifier:
         return None
 
     def _check_input(self) -> bool:
+        """False when the checkpoint cannot be read at all. An unreadable source only drops the
+        --against checks (the report still ends in exit 2)."""
         c = self._new("input", "input", "the checkpoint (and source) directories can be read")
+        ok = True
         for what, p in (("checkpoint", self.root), ("source", self.src_root)):
             if p is None:
                 continue
-            if not p.exists():
-                c.error(str(p), f"{what} directory does not exist")
-            elif not p.is_dir():
-                c.error(str(p), f"{what} is not a directory")
-            elif not os.access(p, os.R_OK | os.X_OK):
-                c.error(str(p), f"{what} directory is not readable")
-        return c.status == PASS
+            problem = ("directory does not exist" if not p.exists() else "is not a directory" if not p.is_dir()
+                       else "directory is not readable" if not os.access(p, os.R_OK | os.X_OK) else None)
+            if problem:
+                c.error(str(p), f"{what} {problem}")
+                if what == "checkpoint":
+                    ok = False
+                else:
+                    self.src_root = None
+        return ok
 
     # ------------------------------------------------------------------ index + headers
     def _index(self) -> None:
@@ -739,6 +746,8 @@ class Verifier:
                 c.fail(root / s, name, "index lists this tensor, the shard lacks it")
         data = sum(e.entry.nbytes for e in self.tensors.values())
         c.figures.update(shards=len(shards), tensors=len(self.weight_map), tensor_bytes=data)
+        if c.figures.get("index_total_size") is not None:  # informational: HF does not enforce it
+            c.figures["index_total_size_matches"] = c.figures["index_total_size"] == data
 
     def _header(self, shard: str) -> Header | None:
         hc = self._new(f"header[{shard}]", "structure", f"{shard}: safetensors header well-formed")
@@ -913,6 +922,7 @@ class Verifier:
             conv = (self.hf_quant or {}).get("converter") or {}
             self.weight_only = bool(conv.get("weight_only", False)) if isinstance(conv, dict) else False
         seen: set[str] = set()
+        unreadable: dict[str, list[str]] = {}
         for s in specs:
             t = self._classify(s.name)
             fmt = self._format(t)
@@ -949,6 +959,10 @@ class Verifier:
                     continue
             for n, (shape, dtype) in want.items():
                 if n not in got:
+                    shard = self.weight_map.get(n)
+                    if shard is not None and shard not in self.headers:
+                        unreadable.setdefault(shard, []).append(n)  # its header check failed
+                        continue
                     c.fail(self.root / INDEX_NAME, n, f"missing: {fmt.name} requires it "
                            f"({DTYPE_NAMES[dtype]} {list(shape)})")
                     continue
@@ -968,6 +982,9 @@ class Verifier:
             if isinstance(scheme, _Unquantized) and n.endswith(".input_scale") and self.tensors[n].entry.nbytes <= 4:
                 continue  # a BF16 source may carry calibrated activation scales
             c.fail(self.root / self.tensors[n].shard, n, f"unexpected tensor: {why}")
+        for shard, names in unreadable.items():
+            c.fail(self.root / shard, names[0], f"{len(names)} tensor(s) the index puts in this shard could "
+                   f"not be checked: its header is malformed (see header[{shard}])")
         c.figures.update(expected=len(self.expected), present=len(self.tensors))
 
     # ------------------------------------------------------------------ source
@@ -990,12 +1007,13 @@ class Verifier:
         for s, h in hs.items():
             for n, e in h.tensors.items():
                 self.src_tensors[n] = _Tensor(s, e)
-        try:
-            src_cfg = json.loads((root / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            c.error(root / "config.json", f"source config.json cannot be read: {e}")
+        probe = Check("source-config", "numerics", "")
+        src_cfg = _load_json(root / "config.json", "source config.json", probe)
+        if src_cfg is None:
+            for p in probe.problems:
+                c.error(p.file, p.message)  # the source is an input: unreadable means exit 2
             return
-        if self.config is not None and isinstance(src_cfg, dict):
+        if self.config is not None:
             mine = {k: v for k, v in self.config.items() if k != "quantization_config"}
             theirs = {k: v for k, v in src_cfg.items() if k != "quantization_config"}
             for k in sorted(set(mine) | set(theirs)):
@@ -1009,7 +1027,10 @@ class Verifier:
         """One pass over every file: sha256 of each (for checksums), value checks of each tensor,
         and (--against) pass-through tensors compared byte for byte with the source."""
         shards = [s for s in dict.fromkeys(self.weight_map.values()) if s in self.headers]
-        others = [n for n in self._read_checksum_names() if n not in shards]
+        # files hashed without value checks: listed in checksums.sha256, or shards whose header is bad
+        others = [s for s in dict.fromkeys(self.weight_map.values()) if s not in self.headers
+                  and (self.root / s).is_file()]
+        others += [n for n in self._read_checksum_names() if n not in shards and n not in others]
         if self.write_checksums:
             others += [p.name for p in sorted(self.root.iterdir()) if _checksummable(p)
                        and p.name not in shards and p.name not in others]
@@ -1026,7 +1047,13 @@ class Verifier:
         self._bufs = [bytearray(size + 64), bytearray(size + 64)]  # reused for every file
         fds: dict[str, int] = {}
         threads = _torch_threads(1)
-        threads.__enter__()  # noqa: SIM117 (exited in the finally below, with the hasher)
+        threads.__enter__()  # exited in the finally below, with the hasher
+        self._bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            total = sum(self.headers[n].file_size for n in shards) + sum(self._size(n) for n in others)
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify", leave=False)
         try:
             for name in shards:
                 c = self._new(f"values[{name}]", "values", f"{name}: no NaN/Inf; scales finite and positive")
@@ -1043,14 +1070,23 @@ class Verifier:
                 self.report.checks.append(io)
         finally:
             threads.__exit__(None, None, None)
+            if self._bar is not None:
+                self._bar.close()
             hasher.shutdown(wait=True)
             for fd in fds.values():
                 os.close(fd)
         self.report.stream_seconds = time.perf_counter() - t0
 
+    def _size(self, name: str) -> int:
+        try:
+            p = safe_child(self.root, name, "file")
+            return p.stat().st_size if p.is_file() else 0
+        except (InklingQuantError, OSError):
+            return 0
+
     def _stream_file(self, name: str, h: Header | None, c: Check | None, pt: Check | None, fds: dict,
                      hasher: ThreadPoolExecutor) -> None:
-        st = _Stream(self.root / name, hasher, self._bufs)
+        st = _Stream(self.root / name, hasher, self._bufs, self._bar.update if self._bar is not None else None)
         try:
             if h is not None:
                 st.skip(h.data_start)
@@ -1249,8 +1285,13 @@ class Verifier:
         from . import kernels
 
         dev = torch.device(self.device)
-        path = kernels.PATH_REFERENCE if dev.type == "cpu" else None
-        self.report.kernel_path = kernels.PATH_REFERENCE if path else kernels.select_path(dev)
+        # cpu: the torch reference. cuda: the Triton kernel, weight-only (dequantize in registers,
+        # bf16 MMA); the sm100 path also quantizes the activations (W4A4/W8A8), an error the
+        # thresholds (weights vs their BF16 source) do not budget for.
+        path = kernels.PATH_REFERENCE if dev.type == "cpu" else kernels.select_path(dev)
+        if path == kernels.PATH_SM100:
+            path = kernels.PATH_BF16_MMA
+        self.report.kernel_path = path
         cfg = self.cfg
         by_layer: dict[int, list[tuple[str, str]]] = {}
         for i in range(cfg.num_hidden_layers):
@@ -1469,7 +1510,8 @@ def _parse_checksums(path: Path, c: Check | None) -> dict[str, str]:
 
 # ============================================================================ API
 def verify(ckpt: str | Path, against: str | Path | None = None, *, scheme: str | None = None,
-           sample: int = DEFAULT_SAMPLE, device: str = "cpu", write_checksums: bool = False) -> VerifyReport:
+           sample: int = DEFAULT_SAMPLE, device: str = "cpu", write_checksums: bool = False,
+           progress: bool = False) -> VerifyReport:
     """Verify checkpoint `ckpt` (and, with `against`, its numerics against the BF16 source).
     Never raises for a defect of the checkpoint: the report says what failed (`report.ok`,
     `report.exit_code`, `report.failures()`; `report.raise_for_failure()` to turn it into an
@@ -1483,7 +1525,7 @@ def verify(ckpt: str | Path, against: str | Path | None = None, *, scheme: str |
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
     return Verifier(ckpt, against, scheme=scheme, sample=sample, device=device,
-                    write_checksums=write_checksums).run()
+                    write_checksums=write_checksums, progress=progress).run()
 
 
 # ============================================================================ CLI
@@ -1516,8 +1558,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    report = verify(args.ckpt, args.against, scheme=args.scheme, sample=args.sample, device=args.device,
-                    write_checksums=args.write_checksums)
+    try:
+        report = verify(args.ckpt, args.against, scheme=args.scheme, sample=args.sample, device=args.device,
+                        write_checksums=args.write_checksums, progress=not args.quiet and sys.stderr.isatty())
+    except UsageError as e:  # still write the reports: CI looks for them
+        report = VerifyReport(args.ckpt, args.against, args.scheme or "?", args.device, sample=args.sample)
+        usage = Check("usage", "input", "the command line is valid")
+        usage.error("inkling-quant verify", str(e))
+        report.checks.append(usage)
     for dest, text in ((args.json, report.to_json), (args.junit, report.to_junit)):
         if dest:
             try:

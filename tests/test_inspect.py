@@ -155,34 +155,71 @@ def test_inspect_reads_headers_only(source, tmp_path, monkeypatch):
     after = inspect_cmd.summarize(copy).to_dict()
     assert {**after, "checkpoint": None} == {**before, "checkpoint": None}
 
-    # 2. every way to reach tensor data fails, and reads of shard files never pass their header
-    def forbidden(*a, **k):
-        raise AssertionError("inspect tried to read tensor data")
-
-    for mod, name in ((os, "pread"), (os, "preadv"), (os, "read"), (mmap, "mmap"),
-                      (st.ShardReader, "__init__"), (st.ShardReader, "read_bytes")):
-        monkeypatch.setattr(mod, name, forbidden)
-    import safetensors
-    monkeypatch.setattr(safetensors, "safe_open", forbidden)
-
+    # 2. trace every read of a shard file, at the file-object and at the fd level: none may go
+    #    past the shard's header; the readers that exist to fetch tensors must not be used at all
     header_end = {}
     for shard in copy.glob("*.safetensors"):
         with builtins.open(shard, "rb") as f:
             header_end[shard.resolve()] = 8 + struct.unpack("<Q", f.read(8))[0]
     read_upto: dict[Path, int] = {}
+
+    def record(path: Path, end: int) -> None:
+        read_upto[path] = max(read_upto.get(path, 0), end)
+
+    def shard_of_fd(fd: int) -> Path | None:
+        try:
+            path = Path(os.readlink(f"/proc/self/fd/{fd}")).resolve()
+        except OSError:
+            return None
+        return path if path in header_end else None
+
+    def forbidden(*a, **k):
+        raise AssertionError("inspect used a tensor reader")
+
+    real_read, real_pread, real_preadv, real_mmap = os.read, os.pread, os.preadv, mmap.mmap
+
+    def traced_read(fd, n):
+        path = shard_of_fd(fd)
+        pos = os.lseek(fd, 0, os.SEEK_CUR) if path else 0
+        data = real_read(fd, n)
+        if path:
+            record(path, pos + len(data))
+        return data
+
+    def traced_pread(fd, n, offset):
+        data = real_pread(fd, n, offset)
+        if (path := shard_of_fd(fd)):
+            record(path, offset + len(data))
+        return data
+
+    def traced_preadv(fd, buffers, offset, *rest):
+        got = real_preadv(fd, buffers, offset, *rest)
+        if (path := shard_of_fd(fd)):
+            record(path, offset + got)
+        return got
+
+    def traced_mmap(fd, *a, **k):
+        if shard_of_fd(fd):
+            raise AssertionError("inspect mapped a shard")
+        return real_mmap(fd, *a, **k)
+
     real_open = builtins.open
 
-    class Wrapper:
+    class Traced:
+        """A shard opened with open(): tracks how far Python code consumed it."""
+
         def __init__(self, f, path):
             self._f, self._path = f, path
 
         def read(self, n=-1):
             data = self._f.read(n)
-            read_upto[self._path] = max(read_upto.get(self._path, 0), self._f.tell())
+            record(self._path, self._f.tell())
             return data
 
         def readinto(self, b):
-            forbidden()
+            got = self._f.readinto(b)
+            record(self._path, self._f.tell())
+            return got
 
         def __getattr__(self, k):
             return getattr(self._f, k)
@@ -193,13 +230,17 @@ def test_inspect_reads_headers_only(source, tmp_path, monkeypatch):
         def __exit__(self, *exc):
             self._f.close()
 
-    def wrapped_open(file, mode="r", *args, **kwargs):
+    def traced_open(file, mode="r", *args, **kwargs):
         f = real_open(file, mode, *args, **kwargs)
         path = Path(file).resolve() if isinstance(file, (str, os.PathLike)) else None
-        return Wrapper(f, path) if path in header_end else f
+        return Traced(f, path) if path in header_end else f
 
-    monkeypatch.setattr(builtins, "open", wrapped_open)
-    monkeypatch.setattr(io, "open", wrapped_open)
+    import safetensors
+    for mod, name, fn in ((os, "read", traced_read), (os, "pread", traced_pread), (os, "preadv", traced_preadv),
+                          (mmap, "mmap", traced_mmap), (builtins, "open", traced_open), (io, "open", traced_open),
+                          (st.ShardReader, "__init__", forbidden), (st.ShardReader, "read_bytes", forbidden),
+                          (safetensors, "safe_open", forbidden)):
+        monkeypatch.setattr(mod, name, fn)
     traced = inspect_cmd.summarize(copy).to_dict()
     monkeypatch.undo()
     assert {**traced, "checkpoint": None} == {**before, "checkpoint": None}

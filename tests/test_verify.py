@@ -90,14 +90,20 @@ def _patch_bytes(root: Path, name: str, at: int, data: bytes) -> str:
 
 
 def _run(capsys, *argv) -> tuple[int, str, dict]:
-    """`inkling-quant verify ARGV --json R`: exit code, printed output, the JSON report."""
-    rep = Path(str(argv[0])).parent / "report.json" if Path(str(argv[0])).parent.is_dir() else None
-    args = [*map(str, argv)] + (["--json", str(rep)] if rep is not None and "--json" not in argv else [])
+    """`inkling-quant verify ARGV --json R`: exit code, printed output, the JSON report (R beside
+    the checkpoint unless ARGV names one)."""
+    args = [str(a) for a in argv]
+    if "--json" in args:
+        rep = Path(args[args.index("--json") + 1])
+    else:
+        rep = Path(args[0]).parent / "report.json"
+        args += ["--json", str(rep)]
+    rep.unlink(missing_ok=True)
     rc = main(["verify", *args])
     cap = capsys.readouterr()
     out = cap.out + cap.err
     assert "Traceback" not in out
-    report = json.loads(rep.read_text()) if rep is not None and rep.exists() else {}
+    report = json.loads(rep.read_text()) if rep.exists() else {}
     assert not report or report["exit_code"] == rc
     return rc, out, report
 
@@ -153,15 +159,6 @@ def test_good_checkpoint_passes_every_check(good_report, converted, tiny_src):
     assert "0-39" in text and "40-47" in text and "result: PASS" in text
 
 
-def test_default_sample_is_deterministic_two_per_layer(converted, tiny_src):
-    r = verify(converted, tiny_src)
-    assert r.ok
-    assert len(r.numerics) == 48 * 2 * 3
-    picked = {(n["layer"], n["tensor"].split(".")[5]) for n in r.numerics}
-    assert picked == {(i, str(e)) for i in range(48) for e in sample_experts(i, 4, 2)}
-    assert sample_experts(7, 384, 2) == sample_experts(7, 384, 2) != sample_experts(8, 384, 2)
-
-
 def test_cli_reports_json_and_junit(converted, tiny_src, tmp_path, capsys):
     rc, out, rep = _run(capsys, converted, "--against", tiny_src, "--json", tmp_path / "r.json",
                         "--junit", tmp_path / "r.xml")
@@ -171,6 +168,11 @@ def test_cli_reports_json_and_junit(converted, tiny_src, tmp_path, capsys):
     assert rep["scheme"] == "default" and rep["kernel_path"] == "torch-reference"
     assert all({"id", "status", "problems", "figures"} <= set(c) for c in rep["checks"])
     assert rep["numerics"] and {"rel_error", "cosine", "max_rel_error", "min_cosine"} <= set(rep["numerics"][0])
+    # the default sample: 2 experts per layer, the same on every run (seeded by the layer)
+    assert len(rep["numerics"]) == 48 * 2 * 3
+    picked = {(n["layer"], int(n["tensor"].split(".")[5])) for n in rep["numerics"]}
+    assert picked == {(i, e) for i in range(48) for e in sample_experts(i, 4, 2)}
+    assert sample_experts(7, 384, 2) == sample_experts(7, 384, 2) != sample_experts(8, 384, 2)
     suite = ET.parse(tmp_path / "r.xml").getroot()
     cases = suite.findall(".//testcase")
     assert len(cases) == len(rep["checks"]) and suite.get("failures") == "0"
@@ -412,8 +414,8 @@ def test_unreadable_inputs_exit_2(converted, tmp_path, capsys):
     assert ET.parse(tmp_path / "r.xml").getroot().get("errors") == "1"
     rc, out, r = _run(capsys, converted, "--against", tmp_path / "nope")
     assert rc == 2 and "source directory does not exist" in out
-    rc, out, _ = _run(capsys, converted, "--scheme", "bogus")
-    assert rc == 2 and "unknown scheme" in out
+    rc, out, _ = _run(capsys, converted, "--scheme", "bogus", "--json", tmp_path / "u.json")
+    assert rc == 2 and "unknown scheme" in out and json.loads((tmp_path / "u.json").read_text())["exit_code"] == 2
     rc, out, _ = _run(capsys, converted, "--sample", "-1")
     assert rc == 2 and "--sample" in out
     if not torch.cuda.is_available():

@@ -16,8 +16,8 @@ The scale rule is ModelOpt's "round up" (``MXFP8QTensor._compute_e8m0_exponent``
 
 Bit-identical to ``modelopt.torch.quantization.qtensor.MXFP8QTensor.quantize`` (0.47.0, CPU).
 The CPU path shares the NVFP4 kernel's structure (chunks of whole blocks, numpy on reused
-per-thread buffers, bf16 pairs split into even/odd fp32 planes, torch.get_num_threads() threads);
-the e4m3 rounding itself is torch's own fp32 -> float8_e4m3fn cast, the one ModelOpt uses.
+per-thread buffers, torch.get_num_threads() threads); the e4m3 rounding itself is torch's own
+fp32 -> float8_e4m3fn cast, the one ModelOpt uses.
 """
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ __all__ = ["MXFP8", "BLOCK_SIZE", "E4M3_MAX", "e8m0_exponent"]
 
 BLOCK_SIZE = 32
 E4M3_MAX = 448.0
-_MX_CHUNK_BLOCKS = 2048      # 65536 elements per chunk
-_TORCH_SERIAL = 32767        # torch runs element-wise ops below this size on the calling thread
+_MX_CHUNK_BLOCKS = 4096      # 131072 elements per chunk
+_TORCH_SERIAL = 32767        # torch runs element-wise ops below this size serially on the calling
+                             # thread (its OpenMP fork/join per op is very slow from worker threads)
 
 
 def e8m0_exponent(block_amax: torch.Tensor) -> torch.Tensor:
@@ -74,32 +75,27 @@ def _mxfp8_cpu(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     bf16 = w.dtype == torch.bfloat16
     # bf16/fp16: |x| * 2^-e <= 448 always (docs/formats.md), so ModelOpt's clamp is a no-op
     needs_clamp = w.dtype == torch.float32
-    src = _np(flat_t.view(torch.int32)) if bf16 else None
+    src = _np(flat_t.view(torch.int16)) if bf16 else None
     CB = _MX_CHUNK_BLOCKS
-    H = CB * 16
+    N = CB * BLOCK_SIZE
 
     def chunk(b0: int, b1: int) -> None:
         m = b1 - b0
-        h = m * 16
-        xx = _buf("mx:x", (2, H), np.int32)[:, :h]         # fp32 bits: row 0 even, row 1 odd
+        n = m * BLOCK_SIZE
+        x = _buf("mx:x", (N,), np.int32)[:n]                # fp32 bits of x
         if bf16:
-            v = src[b0 * 16: b1 * 16]
-            np.left_shift(v, 16, out=xx[0])
-            np.bitwise_and(v, -65536, out=xx[1])
+            np.left_shift(src[b0 * 32: b1 * 32], 16, out=x, dtype=np.int32)
         else:
             x32 = flat_t[b0 * 32: b1 * 32].float().numpy().view(np.int32)
-            np.copyto(xx[0], x32[0::2])
-            np.copyto(xx[1], x32[1::2])
-        aa = _buf("mx:a", (2, H), np.int32)[:, :h]
-        np.bitwise_and(xx, 0x7FFFFFFF, out=aa)
-        t = _buf("mx:t", (H,), np.int32)[:h]
-        np.maximum(aa[0], aa[1], out=t)                     # a block's 16 pair-maxima are contiguous
-        t2 = _buf("mx:t2", (H // 2,), np.int32)
-        n2 = h
-        while n2 > m:                                       # strided max tree: 16 -> 1 per block
-            np.maximum(t[0:n2:2], t[1:n2:2], out=t2[: n2 // 2])
-            t, t2 = t2, t
-            n2 //= 2
+            np.copyto(x, x32)
+        a = _buf("mx:a", (N,), np.int32)[:n]
+        np.bitwise_and(x, 0x7FFFFFFF, out=a)
+        t, t2 = a, _buf("mx:t", (N // 2,), np.int32)
+        k = n
+        while k > m:                                        # strided max tree: 32 -> 1 per block
+            np.maximum(t[0:k:2], t[1:k:2], out=t2[: k // 2])
+            t, t2 = t2, (a if t is a else t)
+            k //= 2
         bm = t[:m].copy()
         if int(bm.max()) >= 0x7F800000:
             raise _nonfinite(name)
@@ -108,16 +104,14 @@ def _mxfp8_cpu(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         # 2^(127 - E) as fp32 bits (torch.exp2 of an integer is exact; E = 254 is subnormal 2^-127)
         fb = (254 - e8.astype(np.int32)) << 23
         fb[e8 == 254] = 0x00400000
-        y = xx.view(np.float32)
-        np.multiply(y, np.repeat(fb.view(np.float32), 16), out=y)   # x * 2^-e, exactly ModelOpt's
+        y = x.view(np.float32)
+        np.multiply(y, np.repeat(fb.view(np.float32), BLOCK_SIZE), out=y)   # x * 2^-e, as ModelOpt
         if needs_clamp:
             np.clip(y, np.float32(-E4M3_MAX), np.float32(E4M3_MAX), out=y)
+        yt = torch.from_numpy(y)
         dst = q[b0 * 32: b1 * 32]
-        for r in (0, 1):
-            yr = torch.from_numpy(y[r])
-            dr = dst[r::2]
-            for lo in range(0, h, _TORCH_SERIAL):
-                dr[lo: lo + _TORCH_SERIAL].copy_(yr[lo: lo + _TORCH_SERIAL])
+        for lo in range(0, n, _TORCH_SERIAL):               # torch's own fp32 -> e4m3 cast
+            dst[lo: lo + _TORCH_SERIAL].copy_(yt[lo: lo + _TORCH_SERIAL])
 
     _run_chunks(chunk, nblk, CB)
     return q, scale

@@ -158,12 +158,16 @@ def _buf(key: str, shape: tuple[int, ...], dtype) -> np.ndarray:
     return a
 
 
-def _const(key: str, shape: tuple[int, ...], dtype, value) -> np.ndarray:
-    a = _buf("const:" + key, shape, dtype)
-    if getattr(_TLS, "const_ok", {}).get(key) != (shape, value):
-        a.fill(value)
-        _TLS.__dict__.setdefault("const_ok", {})[key] = (shape, value)
-    return a
+def _const(key: str, n: int, dtype, value) -> np.ndarray:
+    """A per-thread 1-D array of at least n elements, all ``value`` (for fast array-array numpy
+    loops: numpy's minimum/maximum against a scalar is several times slower)."""
+    d = getattr(_TLS, "consts", None)
+    if d is None:
+        d = _TLS.consts = {}
+    a = d.get(key)
+    if a is None or a.size < n:
+        a = d[key] = np.full(max(n, 1 << 14), value, dtype)
+    return a[:n]
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -207,14 +211,16 @@ def amax(w: torch.Tensor, name: str = "") -> torch.Tensor:
     return torch.tensor(m, dtype=bits_t).view(w.dtype).float()
 
 
-def _as_amax(v, what: str, name: str) -> torch.Tensor:
-    t = torch.as_tensor(v).detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-    if t.numel() != 1:
-        raise FormatError(f"{_where(name)}{what} must be a scalar, got shape {tuple(t.shape)}")
-    t = t.reshape(())
-    if not bool(torch.isfinite(t)) or float(t) < 0:
-        raise FormatError(f"{_where(name)}{what} must be finite and >= 0, got {float(t)}")
-    return t
+def _as_amax(v, what: str, name: str) -> np.float32:
+    """A caller's amax (python number or 1-element tensor) as fp32, as ModelOpt's ``.float()``."""
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise FormatError(f"{_where(name)}{what} must be a scalar, got shape {tuple(v.shape)}")
+        v = v.detach().reshape(()).to(device="cpu", dtype=torch.float32).item()
+    f = np.float32(v)
+    if not np.isfinite(f) or f < 0:
+        raise FormatError(f"{_where(name)}{what} must be finite and >= 0, got {float(v)}")
+    return f
 
 
 def nvfp4_global_scale(global_amax: torch.Tensor) -> torch.Tensor:
@@ -232,7 +238,7 @@ _M22 = float(2 ** 22)        # x + 2^22 rounds x to a multiple of 0.5 (half to e
 _M23H = float(3 * 2 ** 22)   # 1.5 * 2^23: x + M rounds x to an integer for -2^22 <= x < 2^22
 _B22 = 0x4A800000            # bits(2^22)
 _B23H = 0x4B400000           # bits(1.5 * 2^23)
-_NV_CHUNK_BLOCKS = 4096      # 65536 elements per chunk
+_NV_CHUNK_BLOCKS = 8192      # 131072 elements per chunk
 
 
 def _e2m1_code_doc() -> None:
@@ -272,6 +278,33 @@ def _e2m1_magnitude(y: np.ndarray, code: np.ndarray, lo: np.ndarray, u: np.ndarr
     np.minimum(lo.view(np.int32), ui, out=code, casting="unsafe")  # low byte: bits(2^22) ends in 0x00
 
 
+def _block_scales(bm: np.ndarray, denom: np.float32, s2f: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """ModelOpt's block scales from fp32 block amax values: ``pbs = amax / (6*s2)``, 0 -> 1.0,
+    clamp to [2^-9, 448], cast to e4m3; returns (e4m3 bytes, fp32(scale) * s2 as fp32)."""
+    pbs = bm / denom                                      # torch: amax / (E2M1_MAX * s2), fp32
+    m = pbs.size
+    np.minimum(pbs, _const("448", m, np.float32, E4M3_MAX), out=pbs)
+    if float(pbs.min()) >= 2.0 ** -6:
+        # every scale is a normal e4m3 number: round the fp32 mantissa to 3 bits, half to even,
+        # on the bit pattern (the float8 cast does the same; the clamp keeps it <= 448)
+        b = pbs.view(np.int32)
+        t = np.right_shift(b, 20)
+        np.bitwise_and(t, 1, out=t)
+        np.add(t, b, out=t)
+        np.add(t, 0x7FFFF, out=t)
+        s8 = np.empty(m, np.uint8)
+        np.subtract(np.right_shift(t, 20), 960, out=s8, casting="unsafe")   # (exp+120)<<3|mant - 960
+        np.bitwise_and(t, -0x100000, out=t)               # the rounded value's fp32 bits
+        d = t.view(np.float32)
+    else:  # zero or e4m3-subnormal scales somewhere: ModelOpt's ops verbatim
+        pbs[pbs == 0] = 1.0
+        np.maximum(pbs, np.float32(MIN_BLOCK_SCALE), out=pbs)
+        s8 = torch.from_numpy(pbs).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        d = np.take(_E4M3_TO_F32, s8)
+    np.multiply(d, s2f, out=d)                            # fp32(scale) * s2, fp32
+    return s8, d
+
+
 def _nvfp4_cpu(w: torch.Tensor, s2: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed uint8 [numel/2], scale uint8 [numel/16]) for a contiguous CPU weight."""
     bits_t, _, _, min_exp = _BITS[w.dtype]
@@ -308,25 +341,17 @@ def _nvfp4_cpu(w: torch.Tensor, s2: torch.Tensor, name: str) -> tuple[torch.Tens
         aa = _buf("nv:a", (2, H), np.int32)[:, :h]          # |x| bits, then y = |x| / d
         np.bitwise_and(xx, 0x7FFFFFFF, out=aa)
         # block amax bits: max of the two planes, then a strided max tree over each block's 8
+        pm = _buf("nv:pm", (H,), np.int32)[:h]
+        np.maximum(aa[0], aa[1], out=pm)
         t4 = _buf("nv:t4", (H // 2,), np.int32)[: h // 2]
-        np.maximum(aa[0, 0::2], aa[0, 1::2], out=t4)
-        t4b = _buf("nv:t4b", (H // 2,), np.int32)[: h // 2]
-        np.maximum(aa[1, 0::2], aa[1, 1::2], out=t4b)
-        np.maximum(t4, t4b, out=t4)
-        t2 = t4b[: h // 4]
+        np.maximum(pm[0::2], pm[1::2], out=t4)
+        t2 = pm[: h // 4]
         np.maximum(t4[0::2], t4[1::2], out=t2)
         bm = np.maximum(t2[0::2], t2[1::2])
         if int(bm.max()) >= 0x7F800000:
             raise _nonfinite(name)
-        # --- block scales, as ModelOpt: amax / (6*s2); 0 -> 1; clamp [2^-9, 448]; -> e4m3
-        pbs = bm.view(np.float32)
-        np.divide(pbs, denom, out=pbs)
-        pbs[pbs == 0] = 1.0
-        np.clip(pbs, np.float32(MIN_BLOCK_SCALE), np.float32(E4M3_MAX), out=pbs)
-        s8 = torch.from_numpy(pbs).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        s8, d = _block_scales(bm.view(np.float32), denom, s2f)
         scale_np[b0:b1] = s8
-        d = _E4M3_TO_F32[s8]
-        np.multiply(d, s2f, out=d)                          # fp32(scale) * s2, fp32
         y = aa.view(np.float32)
         np.divide(y, np.repeat(d, 8), out=y)                # |x| / d == |x / d| exactly
         if float(d.max()) >= d_exact_sign:
@@ -334,7 +359,7 @@ def _nvfp4_cpu(w: torch.Tensor, s2: torch.Tensor, name: str) -> tuple[torch.Tens
         code = _buf("nv:code", (2, H), np.uint8)[:, :h]
         _e2m1_magnitude(y, code, xx.view(np.float32),      # x is no longer needed: scratch
                         _buf("nv:u", (2, H), np.float32)[:, :h], _buf("nv:t", (2, H), np.float32)[:, :h],
-                        _const("three", (2, H), np.float32, 3.0)[:, :h])
+                        _const("three", 2 * H, np.float32, 3.0).reshape(2, H)[:, :h])
         # byte shifts on uint16 views: AVX2 has no 8-bit shifts, and no bit crosses a byte here
         for r in (0, 1):
             s16 = sgn[r].view(np.uint16)
@@ -413,14 +438,17 @@ class NVFP4(Format):
         w = weight.detach()
         if not w.is_contiguous():
             w = w.contiguous()
-        g = amax(w, name) if global_amax is None else _as_amax(global_amax, "global_amax", name)
-        if float(g) == 0.0:
+        if global_amax is None:
+            g = np.float32(amax(w, name).item())
+        else:
+            g = _as_amax(global_amax, "global_amax", name)
+        if g == 0:
             # ModelOpt divides 0 by 0 here and writes NaN scales; we write a finite, valid encoding
             # of an all-zero tensor instead (codes 0, block scales 1.0, weight_scale_2 = 1/2688).
-            if float(amax(w, name)) != 0.0:
+            if global_amax is not None and float(amax(w, name)) != 0.0:
                 raise FormatError(f"{_where(name)}global_amax is 0 but the tensor is not all zero")
-            g = torch.ones((), dtype=torch.float32)
-        s2 = nvfp4_global_scale(g)
+            g = np.float32(1.0)
+        s2 = torch.tensor(g / np.float32(GLOBAL_DIV), dtype=torch.float32)  # fp32 divide, as ModelOpt
         if w.device.type == "cpu":
             packed, scale = _nvfp4_cpu(w, s2, name)
         else:
@@ -433,10 +461,10 @@ class NVFP4(Format):
         }
         if input_amax is not None:
             ia = _as_amax(input_amax, "input_amax", name)
-            if float(ia) <= 0:
+            if ia <= 0:
                 raise FormatError(f"{_where(name)}input_amax must be > 0 (ModelOpt asserts a positive "
                                   f"activation scale), got {float(ia)}")
-            out["input_scale"] = nvfp4_input_scale(ia).to(w.device)
+            out["input_scale"] = torch.tensor(ia / np.float32(GLOBAL_DIV), dtype=torch.float32).to(w.device)
         return out
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -50,13 +50,18 @@ def read_json(path: Path, what: str, error: type[Exception] = CheckpointError) -
         raise error(f"{e} ({what})") from None
     except OSError as e:
         raise error(f"{path}: cannot read {what}: {e.strerror or e}") from None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            blob = f.read(MAX_JSON_BYTES + 1)
+    try:  # read what is there, in chunks: f.read(cap) would allocate the whole cap up front
+        chunks, total = [], 0
+        while total <= MAX_JSON_BYTES and (chunk := os.read(fd, min(1 << 20, MAX_JSON_BYTES + 1 - total))):
+            chunks.append(chunk)
+            total += len(chunk)
     except OSError as e:
         raise error(f"{path}: cannot read {what}: {e.strerror or e}") from None
-    if len(blob) > MAX_JSON_BYTES:
+    finally:
+        os.close(fd)
+    if total > MAX_JSON_BYTES:
         raise error(f"{path}: {what} larger than {MAX_JSON_BYTES} bytes")
+    blob = b"".join(chunks)
     obj = parse_json_bytes(blob, f"{path}: {what}", error)
     if not isinstance(obj, dict):
         raise error(f"{path}: {what} must be a JSON object")
