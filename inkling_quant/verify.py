@@ -29,6 +29,7 @@ import math
 import os
 import random
 import re
+import stat
 import sys
 import threading
 import time
@@ -469,7 +470,11 @@ def _torch_threads(n: int):
 
 def _load_json(path: Path, what: str, check: Check) -> dict | None:
     try:
-        if path.stat().st_size > MAX_JSON_BYTES:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):  # a FIFO or device would block or never end
+            check.fail(path, None, f"{what} is not a regular file")
+            return None
+        if st.st_size > MAX_JSON_BYTES:
             check.fail(path, None, f"{what} larger than {MAX_JSON_BYTES} bytes")
             return None
 
@@ -797,7 +802,7 @@ class Verifier:
 
     def _config_check(self, c: Check) -> None:
         """After the layout check (which decides weight_only from the tensors)."""
-        cfg, scheme = self.cfg, self.scheme
+        cfg = self.cfg
         path, qpath = self.root / "config.json", self.root / QUANT_CONFIG
         want: dict[str, dict] = {}
         for s in expected_tensors(cfg):
@@ -1213,6 +1218,9 @@ class Verifier:
 
     def _checksums_body(self, c: Check) -> None:
         p = self.root / CHECKSUMS
+        if p.exists() and not p.is_file():
+            c.fail(p, None, f"{CHECKSUMS} is not a regular file")
+            return
         if not p.is_file():
             if self.write_checksums:
                 c.skip(f"no {CHECKSUMS} yet (--write-checksums writes one)")

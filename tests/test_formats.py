@@ -261,6 +261,26 @@ def test_e2m1_rounding_formula_matches_modelopt_cast(mo):
     assert torch.equal(_e2m1_codes_torch(-y[y > 0]), ref[y > 0] + 8)
 
 
+def test_block_scale_rounding_matches_torch_cast():
+    """The e4m3 block-scale rounding done on fp32 bit patterns (fast path) vs torch's cast, on
+    every e4m3 value, the midpoints between them and their fp32 neighbours, and random values."""
+    from inkling_quant.formats.nvfp4 import _block_scales
+
+    grid = torch.arange(256, dtype=torch.int32).to(U8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid) & (grid >= 2 ** -6)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    pts = torch.cat([grid, mids])
+    near = (pts.view(torch.int32)[:, None] + torch.arange(-3, 4, dtype=torch.int32)).reshape(-1).view(torch.float32)
+    g = torch.Generator().manual_seed(0)
+    rnd = torch.exp2(torch.rand(1 << 16, generator=g) * 14.8 - 6)
+    pbs = torch.cat([near, rnd]).clamp(2 ** -6, 448).contiguous()
+    s8, d, exact = _block_scales(pbs.numpy().copy(), np.float32(1.0), np.float32(1.0))
+    assert exact
+    ref = pbs.to(torch.float8_e4m3fn)
+    assert torch.equal(torch.from_numpy(s8), ref.view(U8))
+    assert torch.equal(torch.from_numpy(d), ref.float())
+
+
 def test_e2m1_ties_round_half_to_even():
     y = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.01, 7.0, 100.0])
     assert _e2m1_codes_torch(y).tolist() == [0, 2, 2, 4, 4, 6, 6, 7, 7, 7]
@@ -407,6 +427,8 @@ def test_bad_global_amax_and_dtype():
         NVFP4().quantize(w, global_amax=float("inf"))
     with pytest.raises(FormatError, match="global_amax"):
         NVFP4().quantize(w, global_amax=torch.tensor(-1.0))
+    with pytest.raises(FormatError, match="too small"):
+        NVFP4().quantize(w, global_amax=1e-45)
     for fmt in (NVFP4(), MXFP8()):
         with pytest.raises(FormatError, match="bf16/fp16/fp32"):
             fmt.quantize(w.to(torch.float64))
@@ -420,7 +442,8 @@ def test_out_specs_match_quantize():
         assert set(t) == set(specs)
         for k, spec in specs.items():
             assert tuple(t[k].shape) == spec.shape and t[k].dtype == spec.dtype, k
-        assert fmt.nbytes(tuple(w.shape), BF, "input_amax" in kw) == sum(x.numel() * x.element_size() for x in t.values())
+        nbytes = sum(x.numel() * x.element_size() for x in t.values())
+        assert fmt.nbytes(tuple(w.shape), BF, "input_amax" in kw) == nbytes
     assert NVFP4().nbytes((3488, 3072)) == 3488 * 1536 + 3488 * 192 + 4 + 4
 
 

@@ -5,8 +5,9 @@ Speed: quantizes the same bf16 tensor (default one routed-expert gate/up project
 [3488, 3072], Gaussian with outlier rows and elements) with our format and with ModelOpt's
 ``NVFP4QTensor.quantize`` / ``MXFP8QTensor.quantize`` in one process, checks the two agree bit
 for bit, and prints MB/s of bf16 input (best of --repeat runs; the machine is shared, so the best
-run is the one least disturbed). Also times ``amax`` (the extra pass the converter makes for the
-gate/up shared global scale).
+run is the one least disturbed). "MB per CPU-second" divides by the process's CPU time instead:
+with T threads on T otherwise idle cores, wall MB/s approaches T times it. Also times ``amax``
+(the extra pass the converter makes for the gate/up shared global scale).
 
     python tools/bench_formats.py                      # 2 threads, both formats
     python tools/bench_formats.py --threads 1 --rows 1024
@@ -54,6 +55,16 @@ def best_of(fn, repeat: int) -> float:
     return best
 
 
+def best_cpu(fn, repeat: int) -> float:
+    """Best process CPU time (all threads): what the work costs when no core is shared."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.process_time()
+        fn()
+        best = min(best, time.process_time() - t0)
+    return best
+
+
 def speed(args) -> None:
     torch.set_num_threads(args.threads)
     w = make_weight(args.rows, args.cols, seed=0)
@@ -75,7 +86,8 @@ def speed(args) -> None:
         fmt = FORMATS[name]
         fmt.quantize(w)  # warm the buffers
         t_ours = best_of(lambda: fmt.quantize(w), args.repeat)
-        line = f"{name:<8} ours {mb / t_ours:9.1f} MB/s"
+        c_ours = best_cpu(lambda: fmt.quantize(w), args.repeat)
+        line = f"{name:<8} ours {mb / t_ours:9.1f} MB/s ({mb / c_ours:6.1f} MB per CPU-second)"
         if mo is not None:
             if name == "nvfp4":
                 def run_mo():

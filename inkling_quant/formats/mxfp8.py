@@ -75,7 +75,7 @@ def _mxfp8_cpu(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     bf16 = w.dtype == torch.bfloat16
     # bf16/fp16: |x| * 2^-e <= 448 always (docs/formats.md), so ModelOpt's clamp is a no-op
     needs_clamp = w.dtype == torch.float32
-    src = _np(flat_t.view(torch.int16)) if bf16 else None
+    src = _np(flat_t.view(torch.int16)) if bf16 else _np(flat_t)
     CB = _MX_CHUNK_BLOCKS
     N = CB * BLOCK_SIZE
 
@@ -85,9 +85,8 @@ def _mxfp8_cpu(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         x = _buf("mx:x", (N,), np.int32)[:n]                # fp32 bits of x
         if bf16:
             np.left_shift(src[b0 * 32: b1 * 32], 16, out=x, dtype=np.int32)
-        else:
-            x32 = flat_t[b0 * 32: b1 * 32].float().numpy().view(np.int32)
-            np.copyto(x, x32)
+        else:  # exact fp16/fp32 -> fp32 by numpy (no torch op in a worker thread)
+            np.copyto(x.view(np.float32), src[b0 * 32: b1 * 32])
         a = _buf("mx:a", (N,), np.int32)[:n]
         np.bitwise_and(x, 0x7FFFFFFF, out=a)
         t, t2 = a, _buf("mx:t", (N // 2,), np.int32)

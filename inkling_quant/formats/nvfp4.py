@@ -17,7 +17,7 @@ round-half-to-even onto the e2m1 grid, same saturation. docs/formats.md pins eve
 its source; tests/test_formats.py holds us to ModelOpt bit for bit.
 
 The CPU path is a reimplementation for speed (ModelOpt's ``searchsorted`` quantizer runs at
-~15-25 MB/s on two cores; this one at several hundred MB/s, see tools/bench_formats.py): the input
+~15-30 MB/s on two cores; this one at several hundred MB/s, see tools/bench_formats.py): the input
 is split into chunks of whole 16-blocks, each chunk is processed with a fixed sequence of numpy
 operations on reused per-thread buffers, and chunks run on ``torch.get_num_threads()`` threads
 (numpy releases the GIL). Two tricks carry most of the gain:
@@ -32,6 +32,7 @@ On other devices (CUDA) a plain-torch path runs the same formulas on the device.
 """
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Mapping
@@ -113,6 +114,15 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 _TLS = threading.local()
+
+
+def _forget_pool() -> None:  # in a forked child the parent's worker threads do not exist
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _pool(n: int) -> ThreadPoolExecutor:
@@ -259,32 +269,40 @@ def _e2m1_code_doc() -> None:
       (A - 2 <= A/2 iff A <= 4) and the cap 3 saturates everything above 6 to code 7.
       R(u) is ``bits(u + 1.5*2^23) - bits(1.5*2^23)`` (spacing 1 for |u| < 2^22).
     * The min selects R(2A) below 2 (there 4 + R(A - 2) >= R(2A)) and the second term above 2
-      (there R(2A) >= 4 + R(...)). Checked exhaustively over all fp32 in [0, 8] by the tests.
+      (there R(2A) >= 4 + R(...)). Checked once against ModelOpt's ``_cast_fp4`` on every fp32 in
+      [0, 8.5] (no difference); the tests recheck every bf16 value, 4096 ulps around each bound
+      and grid point, and random values up to 1e38.
     """
 
 
 def _e2m1_magnitude(y: np.ndarray, code: np.ndarray, lo: np.ndarray, u: np.ndarray, t: np.ndarray,
-                    three: np.ndarray) -> None:
+                    three: np.ndarray | None) -> None:
     """code[...] = e2m1 magnitude code (0..7) of fp32 ``y >= 0``, ModelOpt's rounding (see
-    :func:`_e2m1_code_doc`). lo, u, t: fp32 scratch like y; three: fp32 filled with 3.0."""
+    :func:`_e2m1_code_doc`). lo, u, t: fp32 scratch like y; three: fp32 filled with 3.0, or None
+    when every y is known to be < 7 (then the saturation cap cannot act and is skipped)."""
     np.add(y, np.float32(_M22), out=lo)                 # bits(lo) - bits(2^22) = R(2y)
     np.subtract(y, np.float32(2.0), out=u)
     np.multiply(y, np.float32(0.5), out=t)
     np.minimum(u, t, out=u)
-    np.minimum(u, three, out=u)
+    if three is not None:
+        np.minimum(u, three, out=u)
     np.add(u, np.float32(_M23H), out=u)                 # bits(u) - bits(1.5*2^23) = R(u)
     ui = u.view(np.int32)
     np.add(ui, _B22 + 4 - _B23H, out=ui)                # now bits(2^22) + 4 + R(u)
     np.minimum(lo.view(np.int32), ui, out=code, casting="unsafe")  # low byte: bits(2^22) ends in 0x00
 
 
-def _block_scales(bm: np.ndarray, denom: np.float32, s2f: np.float32) -> tuple[np.ndarray, np.ndarray]:
+def _block_scales(bm: np.ndarray, denom: np.float32, s2f: np.float32) -> tuple[np.ndarray, np.ndarray, bool]:
     """ModelOpt's block scales from fp32 block amax values: ``pbs = amax / (6*s2)``, 0 -> 1.0,
-    clamp to [2^-9, 448], cast to e4m3; returns (e4m3 bytes, fp32(scale) * s2 as fp32)."""
+    clamp to [2^-9, 448], cast to e4m3. Returns (e4m3 bytes, fp32(scale) * s2 as fp32, exact)
+    where ``exact`` says no scale was clamped or e4m3-subnormal: every scale is then within 2^-4
+    of amax/(6*s2), so every |x| / d is at most 6 * 17/16 < 7 and the e2m1 cap cannot act."""
     pbs = bm / denom                                      # torch: amax / (E2M1_MAX * s2), fp32
     m = pbs.size
+    exact = float(pbs.max()) <= E4M3_MAX
     np.minimum(pbs, _const("448", m, np.float32, E4M3_MAX), out=pbs)
-    if float(pbs.min()) >= 2.0 ** -6:
+    exact = exact and float(pbs.min()) >= 2.0 ** -6
+    if exact:
         # every scale is a normal e4m3 number: round the fp32 mantissa to 3 bits, half to even,
         # on the bit pattern (the float8 cast does the same; the clamp keeps it <= 448)
         b = pbs.view(np.int32)
@@ -302,7 +320,7 @@ def _block_scales(bm: np.ndarray, denom: np.float32, s2f: np.float32) -> tuple[n
         s8 = torch.from_numpy(pbs).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
         d = np.take(_E4M3_TO_F32, s8)
     np.multiply(d, s2f, out=d)                            # fp32(scale) * s2, fp32
-    return s8, d
+    return s8, d, exact
 
 
 def _nvfp4_cpu(w: torch.Tensor, s2: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,7 +338,8 @@ def _nvfp4_cpu(w: torch.Tensor, s2: torch.Tensor, name: str) -> tuple[torch.Tens
     # the sign needs the exact test "y < 0" (a negative x whose quotient underflows gives -0.0).
     d_exact_sign = np.float32(2.0 ** min(127, 150 + min_exp))
     bf16 = w.dtype == torch.bfloat16
-    src = _np(flat_t.view(torch.int32)) if bf16 else None
+    # bf16: pairs as int32 (see the module doc); fp16/fp32: the elements themselves
+    src = _np(flat_t.view(torch.int32)) if bf16 else _np(flat_t)
     CB = _NV_CHUNK_BLOCKS
     H = CB * 8  # half-chunk: elements per plane
 
@@ -332,10 +351,9 @@ def _nvfp4_cpu(w: torch.Tensor, s2: torch.Tensor, name: str) -> tuple[torch.Tens
             v = src[b0 * 8: b1 * 8]
             np.left_shift(v, 16, out=xx[0])
             np.bitwise_and(v, -65536, out=xx[1])
-        else:
-            x32 = flat_t[b0 * 16: b1 * 16].float().numpy().view(np.int32)
-            np.copyto(xx[0], x32[0::2])
-            np.copyto(xx[1], x32[1::2])
+        else:  # exact fp16/fp32 -> fp32 by numpy (no torch op in a worker thread)
+            np.copyto(xx[0].view(np.float32), src[b0 * 16: b1 * 16: 2])
+            np.copyto(xx[1].view(np.float32), src[b0 * 16 + 1: b1 * 16: 2])
         sgn = _buf("nv:sg", (2, H), np.bool_)[:, :h]        # ModelOpt's sign bit: y < 0
         np.less(xx.view(np.float32), 0, out=sgn)            # (== x < 0 unless y underflows, below)
         aa = _buf("nv:a", (2, H), np.int32)[:, :h]          # |x| bits, then y = |x| / d
@@ -350,16 +368,19 @@ def _nvfp4_cpu(w: torch.Tensor, s2: torch.Tensor, name: str) -> tuple[torch.Tens
         bm = np.maximum(t2[0::2], t2[1::2])
         if int(bm.max()) >= 0x7F800000:
             raise _nonfinite(name)
-        s8, d = _block_scales(bm.view(np.float32), denom, s2f)
+        s8, d, exact = _block_scales(bm.view(np.float32), denom, s2f)
         scale_np[b0:b1] = s8
         y = aa.view(np.float32)
         np.divide(y, np.repeat(d, 8), out=y)                # |x| / d == |x / d| exactly
         if float(d.max()) >= d_exact_sign:
             np.logical_and(sgn, y > 0, out=sgn)
+        if float(d.min()) == 0.0:  # only from an absurdly small caller-given global_amax
+            raise FormatError(f"{_where(name)}global_amax {float(s2) * GLOBAL_DIV:g} is too small: "
+                              f"block scale * weight_scale_2 underflows to 0")
         code = _buf("nv:code", (2, H), np.uint8)[:, :h]
         _e2m1_magnitude(y, code, xx.view(np.float32),      # x is no longer needed: scratch
                         _buf("nv:u", (2, H), np.float32)[:, :h], _buf("nv:t", (2, H), np.float32)[:, :h],
-                        _const("three", 2 * H, np.float32, 3.0).reshape(2, H)[:, :h])
+                        None if exact else _const("three", 2 * H, np.float32, 3.0).reshape(2, H)[:, :h])
         # byte shifts on uint16 views: AVX2 has no 8-bit shifts, and no bit crosses a byte here
         for r in (0, 1):
             s16 = sgn[r].view(np.uint16)
@@ -449,6 +470,9 @@ class NVFP4(Format):
                 raise FormatError(f"{_where(name)}global_amax is 0 but the tensor is not all zero")
             g = np.float32(1.0)
         s2 = torch.tensor(g / np.float32(GLOBAL_DIV), dtype=torch.float32)  # fp32 divide, as ModelOpt
+        if float(s2) == 0.0:
+            raise FormatError(f"{_where(name)}global_amax {float(g):g} is too small (weight_scale_2 "
+                              f"underflows to 0)")
         if w.device.type == "cpu":
             packed, scale = _nvfp4_cpu(w, s2, name)
         else:

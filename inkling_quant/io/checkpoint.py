@@ -52,6 +52,8 @@ def read_json(path: Path, what: str, error: type[Exception] = CheckpointError) -
         raise error(f"{path}: cannot read {what}: {e.strerror or e}") from None
     try:  # read what is there, in chunks: f.read(cap) would allocate the whole cap up front
         chunks, total = [], 0
+        if os.fstat(fd).st_size > MAX_JSON_BYTES:
+            total = MAX_JSON_BYTES + 1
         while total <= MAX_JSON_BYTES and (chunk := os.read(fd, min(1 << 20, MAX_JSON_BYTES + 1 - total))):
             chunks.append(chunk)
             total += len(chunk)
