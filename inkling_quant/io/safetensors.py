@@ -320,13 +320,15 @@ class ShardWriter:
             self._write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         self._next += 1
 
-    def commit(self) -> str:
-        """Finish, fsync, rename into place; return the file's sha256 hex digest."""
+    def commit(self, durable: bool = True) -> str:
+        """Finish, fsync (unless the caller syncs later, see `fsync_files`), rename into place;
+        return the file's sha256 hex digest."""
         if self._next != len(self._order):
             missing = self._order[self._next][0]
             raise CheckpointError(f"{self.path}: closed before tensor {missing!r} was written")
         self._f.flush()
-        os.fsync(self._f.fileno())
+        if durable:
+            os.fsync(self._f.fileno())
         self._f.close()
         os.replace(self.tmp, self.path)
         return self._hash.hexdigest()
@@ -346,6 +348,16 @@ class ShardWriter:
     def __exit__(self, exc_type, *rest):
         if exc_type is not None:
             self.abort()
+
+
+def fsync_files(paths) -> None:
+    """Make finished files durable in one pass (the kernel has been writing them back meanwhile)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def sha256_file(path: str | Path, chunk: int = 8 << 20) -> str:
