@@ -27,7 +27,8 @@ from tqdm import tqdm
 from .errors import CheckpointError, ConfigError, InklingQuantError, UnknownTensorError, UsageError
 from .io.checkpoint import (INDEX_NAME, Checkpoint, copy_file_atomic, read_json, safe_child, shard_name,
                             write_json_atomic)
-from .io.safetensors import DTYPE_NAMES, Header, ShardReader, ShardWriter, TensorBuffer, TensorEntry, sha256_file
+from .io.safetensors import (DTYPE_NAMES, Header, ShardReader, ShardWriter, TensorBuffer, TensorEntry, open_regular,
+                             sha256_file)
 from .layout import DraftConfig, ModelConfig, TensorSpec, classify, draft_tensors
 
 DRAFT_PREFIX = "dspark."
@@ -125,15 +126,22 @@ def draft_config(config: dict, cfg: ModelConfig, shared: dict[str, dict]) -> dic
 
 def draft_specs(dc: dict, source: str = "draft config.json") -> list[TensorSpec]:
     """The tensors an extracted draft's config.json implies (same rule as the bundled draft)."""
+    def dim(obj, key: str, limit: int = 1 << 24) -> int:
+        v = obj[key]
+        if type(v) is not int or not 0 < v <= limit:  # untrusted: true, 64.0, "64", -64, 10**12 refused
+            raise ConfigError(f"{source}: {key!r} must be an integer in 1..{limit}, got {v!r}")
+        return v
+
     try:
         markov = dc["markov_head"]
-        draft = DraftConfig(markov_hidden_size=int(markov["hidden_size"]),
-                            **{k: int(dc[k]) for k in DraftConfig.__dataclass_fields__ if k != "markov_hidden_size"})
-        view = SimpleNamespace(draft=draft, hidden_size=int(dc["target_hidden_size"]),
-                               vocab_size=int(dc["target_model"]["vocab_size"]))
+        draft = DraftConfig(markov_hidden_size=dim(markov, "hidden_size"),
+                            **{k: dim(dc, k, 1 << 12 if k == "num_hidden_layers" else 1 << 24)
+                               for k in DraftConfig.__dataclass_fields__ if k != "markov_hidden_size"})
+        view = SimpleNamespace(draft=draft, hidden_size=dim(dc, "target_hidden_size"),
+                               vocab_size=dim(dc["target_model"], "vocab_size"))
     except KeyError as e:
         raise ConfigError(f"{source}: missing key {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
+    except TypeError as e:
         raise ConfigError(f"{source}: malformed value: {e}") from None
     return list(draft_tensors(view))
 
@@ -146,7 +154,11 @@ def read_checksums(path: Path) -> dict[str, str]:
     """A sha256sum file: {file name: hex digest}."""
     out = {}
     try:
-        text = path.read_text(encoding="utf-8")
+        fd = open_regular(path)  # a FIFO would block forever
+        with os.fdopen(fd, "rb") as f:
+            if os.fstat(f.fileno()).st_size > 64 << 20:
+                raise CheckpointError(f"{path}: larger than 64 MiB: not a checksum file")
+            text = f.read().decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: cannot read: {e}") from None
     for n, line in enumerate(text.splitlines(), 1):

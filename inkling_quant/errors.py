@@ -1,6 +1,15 @@
 """Error types. Every error a user can cause is one of these, with the file and tensor named."""
 
 
+def short_repr(v, limit: int = 80) -> str:
+    """repr of an untrusted value for a message, cut short (a shape list can be megabytes)."""
+    try:
+        r = repr(v)
+    except RecursionError:  # JSON nested nearly to the parser's limit
+        return f"<{type(v).__name__} nested too deeply>"
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
 class InklingQuantError(Exception):
     """Base class: the CLI prints the message and exits non-zero, without a traceback."""
 

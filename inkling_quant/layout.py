@@ -17,6 +17,7 @@ from typing import Iterator
 import torch
 
 from .errors import ConfigError, UnknownTensorError
+from .errors import short_repr as _short
 
 REFERENCE_CONFIG = Path(__file__).parent / "configs" / "inkling-2-small.json"
 
@@ -35,12 +36,6 @@ _LIMITS = {"num_hidden_layers": _MAX_LAYERS, "depth": _MAX_LAYERS, "num_experts"
            "max_position_embeddings": 1 << 40, "sliding_window": 1 << 40}
 
 
-def _short(v, limit: int = 80) -> str:
-    try:
-        r = repr(v)
-    except RecursionError:  # JSON nested nearly to the parser's limit
-        return f"<{type(v).__name__} nested too deeply>"
-    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,11 @@ _KNOWN_KEYS = {
 # --------------------------------------------------------------------------- adapter config
 def _number(d: dict, key: str, where: str, default=None, positive: bool = True) -> float:
     v = d.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
+    try:
+        finite = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    except OverflowError:  # an integer too large for a float
+        finite = False
+    if not finite or (positive and v <= 0):
         raise ConfigError(f"{where}: {key!r} must be a {'positive ' if positive else ''}finite number, got {v!r}")
     return v
 
@@ -142,7 +146,7 @@ class AdapterConfig:
                 _number(pat, k, f"{where}: {name}")
                 try:
                     re.compile(k)
-                except re.error as e:
+                except (re.error, RecursionError, OverflowError) as e:
                     raise ConfigError(f"{where}: {name} key {k!r} is not a valid pattern: {e}") from None
         for k, v in rank_pattern.items():
             if int(v) != v:
@@ -156,7 +160,7 @@ class AdapterConfig:
             if isinstance(v, str):
                 try:
                     re.compile(v)
-                except re.error as e:
+                except (re.error, RecursionError, OverflowError) as e:
                     raise ConfigError(f"{where}: {name} {v!r} is not a valid pattern: {e}") from None
         if not targets:
             raise ConfigError(f"{where}: 'target_modules' is empty: the adapter targets no module")

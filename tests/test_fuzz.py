@@ -12,8 +12,7 @@ Hypothesis runs with a fixed budget (derandomize=True, no example database): the
 on every run, the whole file in well under a minute on two cores. Inputs that once crashed a
 reader are kept in tests/fuzz_corpus/ (see its README) and replayed by `test_corpus`.
 
-Bugs in modules this file does not fix are pinned by `xfail(strict=True)` tests at the end: they
-start passing (and so fail) the day the module is fixed; then drop the marker.
+Crashers found in other modules (lora, draft, verify) are kept as regression tests at the end.
 
 Deeper, coverage-guided runs (atheris, when installed):
     python tests/test_fuzz.py header|json|config|amax|index [-atheris_runs=N] [-max_total_time=S]
@@ -608,7 +607,7 @@ _ADAPTER = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q
             "rank_pattern": {"q_proj": 4}, "alpha_pattern": {}, "use_rslora": False, "bias": "none",
             "init_lora_weights": True, "fan_in_fan_out": False, "base_model_name_or_path": "x/y"}
 _ADAPTER_KEYS = list(_ADAPTER) + ["use_dora", "modules_to_save", "lora_dropout", "task_type", "weird"]
-# Integers past float range crash lora's _number (pinned by an xfail below); keep them out here.
+# Integers past float range are tested by the regression tests at the end.
 _SMALL_JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(),
                                      st.text(max_size=12),
                                      st.sampled_from([".*", "(", "q_proj", "all-linear", [0, 1], 0, -1, 1.5])),
@@ -672,7 +671,7 @@ _DRAFT_CONFIG = {**_TINY["dspark_config"], "target_hidden_size": 64, "target_mod
     st.sampled_from([[], {}, {"hidden_size": 4}, {"vocab_size": 4}]))))
 def test_draft_configs(dc):
     """Extracted-draft config.json. Infinity and out-of-range numbers crash or pass draft_specs
-    (pinned by xfails below); they are kept out of this property."""
+    (regression tests at the end); they are kept out of this property."""
     from inkling_quant.draft import draft_specs
 
     outcome(draft_specs, dc, "config.json")
@@ -735,13 +734,7 @@ REPLAY = {
     "adapter_config": lambda p, tmp: _replay_adapter_config(p),
     "draft_config": lambda p, tmp: _replay_draft_config(p),
 }
-# Corpus cases that still crash a module this file does not own: file -> (exception, reason).
-XFAIL = {
-    "adapter_config/r-1e400.json": (OverflowError, "lora._number: math.isfinite(10**400) raises OverflowError"),
-    "adapter_config/alpha-1e400.json": (OverflowError, "lora._number: math.isfinite(10**400) raises OverflowError"),
-    "draft_config/infinity.json": (OverflowError, "draft.draft_specs: int(inf) raises OverflowError"),
-    "draft_config/negative-dims.json": (AssertionError, "draft.draft_specs accepts negative dimensions"),
-}
+XFAIL: dict[str, tuple[type, str]] = {}  # all fixed; the cases stay as regressions
 
 
 def _corpus():
@@ -763,7 +756,7 @@ def test_corpus_covers_every_reader():
     assert set(XFAIL) <= {f"{p.parent.name}/{p.name}" for p in CORPUS.glob("*/*")}
 
 
-# =========================================================================== bugs in other modules
+# =========================================================================== once-crashers in other modules (fixed)
 @pytest.mark.parametrize("text", [b"[" * 100_000, b'{"hidden_size": ' + b"1" * 5000 + b"}"], ids=["deep", "bigint"])
 def test_verify_malformed_config_json_is_not_an_internal_error(tmp_path, text):
     """Same inputs as corpus verify_config/*, run as a user would (no debug flag): a finding
@@ -787,8 +780,6 @@ def test_verify_fifo_config_does_not_hang(tmp_path):
     assert v.report.check("config").status != "pass"
 
 
-@pytest.mark.xfail(strict=True, raises=Hang, reason="draft.read_checksums: read_text() of a FIFO blocks forever "
-                                                   "(strip and lora merge call it when checksums.sha256 exists)")
 def test_draft_read_checksums_fifo_does_not_hang(tmp_path):
     from inkling_quant.draft import read_checksums
 
@@ -798,8 +789,6 @@ def test_draft_read_checksums_fifo_does_not_hang(tmp_path):
             read_checksums(tmp_path / "checksums.sha256")
 
 
-@pytest.mark.xfail(strict=True, raises=OverflowError,
-                   reason="lora._number: math.isfinite() of an int past float range raises OverflowError")
 def test_lora_huge_integer_rank():
     from inkling_quant.lora import AdapterConfig
 
@@ -807,8 +796,6 @@ def test_lora_huge_integer_rank():
         AdapterConfig.from_dict({**_ADAPTER, "r": 10**400}, "adapter_config.json")
 
 
-@pytest.mark.xfail(strict=True, raises=RecursionError,
-                   reason="lora.AdapterConfig.from_dict: re.compile of a deeply nested pattern raises RecursionError")
 def test_lora_deeply_nested_pattern():
     from inkling_quant.lora import AdapterConfig
 
@@ -817,7 +804,6 @@ def test_lora_deeply_nested_pattern():
             AdapterConfig.from_dict({**_ADAPTER, "target_modules": "(" * 5000 + ")" * 5000}, "adapter_config.json")
 
 
-@pytest.mark.xfail(strict=True, raises=OverflowError, reason="draft.draft_specs: int(Infinity) raises OverflowError")
 def test_draft_specs_infinity():
     from inkling_quant.draft import draft_specs
 
@@ -825,9 +811,6 @@ def test_draft_specs_infinity():
         draft_specs({**_DRAFT_CONFIG, "hidden_size": math.inf})
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="draft.draft_specs accepts negative/zero dimensions (and floats, bools, strings via int()) "
-                          "and unbounded layer counts")
 def test_draft_specs_negative_dims():
     from inkling_quant.draft import draft_specs
 

@@ -10,7 +10,7 @@ is the same in every run and only expert bytes grow, as they do up to the real m
 its own process (tools/bench_convert.py's measurement: os.wait4 peak RSS of the largest process,
 /proc-sampled sum over the process tree, CPU seconds). Prints a table, a least-squares line
 seconds = a + b * GB with its residuals, and the projection of the full conversion on N machines x
-W workers from the measured per-worker throughput (1/b divided by the workers used here).
+W workers (one core each) from the measured per-core throughput (1/b divided by the cores used).
 
     python tools/bench_scale.py                       # sizes 1,2,4 GB on ./bench-out (disk)
     python tools/bench_scale.py --sizes 1,2,3,4 --work-dir /dev/shm/ib
@@ -93,6 +93,8 @@ def main(argv=None) -> int:
     p.add_argument("--machines", default="1,8,32", help="projection: machine counts")
     p.add_argument("--workers-per-machine", default="16,64", help="projection: workers (one core each) per machine")
     p.add_argument("--convert-json", help="tools/bench_convert.py --json output, for the per-format projection")
+    p.add_argument("--convert-workers", type=int, default=1, help="which worker count of --convert-json to use "
+                   "(default 1: one process using every CPU, no spawn start-up in the figure)")
     p.add_argument("--json", metavar="OUT", help="write all results as JSON")
     args = p.parse_args(argv)
 
@@ -148,9 +150,10 @@ def main(argv=None) -> int:
     print(f"peak RSS, largest process: {min(rss):.0f}-{max(rss):.0f} MB; process tree: {min(tree):.0f}-{max(tree):.0f} MB "
           f"over a {xs[-1] / xs[0]:.1f}x range of source size")
     marginal = 1 / b if b > 0 else float("nan")  # GB/s for the machine at args.workers
-    per_worker = marginal / args.workers
-    print(f"marginal throughput {1000 * marginal:.0f} MB/s with {args.workers} workers = "
-          f"{1000 * per_worker:.0f} MB/s per worker (one core each)")
+    cores = min(args.workers, os.cpu_count() or 1) if args.workers > 1 else (os.cpu_count() or 1)
+    per_worker = marginal / cores  # a worker of the projection is one core
+    print(f"marginal throughput {1000 * marginal:.0f} MB/s with {args.workers} worker(s) on {cores} cores = "
+          f"{1000 * per_worker:.0f} MB/s per core (= per projected worker)")
 
     # ------------------------------------------------------------- projection
     ref = reference_bytes(args.scheme)
@@ -180,7 +183,8 @@ def main(argv=None) -> int:
     per_format = None
     if args.convert_json:
         cj = json.loads(Path(args.convert_json).read_text())
-        w = args.workers
+        w = args.convert_workers
+        cores = os.cpu_count() or 1  # a "worker" of the projection is one core: divide machine rates by the CPUs
 
         def rate(case, scheme):
             for r in cj["results"]:
@@ -191,13 +195,13 @@ def main(argv=None) -> int:
         r_nv, r_mx = rate("ours", "nvfp4").get("expert_mb_per_s"), rate("ours", "mxfp8").get("expert_mb_per_s")
         if not (r_nv and r_mx):
             raise SystemExit(f"{args.convert_json}: no usable expert MB/s (input too small to separate from noise)")
-        r_nv, r_mx = r_nv / w, r_mx / w
-        r_cp = rate("copy", "passthrough")["src_mb_per_s"] / w
+        r_nv, r_mx = r_nv / cores, r_mx / cores
+        r_cp = rate("copy", "passthrough")["src_mb_per_s"] / cores
         t_pf = ref["nvfp4"] / 1e6 / r_nv + ref["mxfp8"] / 1e6 / r_mx + ref["passthrough"] / 1e6 / r_cp
         per_format = {"nvfp4_mb_per_s_per_worker": round(r_nv, 1), "mxfp8_mb_per_s_per_worker": round(r_mx, 1),
                       "copy_mb_per_s_per_worker": round(r_cp, 1), "one_worker_seconds": round(t_pf)}
         eff = ref["total"] / 1e6 / t_pf
-        table(t_pf, f"(2) per format from {args.convert_json}: NVFP4 {r_nv:.0f}, MXFP8 {r_mx:.0f}, pass-through "
+        table(t_pf, f"(2) per format from {args.convert_json} ({w} worker(s), per core): NVFP4 {r_nv:.0f}, MXFP8 {r_mx:.0f}, pass-through "
                     f"{r_cp:.0f} MB/s per worker (effective {eff:.0f})", eff / 1000)
 
     summary = {

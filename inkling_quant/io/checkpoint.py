@@ -100,10 +100,13 @@ class Checkpoint:
             wm = obj.get("weight_map")
             if not isinstance(wm, dict) or not wm:
                 raise CheckpointError(f"{index}: 'weight_map' must be a non-empty object")
+            checked: set[str] = set()
             for name, fname in wm.items():
                 if not isinstance(fname, str):
                     raise CheckpointError(f"{index}: tensor {_short(name, 200)} maps to non-string {_short(fname)}")
-                safe_child(root, fname, f"shard (for tensor {_short(name, 200)})")
+                if fname not in checked:  # once per shard, not per tensor (55k tensors, 100s of shards)
+                    safe_child(root, fname, f"shard (for tensor {_short(name, 200)})")
+                    checked.add(fname)
             shards = list(dict.fromkeys(wm.values()))
             meta = obj.get("metadata")
             if meta is None:

@@ -24,6 +24,7 @@ from typing import Iterable
 import torch
 
 from ..errors import CheckpointError
+from ..errors import short_repr as _short
 
 MAX_HEADER_BYTES = 100_000_000  # the cap safetensors itself applies
 
@@ -203,15 +204,6 @@ def read_header(path: str | Path) -> Header:
         raise CheckpointError(f"{path}: {what}: tensors end at byte {_short(pos)}, file has {size} "
                               f"(last tensor {last})")
     return Header(path, {t.name: t for t in entries}, metadata, data_start, size)
-
-
-def _short(v, limit: int = 80) -> str:
-    """repr of an untrusted value for a message, cut short (a shape list can be megabytes)."""
-    try:
-        r = repr(v)
-    except RecursionError:  # JSON nested nearly to the parser's limit
-        return f"<{type(v).__name__} nested too deeply>"
-    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 class ShardReader:
