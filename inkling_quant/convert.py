@@ -33,6 +33,7 @@ from .formats import FORMATS
 from .formats.nvfp4 import amax as tensor_amax
 from .io.checkpoint import (INDEX_NAME, Checkpoint, copy_file_atomic, read_json, safe_child, shard_name,
                             write_json_atomic)
+from .io.output import CHECKSUMS, write_checksums
 from .io.safetensors import DTYPE_NAMES, DTYPES, ShardReader, ShardWriter, TensorBuffer, fsync_files, sha256_file
 from .layout import ModelConfig, classify, expected_tensors, source_spec
 from .schemes import Scheme, get_scheme
@@ -40,7 +41,6 @@ from .synth import parse_size
 
 MANIFEST = ".inkling-quant-convert.json"
 MANIFEST_GLOB = ".inkling-quant-convert*.json"
-CHECKSUMS = "checksums.sha256"
 FLOAT_SOURCES = (torch.bfloat16, torch.float16, torch.float32)
 MODELOPT_FORMAT_VERSION = "0.47.0"  # the ModelOpt export whose layout we write (docs/formats.md)
 
@@ -612,9 +612,7 @@ def finalize(src: str, out: str | Path, opts: Options, *, prep: Prepared | None 
     for f in files:
         if f not in sums:
             sums[f] = sha256_file(out / f)
-    tmp = out / (CHECKSUMS + ".partial")
-    tmp.write_text("".join(f"{sums[f]}  {f}\n" for f in files))
-    os.replace(tmp, out / CHECKSUMS)
+    write_checksums(out / CHECKSUMS, {f: sums[f] for f in files})
     weight_map = {name: j.file for j in prep.jobs for name, _, _ in j.specs}
     write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": sum(j.out_bytes for j in prep.jobs)},
                                          "weight_map": weight_map})

@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
-import re
-import shutil
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,18 +23,16 @@ from tqdm import tqdm
 from .errors import CheckpointError, ConfigError, InklingQuantError, UnknownTensorError, UsageError
 from .io.checkpoint import (INDEX_NAME, Checkpoint, copy_file_atomic, read_json, safe_child, shard_name,
                             write_json_atomic)
-from .io.safetensors import (DTYPE_NAMES, Header, ShardReader, ShardWriter, TensorBuffer, TensorEntry, open_regular,
-                             sha256_file)
+from .io.output import CHECKSUMS, link_or_copy, read_checksums, staged_output, write_checksums
+from .io.safetensors import DTYPE_NAMES, Header, ShardReader, ShardWriter, TensorBuffer, TensorEntry, sha256_file
 from .layout import DraftConfig, ModelConfig, TensorSpec, classify, draft_tensors
 
 DRAFT_PREFIX = "dspark."
 DRAFT_ARCHITECTURES = ["DSparkDrafter"]
 DRAFT_MODEL_TYPE = "dspark"
-CHECKSUMS = "checksums.sha256"
 QUANT_CONFIG = "hf_quant_config.json"
 STRIPPED_KEY = "dspark_stripped"          # the note strip leaves in config.json
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9       # HF's default "5GB": the reference draft fits one shard
-_CHUNK = 8 << 20
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -146,97 +140,6 @@ def draft_specs(dc: dict, source: str = "draft config.json") -> list[TensorSpec]
     return list(draft_tensors(view))
 
 
-# --------------------------------------------------------------------------- checksums
-_SUM_LINE = re.compile(r"([0-9a-fA-F]{64}) [ *](.+)")
-
-
-def read_checksums(path: Path) -> dict[str, str]:
-    """A sha256sum file: {file name: hex digest}."""
-    out = {}
-    try:
-        fd = open_regular(path)  # a FIFO would block forever
-        with os.fdopen(fd, "rb") as f:
-            if os.fstat(f.fileno()).st_size > 64 << 20:
-                raise CheckpointError(f"{path}: larger than 64 MiB: not a checksum file")
-            text = f.read().decode("utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read: {e}") from None
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        m = _SUM_LINE.fullmatch(line)
-        if not m:
-            raise CheckpointError(f"{path}:{n}: not a '<sha256>  <file>' line: {line[:80]!r}")
-        out[m.group(2)] = m.group(1).lower()
-    return out
-
-
-def write_checksums(path: Path, sums: dict[str, str]) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "w") as f:
-        f.write("".join(f"{sums[name]}  {name}\n" for name in sorted(sums)))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-# --------------------------------------------------------------------------- output
-def _remove(p: Path) -> None:
-    if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p)
-    elif p.exists() or p.is_symlink():
-        p.unlink()
-
-
-def _fsync_dir(p: Path) -> None:
-    try:
-        fd = os.open(p, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def staged_output(out: str | Path, src: Path, overwrite: bool):
-    """Yield OUT.partial to build in; rename it to OUT when the block completes. Refuses an
-    existing OUT (an empty directory excepted) unless `overwrite`, and an OUT that is, holds or
-    lies inside SRC. On any failure the partial directory is removed and OUT is untouched."""
-    out = Path(out)
-    if out.exists() or out.is_symlink():
-        empty_dir = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
-        if not (empty_dir or overwrite):
-            raise UsageError(f"{out}: already exists (pass --overwrite to replace it)")
-    o, s = out.resolve(), Path(src).resolve()
-    if o == s or s in o.parents or o in s.parents:
-        raise UsageError(f"{out}: output must be outside the source checkpoint {src} (and not contain it)")
-    tmp = out.with_name(out.name + ".partial")
-    try:
-        _remove(tmp)  # left by a killed run
-        tmp.mkdir(parents=True)
-        yield tmp
-        _fsync_dir(tmp)
-        if out.exists() or out.is_symlink():
-            old = out.with_name(out.name + ".old")
-            _remove(old)
-            os.replace(out, old)
-            os.replace(tmp, out)
-            _remove(old)
-        else:
-            os.replace(tmp, out)
-        _fsync_dir(out.parent)
-    except OSError as e:
-        _remove(tmp)
-        raise CheckpointError(f"{out}: writing failed: {e}") from e
-    except BaseException:
-        _remove(tmp)
-        raise
-
-
 class _Readers:
     """One open ShardReader at a time (the plans read shards in order)."""
 
@@ -319,45 +222,6 @@ def extract(src: str | Path, out: str | Path, *, overwrite: bool = False, progre
 
 
 # --------------------------------------------------------------------------- strip
-def _hashed_copy(src: Path, dst: Path, expected: str | None, bar) -> str:
-    """Copy src to dst (fsync'd, atomic), returning its sha256; raise on a digest mismatch."""
-    h = hashlib.sha256()
-    tmp = dst.with_name(dst.name + ".partial")
-    buf = bytearray(_CHUNK)
-    mv = memoryview(buf)
-    try:
-        with open(src, "rb", buffering=0) as fi, open(tmp, "wb") as fo:
-            while n := fi.readinto(buf):
-                h.update(mv[:n])
-                fo.write(mv[:n])
-                bar.update(n)
-            fo.flush()
-            os.fsync(fo.fileno())
-        digest = h.hexdigest()
-        if expected is not None and digest != expected:
-            raise CheckpointError(f"{src}: sha256 {digest} does not match {CHECKSUMS} ({expected}): the shard is corrupt")
-        os.replace(tmp, dst)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return digest
-
-
-def _link_or_copy(src: Path, dst: Path, copy: bool, expected: str | None, want_digest: bool, bar) -> tuple[str | None, str]:
-    """Hardlink src to dst (falling back to a copy across file systems); (sha256 or None, how)."""
-    if not copy:
-        try:
-            os.link(src, dst)
-        except OSError:
-            pass
-        else:
-            bar.update(dst.stat().st_size)
-            if expected is not None:
-                return expected, "linked"  # the same inode: its bytes are the ones the source lists
-            return (sha256_file(dst) if want_digest else None), "linked"
-    return _hashed_copy(src, dst, expected, bar), "copied"
-
-
 def _rewrite(reader: ShardReader, header: Header, dst: Path, buf: TensorBuffer, expected: str | None, bar) -> str:
     """dst = the shard without its draft tensors, in file order, its metadata kept. With
     `expected`, the whole source file is hashed on the way (draft tensors included) and checked."""
@@ -431,7 +295,7 @@ def strip(src: str | Path, out: str | Path, *, overwrite: bool = False, progress
                 name = out_names[s]
                 expected = sums_in.get(s) if sums_in is not None else None
                 if kind == "link":
-                    digest, how = _link_or_copy(root / s, tmp / name, copy, expected, sums_in is not None, bar)
+                    digest, how = link_or_copy(root / s, tmp / name, copy, expected, sums_in is not None, bar)
                     counts[how] += 1
                 else:
                     digest = _rewrite(readers.get(s), headers[s], tmp / name, buf, expected, bar)

@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from . import __version__, hub
-from .draft import _link_or_copy, read_checksums, staged_output, write_checksums
+from .io.output import CHECKSUMS, link_or_copy, read_checksums, staged_output, write_checksums
 from .errors import CheckpointError, ConfigError, InklingQuantError, UnknownTensorError, UsageError
 from .io.checkpoint import INDEX_NAME, Checkpoint, copy_file_atomic, read_json, safe_child, write_json_atomic
 from .io.safetensors import (DTYPE_NAMES, Header, ShardReader, ShardWriter, TensorBuffer, TensorEntry, read_header,
@@ -38,7 +38,6 @@ from .layout import ATTENTION_PROJECTIONS, ModelConfig, TensorName, classify
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-CHECKSUMS = "checksums.sha256"
 QUANT_CONFIG = "hf_quant_config.json"
 PROVENANCE_KEY = "lora_merged"          # config.json: the adapters merged into this checkpoint
 MERGEABLE_PARTS = ("attention", "expert")
@@ -607,7 +606,7 @@ def merge(ckpt_dir: str | Path, adapter_spec: str | Path, out: str | Path, *, sc
                 digest = _rewrite_shard(plan, s, tmp / s, factors, expected, bar)
                 counts["rewritten"] += 1
             else:
-                digest, how = _link_or_copy(safe_child(root, s, "shard"), tmp / s, copy, expected, False, bar)
+                digest, how = link_or_copy(safe_child(root, s, "shard"), tmp / s, copy, expected, False, bar)
                 counts[how] += 1
             if digest is not None:
                 sums[s] = digest

@@ -48,11 +48,11 @@ from . import __version__
 from .errors import InklingQuantError, UsageError
 from .formats import FORMATS, Format
 from .io.checkpoint import INDEX_NAME, SINGLE_NAME, MAX_JSON_BYTES, safe_child
+from .io.output import CHECKSUMS
 from .io.safetensors import DTYPE_NAMES, Header, ShardReader, TensorBuffer, TensorEntry, read_header
 from .layout import QUANT_SUFFIXES, ModelConfig, TensorName, TensorSpec, classify, expected_tensors
 from .schemes import SCHEMES, Scheme, get_scheme
 
-CHECKSUMS = "checksums.sha256"
 QUANT_CONFIG = "hf_quant_config.json"
 CONVERT_MANIFEST = ".inkling-quant-convert.json"  # present only while a conversion is unfinished
 CHUNK = 32 << 20           # bytes per read: big sequential reads, hashed on a helper thread

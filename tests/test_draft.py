@@ -12,6 +12,7 @@ import pytest
 from inkling_quant import cli, draft
 from inkling_quant.errors import CheckpointError, ConfigError, InklingQuantError, UsageError
 from inkling_quant.io.checkpoint import INDEX_NAME, Checkpoint
+from inkling_quant.io.output import read_checksums
 from inkling_quant.io.safetensors import ShardReader, sha256_file
 from inkling_quant.layout import ModelConfig, draft_tensors, expected_tensors
 from inkling_quant.synth import write_checkpoint
@@ -68,7 +69,7 @@ def test_extract_is_byte_identical(src, extracted):
     assert draft_names and set(out) == draft_names
     for name, v in out.items():
         assert v == source[name], name
-    sums = draft.read_checksums(extracted / "checksums.sha256")
+    sums = read_checksums(extracted / "checksums.sha256")
     assert sums == {s: sha256_file(extracted / s) for s in Checkpoint.open(extracted).shards}
     index = json.loads((extracted / INDEX_NAME).read_text())
     assert index["metadata"]["total_size"] == sum(len(v[2]) for v in out.values())
@@ -180,7 +181,7 @@ def test_converted_checkpoint(src, tmp_path):
     assert r["copied"] == 8 and r["checksums"]
     assert (s / "hf_quant_config.json").read_bytes() == (conv / "hf_quant_config.json").read_bytes()
     assert json.loads((s / "config.json").read_text())["quantization_config"] == qc
-    sums = draft.read_checksums(s / "checksums.sha256")
+    sums = read_checksums(s / "checksums.sha256")
     out_files = {p.name for p in s.iterdir() if p.name not in (INDEX_NAME, "checksums.sha256")}
     assert set(sums) == out_files
     assert all(sha256_file(s / f) == h for f, h in sums.items())

@@ -680,7 +680,7 @@ def test_draft_configs(dc):
 @fuzz(60)
 @given(text=st.text(max_size=200) | st.binary(max_size=200).map(lambda b: b.decode("latin-1")))
 def test_checksum_files(tmp_path_factory, text):
-    from inkling_quant.draft import read_checksums
+    from inkling_quant.io.output import read_checksums
 
     p = tmp_path_factory.getbasetemp() / "checksums.sha256"
     p.write_bytes(text.encode("utf-8", "surrogatepass"))
@@ -781,7 +781,7 @@ def test_verify_fifo_config_does_not_hang(tmp_path):
 
 
 def test_draft_read_checksums_fifo_does_not_hang(tmp_path):
-    from inkling_quant.draft import read_checksums
+    from inkling_quant.io.output import read_checksums
 
     os.mkfifo(tmp_path / "checksums.sha256")
     with pytest.raises(InklingQuantError):

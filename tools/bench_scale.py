@@ -90,8 +90,8 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=2, help="converter workers (default 2 = the CPUs here)")
     p.add_argument("--max-shard-size", default="500MB", help="output shard size")
     p.add_argument("--work-dir", default=str(ROOT / "bench-out" / "scale"))
-    p.add_argument("--machines", default="1,8,32", help="projection: machine counts")
-    p.add_argument("--workers-per-machine", default="16,64", help="projection: workers (one core each) per machine")
+    p.add_argument("--machines", default="1,4,16", help="projection: machine counts")
+    p.add_argument("--workers-per-machine", default="2,16,64", help="projection: workers (one core each) per machine")
     p.add_argument("--convert-json", help="tools/bench_convert.py --json output, for the per-format projection")
     p.add_argument("--convert-workers", type=int, default=1, help="which worker count of --convert-json to use "
                    "(default 1: one process using every CPU, no spawn start-up in the figure)")
