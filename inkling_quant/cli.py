@@ -25,7 +25,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="inkling-quant", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="inkling-quant", description="Convert Inkling 2 Small checkpoints to NVFP4/MXFP8, verify them, "
+        "and plan their serving budget. `inkling-quant COMMAND --help` for each command.")
     parser.add_argument("--version", action="version", version=f"inkling-quant {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
