@@ -157,6 +157,10 @@ def child(spec: dict) -> None:
         res = _child_lc(spec)
     elif kind == "compare":
         res = _child_compare(spec)
+    elif kind == "synth":
+        res = _child_synth(spec)
+    elif kind == "stats":
+        res = src_stats(Path(spec["src"]))
     else:
         raise SystemExit(f"unknown child kind {kind!r}")
     res["work_cpu_s"] = _cpu_s() - c0 - res.pop("setup_cpu_s", 0.0)
@@ -174,9 +178,11 @@ def _child_ours(spec: dict) -> dict:
     sys.path.insert(0, str(ROOT))
     from inkling_quant.convert import Options, convert
 
+    from inkling_quant.synth import parse_size
+
     opts = Options(scheme=spec["scheme"], weight_only=spec["weight_only"],
                    default_activation_amax=spec.get("activation_amax"),
-                   max_shard_bytes=spec["max_shard_bytes"], workers=spec["workers"])
+                   max_shard_bytes=parse_size(spec["max_shard_size"]), workers=spec["workers"])
     setup = _cpu_s() - c0
     t0 = time.perf_counter()
     rep = convert(spec["src"], spec["out"], opts, quiet=True)
@@ -384,6 +390,27 @@ def _mb(n: float) -> float:
     return n / 1e6
 
 
+def _child_synth(spec: dict) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from inkling_quant.synth import parse_size, write_checkpoint
+
+    t0 = time.perf_counter()
+    write_checkpoint(spec["out"], "bench", layers=spec["layers"], experts=spec["experts"],
+                     max_shard_bytes=parse_size(spec["shard_size"]) if spec.get("shard_size") else None)
+    return {"seconds": time.perf_counter() - t0}
+
+
+def helper(script: str | Path, spec: dict, result: Path, env: dict | None = None) -> dict:
+    """Run `script --child spec` unmeasured and return its result. The measuring process itself never
+    imports torch: a child's ru_maxrss (wait4) starts from its parent's RSS at exec, so a lean
+    parent is what makes the per-process peaks true."""
+    subprocess.run([sys.executable, str(script), "--child", json.dumps({**spec, "result": str(result)})],
+                   check=True, cwd=ROOT, env=env)
+    res = json.loads(result.read_text())
+    result.unlink()
+    return res
+
+
 def src_stats(src: Path) -> dict:
     sys.path.insert(0, str(ROOT))
     from inkling_quant.io.safetensors import read_header
@@ -424,9 +451,6 @@ def main(argv=None) -> int:
         child(json.loads(args.child))
         return 0
 
-    sys.path.insert(0, str(ROOT))
-    from inkling_quant.synth import parse_size, write_checkpoint
-
     workers = [int(w) for w in args.workers.split(",")]
     mo_threads = [int(t) for t in args.modelopt_threads.split(",")] if not args.skip_modelopt else []
     work = Path(args.work_dir)
@@ -444,9 +468,10 @@ def main(argv=None) -> int:
     lc_py = None if args.skip_peer else ensure_lc_venv(Path(args.venv))
 
     t0 = time.perf_counter()
-    write_checkpoint(src, "bench", layers=args.layers, experts=args.experts,
-                     max_shard_bytes=parse_size(args.src_shard_size))
-    st = src_stats(src)
+    me = Path(__file__).resolve()
+    helper(me, {"kind": "synth", "out": str(src), "layers": args.layers, "experts": args.experts,
+                "shard_size": args.src_shard_size}, work / "synth.json", env_ours)
+    st = helper(me, {"kind": "stats", "src": str(src)}, work / "stats.json", env_ours)
     st["pass_bytes"] = st["bytes"] - st["expert_bytes"]
     print(f"input: synth --preset bench --layers {args.layers} --experts {args.experts}: {_mb(st['bytes']):.0f} MB "
           f"bf16 in {st['shards']} shards, routed experts {_mb(st['expert_bytes']):.0f} MB "
@@ -509,7 +534,7 @@ def main(argv=None) -> int:
             meas, res = run_child({"kind": "ours", "src": str(src), "out": str(out), "scheme": scheme,
                                    "weight_only": scheme == "nvfp4", "workers": w,
                                    "activation_amax": args.activation_amax if scheme == "default" else None,
-                                   "max_shard_bytes": parse_size(args.max_shard_size)}, env=env_ours,
+                                   "max_shard_size": args.max_shard_size}, env=env_ours,
                                   repeat=args.repeat)
             rep = res["report"]
             label = {"nvfp4": "nvfp4 W4A16", "mxfp8": "mxfp8", "default": "default W4A4"}[scheme]

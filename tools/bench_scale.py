@@ -48,8 +48,16 @@ def bench_sizes(layers: int, experts: int) -> tuple[int, int]:
     return sum(s.nbytes for s in specs), sum(s.nbytes for s in specs if classify(s.name).part == "expert")
 
 
-def pick_experts(layers: int, target_gb: float) -> int:
-    return min(range(1, 129), key=lambda e: abs(bench_sizes(layers, e)[0] / 1e9 - target_gb))
+def child(spec: dict) -> None:
+    """Helpers that import torch run in a child, so that the measuring process stays lean (see
+    bench_convert.helper)."""
+    if spec["kind"] == "sizes":
+        res = {"sizes": [[e, *bench_sizes(spec["layers"], e)] for e in range(1, spec["max_experts"] + 1)]}
+    elif spec["kind"] == "reference":
+        res = reference_bytes(spec["scheme"])
+    else:
+        raise SystemExit(f"unknown child kind {spec['kind']!r}")
+    Path(spec["result"]).write_text(json.dumps(res))
 
 
 def reference_bytes(scheme_name: str = "default") -> dict:
@@ -96,10 +104,13 @@ def main(argv=None) -> int:
     p.add_argument("--convert-workers", type=int, default=1, help="which worker count of --convert-json to use "
                    "(default 1: one process using every CPU, no spawn start-up in the figure)")
     p.add_argument("--json", metavar="OUT", help="write all results as JSON")
+    p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child:
+        child(json.loads(args.child))
+        return 0
 
-    from inkling_quant.synth import parse_size, write_checkpoint
-
+    me = Path(__file__).resolve()
     work = Path(args.work_dir)
     if work.exists():
         shutil.rmtree(work)
@@ -107,22 +118,26 @@ def main(argv=None) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     sizes = [float(s) for s in args.sizes.split(",")]
+    if len(sizes) < 2:
+        p.error("--sizes needs at least two sizes to fit a line")
     print(f"scheme {args.scheme}, {args.workers} workers, {args.layers} layer(s), experts grown to reach "
           f"{', '.join(f'{s:g}' for s in sizes)} GB; work dir {work}; {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     print(f"  {'src GB':>6} {'experts':>7} {'expert GB':>9} {'seconds':>8} {'MB/s':>7} {'cpu s':>6} "
           f"{'peak RSS MB':>11} {'tree RSS MB':>11} {'load':>5} {'(synth s)':>9}", flush=True)
+    table_sizes = bc.helper(me, {"kind": "sizes", "layers": args.layers, "max_experts": 128}, work / "sizes.json",
+                            env)["sizes"]
     rows = []
     for target in sizes:
-        experts = pick_experts(args.layers, target)
+        experts, total, expert = min(table_sizes, key=lambda row: abs(row[1] / 1e9 - target))
         src, out = work / "src", work / "out"
         t0 = time.perf_counter()
-        write_checkpoint(src, "bench", layers=args.layers, experts=experts)
+        bc.helper(bc.__file__, {"kind": "synth", "out": str(src), "layers": args.layers, "experts": experts},
+                  work / "synth.json", env)
         synth_s = time.perf_counter() - t0
-        total, expert = bench_sizes(args.layers, experts)
         spec = {"kind": "ours", "src": str(src), "out": str(out), "scheme": args.scheme, "weight_only": False,
                 "activation_amax": args.activation_amax, "workers": args.workers,
-                "max_shard_bytes": parse_size(args.max_shard_size), "result": str(work / "res.json")}
+                "max_shard_size": args.max_shard_size, "result": str(work / "res.json")}
         bc.sync_disk()
         meas = bc.run_measured([sys.executable, str(Path(bc.__file__).resolve()), "--child", json.dumps(spec)],
                                work / "logs" / f"convert-{experts}.log", env=env)
@@ -156,13 +171,13 @@ def main(argv=None) -> int:
           f"{1000 * per_worker:.0f} MB/s per core (= per projected worker)")
 
     # ------------------------------------------------------------- projection
-    ref = reference_bytes(args.scheme)
+    ref = bc.helper(me, {"kind": "reference", "scheme": args.scheme}, work / "ref.json", env)
     machines = [int(x) for x in args.machines.split(",")]
     wpm = [int(x) for x in args.workers_per_machine.split(",")]
     print(f"\nprojection, full model: {ref['total'] / 1e12:.3f} TB bf16 (NVFP4 {ref['nvfp4'] / 1e12:.3f} TB, "
           f"MXFP8 {ref['mxfp8'] / 1e12:.3f} TB, pass-through {ref['passthrough'] / 1e12:.4f} TB) "
           f"at {1000 * per_worker:.0f} MB/s per worker, assuming throughput scales with workers and the "
-          f"disks/network keep up (needed read rate per machine shown)")
+          f"disks/network keep up (needed read rate per machine shown); N machines = `convert --part I/N`")
     proj = []
     scale_rates = {"from": "bench_scale marginal throughput", "per_worker_mb_per_s": round(1000 * per_worker, 1)}
     t_one = ref["total"] / 1e9 / per_worker  # seconds for one worker
