@@ -35,7 +35,7 @@ from .io.checkpoint import (INDEX_NAME, Checkpoint, copy_file_atomic, read_json,
                             write_json_atomic)
 from .io.output import CHECKSUMS, write_checksums
 from .io.safetensors import DTYPE_NAMES, DTYPES, ShardReader, ShardWriter, TensorBuffer, fsync_files, sha256_file
-from .layout import ModelConfig, classify, expected_tensors, source_spec
+from .layout import ModelConfig, classify, expected_tensors, natural_key, source_spec
 from .schemes import Scheme, get_scheme
 from .synth import parse_size
 
@@ -333,12 +333,8 @@ def quant_config(cfg: ModelConfig, jobs: list[ShardJob], weight_only: bool) -> d
         "kv_cache_quant_algo": None,
         "exclude_modules": ["lm_head", "model.embed_tokens", "model.layers.*.self_attn*",
                             "model.layers.*.mlp.gate", "model.layers.*.mlp.input_conv", "model.visual*", "dspark*"],
-        "quantized_layers": dict(sorted(layers.items(), key=lambda kv: _natural(kv[0]))),
+        "quantized_layers": dict(sorted(layers.items(), key=lambda kv: natural_key(kv[0]))),
     }
-
-
-def _natural(name: str):
-    return [int(p) if p.isdigit() else p for p in name.split(".")]
 
 
 def _peak_rss_mb() -> float:

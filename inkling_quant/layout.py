@@ -239,6 +239,11 @@ _RULES: list[tuple[re.Pattern, str]] = [(re.compile(p), part) for p, part in [
 ]]
 
 
+def natural_key(name: str) -> list[tuple[int, int, str]]:
+    """Sort key for tensor/module names: numeric components as numbers (layer 2 before 10)."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
+
+
 def classify(name: str) -> TensorName:
     """Classify a checkpoint tensor name; raise UnknownTensorError for a name outside the layout."""
     for pattern, part in _RULES:

@@ -50,7 +50,7 @@ from .formats import FORMATS, Format
 from .io.checkpoint import INDEX_NAME, SINGLE_NAME, MAX_JSON_BYTES, safe_child
 from .io.output import CHECKSUMS
 from .io.safetensors import DTYPE_NAMES, Header, ShardReader, TensorBuffer, TensorEntry, read_header
-from .layout import QUANT_SUFFIXES, ModelConfig, TensorName, TensorSpec, classify, expected_tensors
+from .layout import QUANT_SUFFIXES, ModelConfig, TensorName, TensorSpec, classify, expected_tensors, natural_key
 from .schemes import SCHEMES, Scheme, get_scheme
 
 QUANT_CONFIG = "hf_quant_config.json"
@@ -505,10 +505,6 @@ def _load_json(path: Path, what: str, check: Check) -> dict | None:
         check.fail(path, None, f"{what} must be a JSON object")
         return None
     return obj
-
-
-def _natural(name: str):
-    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
 
 
 def _span(layers: list[int]) -> list[tuple[int, int]]:
@@ -978,7 +974,7 @@ class Verifier:
             for n in got:
                 if n not in want:
                     c.fail(self.root / got[n].shard, n, f"unexpected: {fmt.name} writes no such tensor")
-        for n in sorted(set(self.tensors) - seen, key=_natural):
+        for n in sorted(set(self.tensors) - seen, key=natural_key):
             try:
                 classify(n)
                 why = "not part of the layout for this config.json (e.g. a layer or expert past its counts)"

@@ -370,17 +370,22 @@ _SHARD_NAMES = ["a.safetensors", "b.safetensors", "missing.safetensors", "out.sa
                 "sub/x.safetensors", "a\\b", "a\0b", "", ".", "..", "x" * 300, "\ud800", "é" * 200, " a.safetensors"]
 
 
+def _two_shards(root: Path) -> None:
+    """a.safetensors (t0, t1) and b.safetensors (t2): the valid shards index files point at."""
+    for shard, names in (("a.safetensors", ["t0", "t1"]), ("b.safetensors", ["t2"])):
+        w = ShardWriter(root / shard, [(n, torch.float32, (2,)) for n in names])
+        for n in names:
+            w.write(n, torch.ones(2))
+        w.commit()
+
+
 @pytest.fixture(scope="module")
 def index_dir(tmp_path_factory):
     """Two valid shards and every kind of bad file name target."""
     base = tmp_path_factory.mktemp("index")
     root = base / "ck"
     root.mkdir()
-    for shard, names in (("a.safetensors", ["t0", "t1"]), ("b.safetensors", ["t2"])):
-        w = ShardWriter(root / shard, [(n, torch.float32, (2,)) for n in names])
-        for n in names:
-            w.write(n, torch.ones(2))
-        w.commit()
+    _two_shards(root)
     outside = base / "outside.safetensors"
     outside.write_bytes((root / "b.safetensors").read_bytes())
     (root / "out.safetensors").symlink_to(outside)
@@ -695,11 +700,7 @@ def _replay_header(p: Path):
 def _replay_index(p: Path, tmp: Path):
     root = tmp / "ck"
     root.mkdir()
-    for shard, names in (("a.safetensors", ["t0", "t1"]), ("b.safetensors", ["t2"])):
-        w = ShardWriter(root / shard, [(n, torch.float32, (2,)) for n in names])
-        for n in names:
-            w.write(n, torch.ones(2))
-        w.commit()
+    _two_shards(root)
     (root / INDEX_NAME).write_bytes(p.read_bytes())
     return _open_checkpoint(root)
 
