@@ -547,27 +547,33 @@ def _run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: 
                 record(r)
             pool.shutdown()
     except KeyboardInterrupt as e:
-        _stop(pool)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # a second ^C must not cut the clean-up short
+        _stop(pool, out, todo, done)
         raise Interrupted(f"{out}: interrupted ({e or 'SIGINT'}) after {len(done)} of {len(jobs)} shards; "
                           f"rerun the same command with --resume to finish") from None
     except OSError as e:
-        _stop(pool)
+        _stop(pool, out, todo, done)
         raise OutputError(f"{out}: cannot write ({e.strerror or e}); {len(done)} of {len(jobs)} shards are "
                           f"done: free space and rerun with --resume") from None
     except BaseException:
-        _stop(pool)
+        _stop(pool, out, todo, done)
         raise
     finally:
         bar_bytes.close()
         bar_shards.close()
 
 
-def _stop(pool) -> None:
-    if pool is None:
-        return
-    for p in list(getattr(pool, "_processes", {}).values()):
-        p.terminate()
-    pool.shutdown(wait=True, cancel_futures=True)
+def _stop(pool, out: Path, todo: list[ShardJob], done: dict[str, str]) -> None:
+    """Stop the workers, then remove what they left half-written: a terminated worker (or a
+    signal landing between opening a shard and entering its `with`) cannot clean up itself."""
+    if pool is not None:
+        for p in list(getattr(pool, "_processes", {}).values()):
+            p.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+    for j in todo:
+        if j.file not in done:
+            (out / (j.file + ".partial")).unlink(missing_ok=True)
 
 
 def finalize(src: str, out: str | Path, opts: Options, *, prep: Prepared | None = None, quiet: bool = False) -> dict:

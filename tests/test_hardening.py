@@ -69,11 +69,11 @@ def test_sigkill_at_many_points_always_resumes_byte_identical(src_and_ref, tmp_p
         assert _files(out) == _files(ref), f"kill point {kind}={at}"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_sigterm_sigint_stop_cleanly_and_resume(src_and_ref, tmp_path, sig):
+@pytest.mark.parametrize("sig,workers", [(signal.SIGTERM, 1), (signal.SIGINT, 1), (signal.SIGTERM, 2)])
+def test_sigterm_sigint_stop_cleanly_and_resume(src_and_ref, tmp_path, sig, workers):
     src, ref = src_and_ref
     out = tmp_path / "o"
-    proc = _start_and_wait(src, out, 2)
+    proc = _start_and_wait(src, out, 2, "--workers", str(workers))  # 2 workers: terminated mid-shard
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
