@@ -266,44 +266,71 @@ def _check_finite(t: torch.Tensor, where: str) -> None:
 
 def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str | None, out_dir: str,
                   device: str = "cpu", progress=None) -> ShardResult:
+    """One output shard. Writing (sha256 + write, both GIL-free) runs on a second thread one unit
+    behind the reading and quantizing, so the I/O of unit k overlaps the arithmetic of unit k+1.
+    Two sets of read buffers alternate: pass-through outputs are views into them, and the write
+    of unit k has finished before unit k+2 reads into its set."""
     start = time.perf_counter()
     sources = _Sources(Path(src_root), repo, revision)
-    buffers = (TensorBuffer(), TensorBuffer())
+    buffer_sets = ((TensorBuffer(), TensorBuffer()), (TensorBuffer(), TensorBuffer()))
     counts: dict[str, int] = {}
     writer = ShardWriter(Path(out_dir) / job.file, [(n, DTYPES[d], s) for n, d, s in job.specs], {"format": "pt"})
+    io = cf.ThreadPoolExecutor(1, thread_name_prefix="inkling-quant-write")
+    pending: cf.Future | None = None
     try:
         with writer:
-            for u in job.units:
-                fmt = FORMATS[u.format]
-                ws = []
-                for k, src in enumerate(u.sources):
-                    reader = sources.get(src.shard)
-                    w = reader.get(src.name, buffers[k])
-                    where = f"{reader.path}: tensor {src.name!r}"
-                    if u.format == "passthrough":  # the quantizers check their own input
-                        _check_finite(w, where)
-                    ws.append((src, w if device == "cpu" else w.to(device), where))
-                global_amax = None
-                if u.format == "nvfp4":
-                    global_amax = torch.maximum(*[tensor_amax(w) for _, w, _ in ws]) if len(ws) == 2 else None
-                for (src, w, where), ia in zip(ws, u.input_amax):
-                    try:
-                        out = fmt.quantize(w, global_amax=global_amax, input_amax=ia)
-                    except FormatError as e:
-                        raise FormatError(f"{where}: {e}") from None
-                    module = src.name[: -len(".weight")]
-                    for suffix, t in out.items():
-                        name = src.name if u.format == "passthrough" else f"{module}.{suffix}"
-                        writer.write(name, t.cpu() if device != "cpu" else t)
-                    counts[u.format] = counts.get(u.format, 0) + 1
-                    if progress is not None:
-                        progress(_nbytes((src.name, src.dtype, src.shape)))
+            try:
+                for k, u in enumerate(job.units):
+                    outputs = _convert_unit(u, sources, buffer_sets[k % 2], device, counts, progress)
+                    if pending is not None:
+                        pending.result()  # an I/O error of the previous unit surfaces here
+                    pending = io.submit(_write_all, writer, outputs)
+                if pending is not None:
+                    pending.result()
+            finally:
+                io.shutdown(wait=True)  # never close the file under a running write
             # No fsync per shard: a kill -9 keeps the page cache, and --resume re-hashes every
             # recorded shard anyway; finalize fsyncs all shards once, before the index exists.
             sha = writer.commit(durable=False)
     finally:
         sources.close()
     return ShardResult(job.file, sha, job.out_bytes, job.src_bytes, counts, time.perf_counter() - start)
+
+
+def _convert_unit(u, sources: "_Sources", buffers, device: str, counts: dict[str, int],
+                  progress) -> list[tuple[str, torch.Tensor]]:
+    """Read and quantize one unit (a tensor, or a fused gate/up pair); return (name, tensor) to write."""
+    fmt = FORMATS[u.format]
+    ws = []
+    for k, src in enumerate(u.sources):
+        reader = sources.get(src.shard)
+        w = reader.get(src.name, buffers[k])
+        where = f"{reader.path}: tensor {src.name!r}"
+        if u.format == "passthrough":  # the quantizers check their own input
+            _check_finite(w, where)
+        ws.append((src, w if device == "cpu" else w.to(device), where))
+    global_amax = None
+    if u.format == "nvfp4":
+        global_amax = torch.maximum(*[tensor_amax(w) for _, w, _ in ws]) if len(ws) == 2 else None
+    outputs = []
+    for (src, w, where), ia in zip(ws, u.input_amax):
+        try:
+            out = fmt.quantize(w, global_amax=global_amax, input_amax=ia)
+        except FormatError as e:
+            raise FormatError(f"{where}: {e}") from None
+        module = src.name[: -len(".weight")]
+        for suffix, t in out.items():
+            name = src.name if u.format == "passthrough" else f"{module}.{suffix}"
+            outputs.append((name, t.cpu() if device != "cpu" else t))
+        counts[u.format] = counts.get(u.format, 0) + 1
+        if progress is not None:
+            progress(_nbytes((src.name, src.dtype, src.shape)))
+    return outputs
+
+
+def _write_all(writer: ShardWriter, outputs: list[tuple[str, torch.Tensor]]) -> None:
+    for name, t in outputs:
+        writer.write(name, t)
 
 
 def _worker_init(threads: int) -> None:
