@@ -24,6 +24,8 @@ def _tensors():
 
 def test_writer_output_is_read_by_safetensors(tmp_path):
     ts = _tensors()
+    # 6 MB, between small ones: hashed on the writer's second thread, the digest still in order
+    ts = {"big": torch.randn(1536, 1024, generator=torch.Generator().manual_seed(1)), **ts, "z": torch.ones(3)}
     p = tmp_path / "x.safetensors"
     w = ShardWriter(p, [(k, v.dtype, tuple(v.shape)) for k, v in ts.items()], {"format": "pt"})
     for k, v in ts.items():
