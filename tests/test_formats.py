@@ -338,6 +338,35 @@ def test_mxfp8_bit_exact(mo, case):
     assert torch.equal(e.reshape(ms.shape), ms)
 
 
+def every_bf16_under_many_block_scales() -> torch.Tensor:
+    """Every finite bf16 pattern, both signs, in blocks whose amax (column 0) sweeps the bf16
+    exponent range, so each pattern is scaled by many e8m0 exponents (E from 0 to 247), zero,
+    e4m3-subnormal and bf16-subnormal results included."""
+    mags = torch.arange(0, 0x7F80, dtype=torch.int32)
+    rows = []
+    for le in list(range(1, 255, 6)) + [254]:
+        for lm in (0, 0x3F, 0x7F):
+            lead = (le << 7) | lm
+            body = mags[mags <= lead]
+            body = body | ((torch.arange(body.numel()) % 2) << 15)              # alternate signs
+            body = torch.cat([body, torch.zeros(-body.numel() % 31, dtype=torch.int32)]).reshape(-1, 31)
+            lead_sign = (torch.arange(body.shape[0]) % 3 == 0).int() << 15
+            rows.append(torch.cat([(lead | lead_sign)[:, None], body], dim=1))
+    return torch.cat(rows).to(torch.int16).view(BF)                          # [blocks, 32]
+
+
+def test_mxfp8_every_bf16_pattern_under_many_scales(mo):
+    w = every_bf16_under_many_block_scales()
+    ours = MXFP8().quantize(w)
+    q, e = _mxfp8_torch(w, "")
+    assert torch.equal(_bits(ours["weight"]).reshape(-1), _bits(q))
+    assert torch.equal(ours["weight_scale"].reshape(-1), e)
+    assert int(e.min()) == 0 and int(e.max()) == 247           # the whole e8m0 range bf16 reaches
+    mq, ms = mo[1].quantize(w)
+    assert torch.equal(_bits(ours["weight"]), _bits(mq._quantized_data))
+    assert torch.equal(ours["weight_scale"], ms)
+
+
 def test_mxfp8_medium_tensor_and_threads(mo):
     w = outliers(512, 3072, seed=8)
     mq, ms = mo[1].quantize(w)
