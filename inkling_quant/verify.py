@@ -48,7 +48,7 @@ from . import __version__
 from .errors import InklingQuantError, UsageError
 from .formats import FORMATS, Format
 from .io.checkpoint import INDEX_NAME, SINGLE_NAME, MAX_JSON_BYTES, safe_child
-from .io.output import CHECKSUMS
+from .io.output import CHECKSUMS, read_checksums
 from .io.safetensors import DTYPE_NAMES, Header, ShardReader, TensorBuffer, TensorEntry, read_header
 from .layout import QUANT_SUFFIXES, ModelConfig, TensorName, TensorSpec, classify, expected_tensors, natural_key
 from .schemes import SCHEMES, Scheme, get_scheme
@@ -1184,7 +1184,7 @@ class Verifier:
         if not p.is_file():
             return {}
         try:
-            return _parse_checksums(p, None)
+            return read_checksums(p, problem=lambda where, msg: None)
         except (InklingQuantError, OSError):
             return {}
 
@@ -1223,7 +1223,7 @@ class Verifier:
             else:
                 c.fail(p, None, f"{CHECKSUMS} not found (create one with `inkling-quant verify --write-checksums`)")
             return
-        sums = _parse_checksums(p, c)
+        sums = read_checksums(p, problem=lambda where, msg: c.fail(where, None, msg))
         for name, digest in sums.items():
             try:
                 safe_child(self.root, name, "file")
@@ -1488,28 +1488,6 @@ def _short(v) -> str:
 def _checksummable(p: Path) -> bool:
     return p.is_file() and not p.is_symlink() and not p.name.startswith(".") and p.name != CHECKSUMS \
         and not p.name.endswith(".partial")
-
-
-_SUM_LINE = re.compile(r"([0-9a-fA-F]{64}) [ *](.+)")
-
-
-def _parse_checksums(path: Path, c: Check | None) -> dict[str, str]:
-    """A sha256sum file: {file: hex digest}. Bad lines are problems of `c` (or ignored)."""
-    out: dict[str, str] = {}
-    text = path.read_text(encoding="utf-8", errors="replace")
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        m = _SUM_LINE.fullmatch(line)
-        if not m:
-            if c is not None:
-                c.fail(f"{path}:{n}", None, f"not a '<sha256>  <file>' line: {line[:80]!r}")
-            continue
-        name = m.group(2)
-        if name in out and c is not None:
-            c.fail(f"{path}:{n}", None, f"{name} listed twice")
-        out[name] = m.group(1).lower()
-    return out
 
 
 # ============================================================================ API

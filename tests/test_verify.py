@@ -15,6 +15,7 @@ import torch
 
 from inkling_quant.cli import main
 from inkling_quant.convert import Options, convert
+from inkling_quant.errors import CheckpointError
 from inkling_quant.formats import FORMATS
 from inkling_quant.io.checkpoint import INDEX_NAME
 from inkling_quant.io.safetensors import ShardReader, ShardWriter, read_header, sha256_file
@@ -461,6 +462,21 @@ def test_write_checksums(broken, tiny_src, tmp_path, capsys):
     _patch_bytes(broken, "model.layers.7.mlp.experts.1.down_proj.weight_scale", 0, b"\x7f")
     rc, out, _ = _run(capsys, broken, "--write-checksums")
     assert rc == 1 and not (broken / CHECKSUMS).exists() and "not written" in out
+
+
+def test_bad_checksum_lines_each_reported(broken, capsys):
+    """verify lists every malformed or repeated line (draft/lora, which only read the file,
+    stop at the first: one parser, io/output.read_checksums, serves both)."""
+    p = broken / CHECKSUMS
+    lines = p.read_text().splitlines()
+    p.write_text("\n".join([lines[0], "not a checksum line", *lines[1:], lines[-1]]) + "\n")
+    rc, out, r = _run(capsys, broken)
+    assert rc == 1 and _failed_ids(r) == {"checksums"}
+    assert _problem(r, "checksums", f"{CHECKSUMS}:2", None)["message"].startswith("not a '<sha256>  <file>' line")
+    assert "listed twice" in _problem(r, "checksums", f"{CHECKSUMS}:{len(lines) + 2}", None)["message"]
+    from inkling_quant.io.output import read_checksums
+    with pytest.raises(CheckpointError, match=f"{CHECKSUMS}:2: not a"):
+        read_checksums(p)
 
 
 def test_write_checksums_for_a_bf16_source(tiny_src, tmp_path):

@@ -9,6 +9,7 @@ import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 from ..errors import CheckpointError, UsageError
 from .safetensors import open_regular, sha256_file
@@ -19,9 +20,11 @@ _CHUNK = 8 << 20
 _SUM_LINE = re.compile(r"([0-9a-fA-F]{64}) [ *](.+)")
 
 
-def read_checksums(path: Path) -> dict[str, str]:
-    """A sha256sum file: {file name: hex digest}."""
-    out = {}
+def read_checksums(path: Path, problem: Callable[[str, str], None] | None = None) -> dict[str, str]:
+    """A sha256sum file: {file name: hex digest}. A malformed or repeated line raises
+    CheckpointError, or, given ``problem(where, message)``, is reported there and skipped
+    (verify lists every bad line instead of stopping at the first)."""
+    out: dict[str, str] = {}
     try:
         fd = open_regular(path)  # a FIFO would block forever
         with os.fdopen(fd, "rb") as f:
@@ -34,8 +37,13 @@ def read_checksums(path: Path) -> dict[str, str]:
         if not line.strip():
             continue
         m = _SUM_LINE.fullmatch(line)
-        if not m:
-            raise CheckpointError(f"{path}:{n}: not a '<sha256>  <file>' line: {line[:80]!r}")
+        bad = (f"not a '<sha256>  <file>' line: {line[:80]!r}" if not m
+               else f"{m.group(2)} listed twice" if m.group(2) in out else None)
+        if bad is not None:
+            if problem is None:
+                raise CheckpointError(f"{path}:{n}: {bad}")
+            problem(f"{path}:{n}", bad)
+            continue
         out[m.group(2)] = m.group(1).lower()
     return out
 
