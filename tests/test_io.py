@@ -132,3 +132,14 @@ def test_index_missing_shard_and_mismatch(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text("[]")
     with pytest.raises(CheckpointError, match="JSON object"):
         Checkpoint.open(tmp_path)
+
+
+def test_tensor_buffer_grows_geometrically():
+    """Reads of ever larger tensors reallocate O(log n) times, not once per tensor."""
+    b, prev, grown = TensorBuffer(), None, 0
+    for n in range(1, 10_001):
+        mv = b.view(n)
+        assert len(mv) == n
+        grown += mv.obj is not prev
+        prev = mv.obj
+    assert grown <= 25  # log_1.5(10000) ~ 23

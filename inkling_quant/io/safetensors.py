@@ -17,9 +17,9 @@ import math
 import os
 import stat
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 import numpy as np
@@ -264,8 +264,9 @@ class TensorBuffer:
 
     def view(self, nbytes: int) -> memoryview:
         if self._buf.size < nbytes:
+            grown = max(nbytes, self._buf.size * 3 // 2)
             self._buf = np.empty(0, np.uint8)  # free the old one first
-            self._buf = np.empty(max(nbytes, self._buf.size * 3 // 2), np.uint8)
+            self._buf = np.empty(grown, np.uint8)
         return memoryview(self._buf)[:nbytes]
 
 
