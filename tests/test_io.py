@@ -1,4 +1,5 @@
 import json
+import os
 import struct
 
 import pytest
@@ -143,3 +144,25 @@ def test_tensor_buffer_grows_geometrically():
         grown += mv.obj is not prev
         prev = mv.obj
     assert grown <= 25  # log_1.5(10000) ~ 23
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, OSError])
+def test_atomic_small_files_leave_nothing_behind_when_interrupted(tmp_path, monkeypatch, exc):
+    """A SIGTERM (raised as KeyboardInterrupt) or an I/O error while a manifest, config or
+    checksum file is written: the old file stays as it was and no `.partial` is left."""
+    from inkling_quant.io.checkpoint import copy_file_atomic, write_json_atomic
+    from inkling_quant.io.output import write_checksums
+
+    target = tmp_path / "m.json"
+    target.write_text("old")
+    (tmp_path / "src.txt").write_text("new")
+
+    def fail(fd):
+        raise exc("interrupted")
+
+    monkeypatch.setattr(os, "fsync", fail)
+    for write in (lambda: write_json_atomic(target, {"a": 1}), lambda: copy_file_atomic(tmp_path / "src.txt", target),
+                  lambda: write_checksums(target, {"f": "0" * 64})):
+        with pytest.raises(exc):
+            write()
+        assert target.read_text() == "old" and not list(tmp_path.glob("*.partial"))

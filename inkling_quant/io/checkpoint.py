@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from ..errors import CheckpointError, UnsafePathError
 from .safetensors import Header, _encodable, _short, open_regular, parse_json_bytes, read_header
@@ -70,14 +72,26 @@ def read_json(path: Path, what: str, error: type[Exception] = CheckpointError) -
     return obj
 
 
-def write_json_atomic(path: Path, obj) -> None:
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield the temporary name to write `path` under; rename it into place when the block
+    ends, remove it on any exception (a SIGTERM turned into KeyboardInterrupt included), so an
+    interrupted write leaves neither a half-written file nor a stray `.partial`."""
     tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "w") as f:
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=False)
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -157,11 +171,10 @@ class Checkpoint:
 
 
 def copy_file_atomic(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(dst.name + ".partial")
-    shutil.copyfile(src, tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, dst)
+    with atomic_path(dst) as tmp:
+        shutil.copyfile(src, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
 
 
 def shard_name(i: int, n: int) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import CheckpointError, UsageError
+from .checkpoint import atomic_path
 from .safetensors import open_regular, sha256_file
 
 CHECKSUMS = "checksums.sha256"
@@ -49,12 +50,10 @@ def read_checksums(path: Path, problem: Callable[[str, str], None] | None = None
 
 
 def write_checksums(path: Path, sums: dict[str, str]) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "w") as f:
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
         f.write("".join(f"{sums[name]}  {name}\n" for name in sorted(sums)))
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def remove_path(p: Path) -> None:
