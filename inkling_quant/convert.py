@@ -281,6 +281,7 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
         with writer:
             try:
                 for k, u in enumerate(job.units):
+                    _STOP.check()
                     outputs = _convert_unit(u, sources, buffer_sets[k % 2], device, counts, progress)
                     if pending is not None:
                         pending.result()  # an I/O error of the previous unit surfaces here
@@ -418,8 +419,28 @@ class Interrupted(InklingQuantError):
     exit_code = 130
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+class _StopRequest:
+    """SIGINT/SIGTERM during a conversion. The handler only records the signal; the converter
+    acts on it at the next unit boundary. An exception raised by a handler lands at an arbitrary
+    bytecode, and that can be inside a weakref callback or a finalizer, where Python swallows
+    it, or inside a callback from torch's C++ code, where it aborts the process (both seen in
+    CI). While the main thread only waits for worker processes, it is raised at once."""
+
+    def __init__(self):
+        self.signame: str | None = None
+        self.waiting = False
+
+    def handler(self, signum, frame) -> None:
+        self.signame = signal.Signals(signum).name
+        if self.waiting:
+            raise KeyboardInterrupt(self.signame)
+
+    def check(self) -> None:
+        if self.signame is not None:
+            raise KeyboardInterrupt(self.signame)
+
+
+_STOP = _StopRequest()  # in worker processes no handler is installed: check() never raises
 
 
 class OutputLock:
@@ -504,7 +525,8 @@ def convert(src: str, out: str | Path, opts: Options, *, resume: bool = False, o
             shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     lock = OutputLock(out / f".inkling-quant{tag}.lock").acquire()
-    old_handlers = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM,)}
+    _STOP.signame = None
+    old_handlers = {s: signal.signal(s, _STOP.handler) for s in (signal.SIGINT, signal.SIGTERM)}
     old_xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # file-size limit: an error, not a kill
     try:
         done = _load_done(manifest_path, prep.fingerprint, out) if resume else {}
@@ -562,17 +584,28 @@ def _run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: 
     try:
         if opts.workers <= 1 or len(todo) <= 1:
             for j in todo:
+                _STOP.check()
                 record(convert_shard(j, *args, progress=bar_bytes.update))
         else:
             threads = max(1, (os.cpu_count() or 1) // opts.workers)
             ctx = mp.get_context("spawn")  # no fork after torch/OpenMP threads exist
             pool = cf.ProcessPoolExecutor(opts.workers, mp_context=ctx, initializer=_worker_init, initargs=(threads,))
             futs = [pool.submit(convert_shard, j, *args) for j in todo]
-            for f in cf.as_completed(futs):
+            finished = cf.as_completed(futs)
+            while True:
+                _STOP.check()
+                _STOP.waiting = True  # only waiting: a signal may raise right here
+                try:
+                    f = next(finished, None)
+                finally:
+                    _STOP.waiting = False
+                if f is None:
+                    break
                 r = f.result()
                 bar_bytes.update(r.src_bytes)
                 record(r)
             pool.shutdown()
+        _STOP.check()  # a signal during the last shard: stop before finalizing
     except KeyboardInterrupt as e:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)  # a second ^C must not cut the clean-up short
