@@ -177,10 +177,12 @@ def _child_ours(spec: dict) -> dict:
     """inkling_quant's convert(), exactly as `inkling-quant convert` calls it."""
     c0 = _cpu_s()
     sys.path.insert(0, str(ROOT))
+    from inkling_quant import schemes
     from inkling_quant.convert import Options, convert
-
     from inkling_quant.synth import parse_size
 
+    if spec["scheme"] == "copy":  # the I/O floor (_child_copy): a scheme of no rules
+        schemes.SCHEMES["copy"] = schemes.Scheme("copy", "bench only: every tensor passed through", ())
     opts = Options(scheme=spec["scheme"], weight_only=spec["weight_only"],
                    default_activation_amax=spec.get("activation_amax"),
                    max_shard_bytes=parse_size(spec["max_shard_size"]), workers=spec["workers"])
@@ -194,18 +196,7 @@ def _child_copy(spec: dict) -> dict:
     """The I/O floor: convert() itself with a scheme that has no rules, so every tensor takes the
     converter's own path (validate, pread, finiteness check, sha256 and write pipelined, finalize)
     and nothing is quantized."""
-    c0 = _cpu_s()
-    sys.path.insert(0, str(ROOT))
-    from inkling_quant import schemes
-    from inkling_quant.convert import Options, convert
-    from inkling_quant.synth import parse_size
-
-    schemes.SCHEMES["copy"] = schemes.Scheme("copy", "bench only: every tensor passed through", ())
-    opts = Options(scheme="copy", max_shard_bytes=parse_size(spec["max_shard_size"]), workers=spec["workers"])
-    setup = _cpu_s() - c0
-    t0 = time.perf_counter()
-    rep = convert(spec["src"], spec["out"], opts, quiet=True)
-    return {"work_s": time.perf_counter() - t0, "bytes_in": rep["bytes_in"], "setup_cpu_s": setup}
+    return _child_ours({**spec, "scheme": "copy", "weight_only": False})
 
 
 def _child_modelopt(spec: dict) -> dict:

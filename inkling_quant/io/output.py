@@ -115,10 +115,9 @@ def staged_output(out: str | Path, src: Path, overwrite: bool):
 def hashed_copy(src: Path, dst: Path, expected: str | None, bar) -> str:
     """Copy src to dst (fsync'd, atomic), returning its sha256; raise on a digest mismatch."""
     h = hashlib.sha256()
-    tmp = dst.with_name(dst.name + ".partial")
     buf = bytearray(_CHUNK)
     mv = memoryview(buf)
-    try:
+    with atomic_path(dst) as tmp:
         with open(src, "rb", buffering=0) as fi, open(tmp, "wb") as fo:
             while n := fi.readinto(buf):
                 h.update(mv[:n])
@@ -129,10 +128,6 @@ def hashed_copy(src: Path, dst: Path, expected: str | None, bar) -> str:
         digest = h.hexdigest()
         if expected is not None and digest != expected:
             raise CheckpointError(f"{src}: sha256 {digest} does not match {CHECKSUMS} ({expected}): the shard is corrupt")
-        os.replace(tmp, dst)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return digest
 
 
