@@ -82,6 +82,7 @@ class Options:
     max_shard_bytes: int = 5 * 10**9
     workers: int = 1
     device: str = "cpu"
+    buffered_io: bool = False  # how the bytes are written, not which: left out of the resume fingerprint
 
 
 def _out_names(src: SrcTensor, fmt_name: str, weight_only: bool) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -265,7 +266,7 @@ def _check_finite(t: torch.Tensor, where: str) -> None:
 
 
 def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str | None, out_dir: str,
-                  device: str = "cpu", progress=None) -> ShardResult:
+                  device: str = "cpu", buffered_io: bool = False, progress=None) -> ShardResult:
     """One output shard. Writing (sha256 + write, both GIL-free) runs on a second thread one unit
     behind the reading and quantizing, so the I/O of unit k overlaps the arithmetic of unit k+1.
     Two sets of read buffers alternate: pass-through outputs are views into them, and the write
@@ -274,7 +275,8 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
     sources = _Sources(Path(src_root), repo, revision)
     buffer_sets = ((TensorBuffer(), TensorBuffer()), (TensorBuffer(), TensorBuffer()))
     counts: dict[str, int] = {}
-    writer = ShardWriter(Path(out_dir) / job.file, [(n, DTYPES[d], s) for n, d, s in job.specs], {"format": "pt"})
+    writer = ShardWriter(Path(out_dir) / job.file, [(n, DTYPES[d], s) for n, d, s in job.specs], {"format": "pt"},
+                         direct=not buffered_io)
     io = cf.ThreadPoolExecutor(1, thread_name_prefix="inkling-quant-write")
     pending: cf.Future | None = None
     try:
@@ -290,8 +292,9 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
                     pending.result()
             finally:
                 io.shutdown(wait=True)  # never close the file under a running write
-            # No fsync per shard: a kill -9 keeps the page cache, and --resume re-hashes every
-            # recorded shard anyway; finalize fsyncs all shards once, before the index exists.
+            # No fsync per shard: O_DIRECT bytes are already on the device and buffered ones
+            # survive a kill -9 in the page cache; --resume re-hashes every recorded shard anyway,
+            # and finalize fsyncs all shards once (sizes, metadata) before the index exists.
             sha = writer.commit(durable=False)
     finally:
         sources.close()
@@ -342,7 +345,7 @@ def _worker_init(threads: int) -> None:
 
 # --------------------------------------------------------------------------- driver
 def _fingerprint(jobs: list[ShardJob], opts: Options, stat: dict) -> str:
-    blob = json.dumps({"version": __version__, "opts": asdict(opts) | {"workers": None},
+    blob = json.dumps({"version": __version__, "opts": asdict(opts) | {"workers": None, "buffered_io": None},
                        "jobs": [[j.file, list(j.specs)] for j in jobs], "sources": stat}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -579,7 +582,7 @@ def _run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: 
         write_json_atomic(manifest_path, {"fingerprint": prep.fingerprint, "done": done})
         bar_shards.update(1)
 
-    args = (str(prep.root), prep.repo, prep.revision, str(out), opts.device)
+    args = (str(prep.root), prep.repo, prep.revision, str(out), opts.device, opts.buffered_io)
     pool = None
     try:
         if opts.workers <= 1 or len(todo) <= 1:
@@ -707,6 +710,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, help="shards converted in parallel processes")
     p.add_argument("--device", default="cpu", help="cpu or cuda (bit-identical results)")
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="output shard size (default 5GB)")
+    p.add_argument("--buffered-io", action="store_true",
+                   help="write shards through the page cache instead of O_DIRECT (docs/convert.md)")
     a = p.add_argument_group("NVFP4 activation scales (W4A4 needs one input_scale per expert projection)")
     a.add_argument("--activation-scales", metavar="FILE",
                    help="calibration amax per module: JSON {module: amax} or safetensors {module.input_amax}")
@@ -731,7 +736,7 @@ def run(args) -> int:
     opts = Options(scheme=args.scheme, weight_only=args.weight_only,
                    default_activation_amax=args.default_activation_amax,
                    activation_scales=args.activation_scales, max_shard_bytes=args.max_shard_size,
-                   workers=args.workers, device=args.device)
+                   workers=args.workers, device=args.device, buffered_io=args.buffered_io)
     if args.finalize:
         if args.part:
             raise UsageError("--finalize runs once, after all --part runs: drop --part")

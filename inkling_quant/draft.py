@@ -206,7 +206,8 @@ def extract(src: str | Path, out: str | Path, *, overwrite: bool = False, progre
         try:
             for i, group in enumerate(plan):
                 name = shard_name(i, len(plan))
-                with ShardWriter(tmp / name, [(e.name, e.dtype, e.shape) for _, e in group], {"format": "pt"}) as w:
+                specs = [(e.name, e.dtype, e.shape) for _, e in group]
+                with ShardWriter(tmp / name, specs, {"format": "pt"}, direct=True) as w:
                     for shard, e in group:
                         w.write(e.name, readers.get(shard).get(e.name, buf))
                         weight_map[e.name] = name
@@ -230,7 +231,7 @@ def _rewrite(reader: ShardReader, header: Header, dst: Path, buf: TensorBuffer, 
         with open(header.path, "rb") as f:
             h.update(f.read(header.data_start))
     keep = [e for e in header.tensors.values() if not is_draft(e.name)]
-    with ShardWriter(dst, [(e.name, e.dtype, e.shape) for e in keep], header.metadata or None) as w:
+    with ShardWriter(dst, [(e.name, e.dtype, e.shape) for e in keep], header.metadata or None, direct=True) as w:
         for e in header.tensors.values():
             drop = is_draft(e.name)
             if drop and h is None:

@@ -186,6 +186,14 @@ def test_two_workers_same_bytes(tiny_src, converted, tmp_path):
     assert _files(out) == _files(converted)
 
 
+def test_buffered_io_same_bytes(tiny_src, converted, tmp_path):
+    """--buffered-io changes how shards are written (page cache instead of O_DIRECT), not what."""
+    out = tmp_path / "buffered"
+    assert main(["convert", str(tiny_src), str(out), "--default-activation-amax", str(AMAX), "--quiet",
+                 "--buffered-io"]) == 0
+    assert _files(out) == _files(converted)
+
+
 # ----------------------------------------------------------------------------- bad input
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)

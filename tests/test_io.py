@@ -9,6 +9,9 @@ from safetensors.torch import save_file
 
 from inkling_quant.errors import CheckpointError, UnsafePathError
 from inkling_quant.io.checkpoint import Checkpoint
+import errno
+
+from inkling_quant.io import safetensors as st
 from inkling_quant.io.safetensors import ShardReader, ShardWriter, TensorBuffer, read_header, sha256_file
 
 
@@ -43,6 +46,89 @@ def test_writer_output_is_read_by_safetensors(tmp_path):
         for k, v in ts.items():
             got = r.get(k, buf).clone()
             assert torch.equal(got.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+
+
+def _write(path, ts, direct):
+    w = ShardWriter(path, [(k, v.dtype, tuple(v.shape)) for k, v in ts.items()], {"format": "pt"}, direct=direct)
+    for k, v in ts.items():
+        w.write(k, v)
+    return w, w.commit()
+
+
+def _direct_io_works(d) -> bool:
+    try:
+        os.close(os.open(d / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+
+
+def _exactly(total: int) -> dict:
+    """One u8 tensor sized so that the whole file is `total` bytes (header included)."""
+    head, _, _ = st._header_bytes([("t", torch.uint8, (1,))], {"format": "pt"})
+    return {"t": torch.arange(total - len(head) + 1, dtype=torch.int64).to(torch.uint8)}
+
+
+CHUNK = st._DIRECT_CHUNK
+
+
+@pytest.mark.parametrize("case", ["empty", "small", "one_chunk", "two_chunks", "chunk_plus_one", "mixed"])
+def test_direct_io_writes_the_same_bytes_as_buffered(tmp_path, case):
+    g = torch.Generator().manual_seed(2)
+    ts = {"empty": {}, "small": _tensors(), "one_chunk": _exactly(CHUNK), "two_chunks": _exactly(2 * CHUNK),
+          "chunk_plus_one": _exactly(CHUNK + 1),
+          "mixed": {**_tensors(), "big": torch.randn(1200, 2048, generator=g).to(torch.bfloat16),
+                    "z": torch.zeros(0, 4), "tail": torch.randint(0, 255, (4099,), dtype=torch.uint8, generator=g)},
+          }[case]
+    wd, sha_d = _write(tmp_path / "d.safetensors", ts, direct=True)
+    wb, sha_b = _write(tmp_path / "b.safetensors", ts, direct=False)
+    assert not wb.direct
+    assert wd.direct == _direct_io_works(tmp_path)  # used wherever the file system takes it
+    assert (tmp_path / "d.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    assert sha_d == sha_b == sha256_file(tmp_path / "d.safetensors")
+    with safe_open(tmp_path / "d.safetensors", "pt") as f:
+        assert sorted(f.keys()) == sorted(ts)
+        for k, v in ts.items():
+            assert torch.equal(f.get_tensor(k).reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("refused_at", ["open", "write"])
+def test_direct_io_falls_back_to_buffered_where_refused(tmp_path, monkeypatch, refused_at):
+    """Some file systems refuse O_DIRECT with EINVAL, at open or only at the first write."""
+    real_open, real_write = os.open, os.write
+
+    def fake_open(path, flags, *a):
+        if refused_at == "open" and flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    def fake_write(fd, b):
+        if refused_at == "write" and st.fcntl.fcntl(fd, st.fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, b)
+
+    monkeypatch.setattr(st.os, "open", fake_open)
+    monkeypatch.setattr(st.os, "write", fake_write)
+    ts = {**_tensors(), "big": torch.randn(3 * CHUNK // 4 + 5, generator=torch.Generator().manual_seed(3))}
+    w, sha = _write(tmp_path / "f.safetensors", ts, direct=True)
+    assert not w.direct
+    assert sha == sha256_file(tmp_path / "f.safetensors")
+    with safe_open(tmp_path / "f.safetensors", "pt") as f:
+        assert all(torch.equal(f.get_tensor(k).reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+                   for k, v in ts.items())
+
+
+def test_direct_io_error_other_than_einval_is_raised_and_nothing_left(tmp_path, monkeypatch):
+    def no_space(fd, b):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    ts = {"big": torch.zeros(2 * CHUNK, dtype=torch.uint8)}
+    p = tmp_path / "g.safetensors"
+    with pytest.raises(OSError, match="No space"):
+        with ShardWriter(p, [("big", torch.uint8, (2 * CHUNK,))], direct=True) as w:
+            monkeypatch.setattr(st.os, "write", no_space)
+            w.write("big", ts["big"])
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_reader_reads_library_files(tmp_path):

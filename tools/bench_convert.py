@@ -247,7 +247,7 @@ def _child_modelopt(spec: dict) -> dict:
                     module = name[: -len(".weight")]
                     for suffix, s in FORMATS[fmt].out_specs(e.shape, e.dtype, activation_scale=False).items():
                         specs.append((f"{module}.{suffix}", s.dtype, s.shape))
-        with ShardWriter(out / shard, specs, {"format": "pt"}) as w:
+        with ShardWriter(out / shard, specs, {"format": "pt"}, direct=True) as w:  # as convert writes
             for fmt, group in units:
                 ws = [(name, readers[idx[name]].get(name, bufs[k])) for k, name in enumerate(group)]
                 s2 = None
