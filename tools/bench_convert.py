@@ -36,7 +36,7 @@ import torch) is partly left in the expert figure, which is therefore conservati
 2 workers.
 
     python tools/bench_convert.py                          # 1.73 GB input, on ./bench-out (disk)
-    python tools/bench_convert.py --work-dir /dev/shm/ib   # same, in RAM: no disk in the way
+    python tools/bench_convert.py --work-dir /dev/shm/ib   # same, in RAM (tmpfs: our O_DIRECT writes gain nothing there)
     python tools/bench_convert.py --skip-peer --layers 1 --experts 2 --json r.json
 """
 from __future__ import annotations
