@@ -548,8 +548,9 @@ def _rewrite_shard(plan: Plan, shard: str, dst: Path, factors: ShardReader, expe
     if h is not None:
         with open(header.path, "rb") as f:
             h.update(f.read(header.data_start))
+    specs = [(e.name, e.dtype, e.shape) for e in header.tensors.values()]
     with ShardReader(header.path, header) as reader, \
-            ShardWriter(dst, [(e.name, e.dtype, e.shape) for e in header.tensors.values()], header.metadata or None, direct=True) as w:
+            ShardWriter(dst, specs, header.metadata or None, direct=True) as w:
         for e in header.tensors.values():
             mv = reader.read_bytes(e, buf.view(e.nbytes)) if e.nbytes else memoryview(b"")
             if h is not None:

@@ -358,10 +358,10 @@ class ShardWriter:
         try:
             _write_fully(self._fd, view)
         except OSError as e:
-            if e.errno != errno.EINVAL or self._written % _DIRECT_ALIGN:
+            if e.errno != errno.EINVAL:
                 raise
             # The file system took the open but not the write (some FUSE and network mounts):
-            # drop O_DIRECT on this fd and go on buffered from the same offset.
+            # drop O_DIRECT on this fd and go on buffered from the same (block-aligned) offset.
             fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             self.direct = False
             _write_fully(self._fd, view)
