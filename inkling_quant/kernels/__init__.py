@@ -1,6 +1,6 @@
 """GEMM kernels on quantized expert weights (NVFP4 / MXFP8, ModelOpt HF export layout).
 
-``inkling_quant.kernels`` (a symlink to the top-level ``kernels/`` package). See docs/kernels.md.
+``inkling_quant.kernels``. See docs/kernels.md.
 """
 from __future__ import annotations
 
