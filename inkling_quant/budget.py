@@ -27,14 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 
+from .cli_common import float_range, int_range
 from .errors import UsageError
+from .io.output import check_paths, write_report
 from .layout import PROJECTIONS, ModelConfig, TensorName, classify, expected_tensors, expert_shape
 from .schemes import get_scheme
 
@@ -600,18 +600,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", nargs="?", help="checkpoint directory whose config.json to plan for")
     parser.add_argument("--config", help="a config.json (default, with neither: the reference config)")
     parser.add_argument("--gpu", required=True, choices=sorted(GPUS))
-    parser.add_argument("--tp", type=int, required=True, help="tensor parallel size (= expert parallel size)")
-    parser.add_argument("--max-model-len", type=int, help="default: max_position_embeddings")
-    parser.add_argument("--max-num-seqs", type=int)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_UTILIZATION)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_BATCHED_TOKENS)
+    parser.add_argument("--tp", type=int_range(1, 4096), required=True,
+                        help="tensor parallel size (= expert parallel size)")
+    parser.add_argument("--max-model-len", type=int_range(1, 2**40), help="default: max_position_embeddings")
+    parser.add_argument("--max-num-seqs", type=int_range(1, 2**20))
+    parser.add_argument("--gpu-memory-utilization", type=float_range(0.0, 1.0, lo_open=True), default=DEFAULT_UTILIZATION)
+    parser.add_argument("--max-num-batched-tokens", type=int_range(1, 2**40), default=DEFAULT_BATCHED_TOKENS)
     parser.add_argument("--scheme", default="default")
-    parser.add_argument("--reserve-gib", type=float, default=DEFAULT_RESERVE_GIB,
+    parser.add_argument("--reserve-gib", type=float_range(0.0, 1e6), default=DEFAULT_RESERVE_GIB,
                         help="per-GPU memory vLLM's profiler charges besides weights (activations, NCCL and "
                              f"kernel workspaces, CUDA graphs); default {DEFAULT_RESERVE_GIB}")
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--block-size", type=int_range(1, 1 << 20), default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--no-draft", action="store_true", help="serve without the DSpark draft")
-    parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-' for stdout only)")
+    parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-' for standard output only)")
+    parser.add_argument("--quiet", action="store_true", help="print nothing (the exit code says whether it fits)")
 
 
 def load_config(checkpoint: str | None, config: str | None) -> ModelConfig:
@@ -623,16 +625,13 @@ def load_config(checkpoint: str | None, config: str | None) -> ModelConfig:
 
 
 def run(args) -> int:
+    check_paths(None, [args.checkpoint, args.config], reports=[args.json])
     cfg = load_config(args.checkpoint, args.config)
     p = plan(cfg, args.gpu, args.tp, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
              utilization=args.gpu_memory_utilization, max_num_batched_tokens=args.max_num_batched_tokens,
              scheme=args.scheme, reserve_gib=args.reserve_gib, block_size=args.block_size,
              include_draft=not args.no_draft)
-    if args.json == "-":
-        json.dump(p.to_dict(), sys.stdout, indent=2)
-        print()
-        return 0 if p.fits else 1
-    print(render(p))
-    if args.json:
-        Path(args.json).write_text(json.dumps(p.to_dict(), indent=2) + "\n")
+    write_report(args.json, json.dumps(p.to_dict(), indent=2) + "\n")
+    if not (args.quiet or args.json == "-"):
+        print(render(p))
     return 0 if p.fits else 1

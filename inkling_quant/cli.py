@@ -8,7 +8,7 @@ import importlib
 import sys
 
 from . import __version__
-from .errors import InklingQuantError
+from .errors import InklingQuantError, printable
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -24,13 +24,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only `command`'s module is imported (the others, and torch, cost seconds)."""
     parser = argparse.ArgumentParser(
         prog="inkling-quant", description="Convert Inkling 2 Small checkpoints to NVFP4/MXFP8, verify them, "
         "and plan their serving budget. `inkling-quant COMMAND --help` for each command.")
     parser.add_argument("--version", action="version", version=f"inkling-quant {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
+        if name != command:
+            sub.add_parser(name, help=help_)
+            continue
         mod = importlib.import_module(module)
         p = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,12 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except InklingQuantError as e:
-        print(f"inkling-quant {args.command}: error: {e}", file=sys.stderr)
+        print(f"inkling-quant {args.command}: error: {printable(str(e))}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # an I/O failure no command step anticipated: still a message, not a traceback
+        where = f"{printable(str(e.filename))}: " if e.filename else ""
+        print(f"inkling-quant {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"inkling-quant {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -18,7 +18,6 @@ import os
 import resource
 import shutil
 import signal
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -28,20 +27,24 @@ import torch
 from tqdm import tqdm
 
 from . import __version__, hub
-from .errors import CheckpointError, FormatError, InklingQuantError, OutputError, UsageError
+from .errors import CheckpointError, FormatError, InklingQuantError, OutputError, UnsafePathError, UsageError, printable
 from .formats import FORMATS
+from .formats.nvfp4 import GLOBAL_DIV, nvfp4_input_scale
 from .formats.nvfp4 import amax as tensor_amax
 from .io.checkpoint import (INDEX_NAME, Checkpoint, copy_file_atomic, read_json, safe_child, shard_name,
                             write_json_atomic)
-from .io.output import CHECKSUMS, write_checksums
-from .io.safetensors import DTYPE_NAMES, DTYPES, ShardReader, ShardWriter, TensorBuffer, fsync_files, sha256_file
-from .layout import ModelConfig, classify, expected_tensors, natural_key, source_spec
+from .io.files import temps_of
+from .io.output import CHECKSUMS, OutputLock, check_paths, write_checksums, write_report
+from .io.safetensors import (DTYPE_NAMES, DTYPES, ShardReader, ShardWriter, TensorBuffer, fsync_files, sha256_file,
+                             shard_file_size)
+from .layout import ModelConfig, classify, expected_tensors, natural_key, source_spec, source_tensor_count
 from .schemes import Scheme, get_scheme
-from .synth import parse_size
+from .cli_common import int_range, parse_size, positive_float
 
 MANIFEST = ".inkling-quant-convert.json"
 MANIFEST_GLOB = ".inkling-quant-convert*.json"
-FLOAT_SOURCES = (torch.bfloat16, torch.float16, torch.float32)
+FLOAT_SOURCES = FORMATS["passthrough"].source_dtypes
+SHARD_METADATA = {"format": "pt"}
 MODELOPT_FORMAT_VERSION = "0.47.0"  # the ModelOpt export whose layout we write (docs/formats.md)
 
 
@@ -61,6 +64,7 @@ class Unit:
     sources: tuple[SrcTensor, ...]
     format: str
     input_amax: tuple[float | None, ...]
+    amax_origin: tuple[str | None, ...] = ()  # per source: "calibrated", "source" or "default"
 
 
 @dataclass(frozen=True)
@@ -116,17 +120,20 @@ def validate_source(cfg: ModelConfig, listing: dict[str, dict[str, tuple[str, tu
                                       f"(expected {list(spec.shape)})")
             tensors.append(SrcTensor(name, shard, dtype, tuple(shape)))
             seen.add(name)
-    missing = [s.name for s in expected_tensors(cfg) if s.name not in seen]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{root}: tensor {missing[0]!r}{more} required by config.json is missing")
+    # every tensor seen is one of the config's (source_spec checked it), so the count says how
+    # many are missing; the first is found without listing a config's claimed 16,384 experts
+    n_missing = source_tensor_count(cfg) - sum(not n.endswith(".input_scale") for n in seen)
+    if n_missing:
+        first = next(s.name for s in expected_tensors(cfg) if s.name not in seen)
+        more = f" (and {n_missing - 1} more)" if n_missing > 1 else ""
+        raise CheckpointError(f"{root}: tensor {first!r}{more} required by config.json is missing")
     return tensors
 
 
-def load_activation_amax(path: str | None, calibrated: dict[str, float]) -> dict[str, float]:
+def load_activation_amax(path: str | None) -> dict[str, float]:
     """module -> activation amax from a calibration file (JSON {module: amax} or safetensors
-    {module + '.input_amax': one-element float tensor}), on top of input scales found in the source."""
-    out = dict(calibrated)
+    {module + '.input_amax': one-element float tensor})."""
+    out: dict[str, float] = {}
     if not path:
         return out
     from .io.safetensors import _short, read_header
@@ -157,13 +164,17 @@ def load_activation_amax(path: str | None, calibrated: dict[str, float]) -> dict
                                       f"got an integer too large for a float") from None
     for k, v in out.items():
         if not (v > 0 and v < float("inf")):
-            raise CheckpointError(f"{path or 'source input_scale'}: module {k[:200]!r}: activation amax must be "
-                                  f"finite and positive, got {v}")
+            raise CheckpointError(f"{path}: module {k[:200]!r}: activation amax must be finite and positive, got {v}")
     return out
 
 
 def plan(cfg: ModelConfig, tensors: list[SrcTensor], scheme: Scheme, opts: Options,
-         act_amax: dict[str, float]) -> list[ShardJob]:
+         calibrated: dict[str, float], from_source: dict[str, float] | None = None, root: str = ".") -> list[ShardJob]:
+    """Units (a tensor, or an NVFP4 gate/up pair) packed into output shards. An NVFP4 module's
+    activation amax comes from `calibrated` (--activation-scales), else `from_source` (the
+    source's own input_scale), else --default-activation-amax. Every tensor is checked against
+    its format (block divisibility) here, before any byte is written."""
+    from_source = from_source or {}
     units: list[Unit] = []
     by_name = {t.name: t for t in tensors}
     done: set[str] = set()
@@ -181,19 +192,29 @@ def plan(cfg: ModelConfig, tensors: list[SrcTensor], scheme: Scheme, opts: Optio
             p = by_name[f"model.layers.{rec.layer}.mlp.experts.{rec.expert}.{partner}.weight"]
             group = [t, p] if rec.projection == "gate_proj" else [p, t]
         amax: list[float | None] = []
+        origin: list[str | None] = []
         for g in group:
             done.add(g.name)
+            try:
+                _out_names(g, fmt, opts.weight_only)
+            except FormatError as e:
+                raise FormatError(f"{root}/{g.shard}: tensor {g.name!r}: {e}") from None
             module = g.name[: -len(".weight")]
+            a, o = None, None
             if fmt == "nvfp4" and not opts.weight_only:
-                a = act_amax.get(module, opts.default_activation_amax)
+                for o, a in (("calibrated", calibrated.get(module)), ("source", from_source.get(module)),
+                             ("default", opts.default_activation_amax)):
+                    if a is not None:
+                        break
                 if a is None:
                     missing_amax.append(module)
-                amax.append(a)
-            else:
-                amax.append(None)
+                else:
+                    _check_activation_amax(a, o, module, opts)
+            amax.append(a)
+            origin.append(o if a is not None else None)
         if fmt == "nvfp4" and len(group) == 2 and None not in amax:
             amax = [max(amax)] * 2  # gate and up read the same activations: one input scale
-        units.append(Unit(tuple(group), fmt, tuple(amax)))
+        units.append(Unit(tuple(group), fmt, tuple(amax), tuple(origin)))
     if missing_amax:
         raise UsageError(
             f"NVFP4 (W4A4) needs an activation scale per expert projection; none for {missing_amax[0]!r}"
@@ -216,6 +237,16 @@ def plan(cfg: ModelConfig, tensors: list[SrcTensor], scheme: Scheme, opts: Optio
         cur_src += sum(_nbytes((s.name, s.dtype, s.shape)) for s in u.sources)
     flush()
     return [ShardJob(i, shard_name(i, len(jobs)), *j) for i, j in enumerate(jobs)]
+
+
+def _check_activation_amax(amax: float, origin: str, module: str, opts: Options) -> None:
+    """The input_scale this amax gives must be finite and > 0: checked before any byte is written."""
+    try:
+        nvfp4_input_scale(amax, module + ".input_scale")
+    except FormatError as e:
+        where = {"calibrated": opts.activation_scales, "source": "the source's input_scale",
+                 "default": "--default-activation-amax"}[origin]
+        raise UsageError(f"{where}: {e}") from None
 
 
 def _nbytes(spec: tuple[str, str, tuple[int, ...]]) -> int:
@@ -275,7 +306,7 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
     sources = _Sources(Path(src_root), repo, revision)
     buffer_sets = ((TensorBuffer(), TensorBuffer()), (TensorBuffer(), TensorBuffer()))
     counts: dict[str, int] = {}
-    writer = ShardWriter(Path(out_dir) / job.file, [(n, DTYPES[d], s) for n, d, s in job.specs], {"format": "pt"},
+    writer = ShardWriter(Path(out_dir) / job.file, [(n, DTYPES[d], s) for n, d, s in job.specs], SHARD_METADATA,
                          direct=not buffered_io)
     io = cf.ThreadPoolExecutor(1, thread_name_prefix="inkling-quant-write")
     pending: cf.Future | None = None
@@ -401,18 +432,26 @@ def prepare(src: str, opts: Options) -> Prepared:
         other = ckpt.other_files()
         stat = {s: [h.file_size, os.stat(h.path).st_mtime_ns] for s, h in headers.items()}
     tensors = validate_source(cfg, listing, str(src))
-    calibrated = {}
+    from_source: dict[str, float] = {}
+    calibrated: dict[str, float] = {}
     if not opts.weight_only:
         scale_names = [t for t in tensors if t.name.endswith(".input_scale")]
         if scale_names:
             srcs = _Sources(root, repo, revision)
             try:
-                for t in scale_names:  # ModelOpt's input_scale = amax / (6 * 448)
-                    calibrated[t.name[: -len(".input_scale")]] = float(srcs.get(t.shard).get(t.name).float().reshape(-1)[0]) * 6 * 448
+                for t in scale_names:  # the inverse of the format's input_scale rule
+                    module = t.name[: -len(".input_scale")]
+                    from_source[module] = float(srcs.get(t.shard).get(t.name).float().reshape(-1)[0]) * GLOBAL_DIV
             finally:
                 srcs.close()
-    act = load_activation_amax(opts.activation_scales, calibrated) if not opts.weight_only else {}
-    jobs = plan(cfg, tensors, scheme, opts, act)
+        calibrated = load_activation_amax(opts.activation_scales)
+        modules = {t.name[: -len(".weight")] for t in tensors if t.name.endswith(".weight")}
+        unknown = sorted(k for k in calibrated if k not in modules)
+        if unknown:
+            raise CheckpointError(f"{opts.activation_scales}: {len(unknown)} of {len(calibrated)} module name(s) match "
+                                  f"no module of {src} (first: {printable(unknown[0][:200])!r}); calibration for "
+                                  f"another model or another naming?")
+    jobs = plan(cfg, tensors, scheme, opts, calibrated, from_source, str(src))
     return Prepared(root, repo, revision, cfg, jobs, other, _fingerprint(jobs, opts, stat))
 
 
@@ -420,6 +459,10 @@ class Interrupted(InklingQuantError):
     """SIGINT/SIGTERM: finished shards are kept; `--resume` continues."""
 
     exit_code = 130
+
+
+class WorkerDied(InklingQuantError):
+    """A worker process ended without a result (SIGKILL, the OOM killer): finished shards are kept."""
 
 
 class _StopRequest:
@@ -446,54 +489,6 @@ class _StopRequest:
 _STOP = _StopRequest()  # in worker processes no handler is installed: check() never raises
 
 
-class OutputLock:
-    """One writer per OUT (per part): a lock file holding host and pid, taken with O_EXCL.
-    A lock whose process is gone (same host) is stale and taken over."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.held = False
-
-    def acquire(self) -> "OutputLock":
-        me = f"{socket.gethostname()} {os.getpid()}\n"
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    host, pid = self.path.read_text().split()
-                    pid = int(pid)
-                except (OSError, ValueError):
-                    host, pid = "?", -1
-                if host == socket.gethostname() and not _alive(pid):
-                    self.path.unlink(missing_ok=True)  # stale: its owner died (kill -9, reboot)
-                    continue
-                raise UsageError(f"{self.path.parent}: another conversion (pid {pid} on {host}) is writing "
-                                 f"here; wait for it, or remove {self.path.name} if that process is gone") from None
-            with os.fdopen(fd, "w") as f:
-                f.write(me)
-            self.held = True
-            return self
-        raise UsageError(f"{self.path}: could not take the lock")
-
-    def release(self) -> None:
-        if self.held:
-            self.path.unlink(missing_ok=True)
-            self.held = False
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _part_tag(part: tuple[int, int] | None) -> str:
     return f"-part-{part[0]}-of-{part[1]}" if part else ""
 
@@ -503,9 +498,10 @@ def _manifests(out: Path) -> list[Path]:
 
 
 def convert(src: str, out: str | Path, opts: Options, *, resume: bool = False, overwrite: bool = False,
-            quiet: bool = False, part: tuple[int, int] | None = None) -> dict:
+            quiet: bool = False, part: tuple[int, int] | None = None, reports: tuple[str | None, ...] = ()) -> dict:
     """Convert SRC into OUT. With `part=(i, n)` only every n-th shard (from the i-th) is
-    converted and nothing is finalized: `finalize(src, out, opts)` does that once all parts ran."""
+    converted and nothing is finalized: `finalize(src, out, opts)` does that once all parts ran.
+    `reports`: the report files the caller will write (checked with the output paths)."""
     t0 = time.perf_counter()
     out = Path(out)
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
@@ -514,34 +510,33 @@ def convert(src: str, out: str | Path, opts: Options, *, resume: bool = False, o
     jobs = [j for j in prep.jobs if part is None or j.index % part[1] == part[0] - 1]
 
     # output directory: refuse, resume or replace; one writer per part
+    check_paths(out, [prep.root, opts.activation_scales], reports=reports)
     tag = _part_tag(part)
     manifest_path = out / f".inkling-quant-convert{tag}.json"
-    if out.exists() and any(out.iterdir()) and not part:
-        if (out / INDEX_NAME).exists() and resume:
-            raise UsageError(f"{out}: conversion already complete (nothing to resume)")
-        if not resume:
-            if not overwrite:
-                raise UsageError(f"{out}: exists and is not empty; pass --resume to continue an interrupted "
-                                 f"conversion or --overwrite to replace it")
-            lock = OutputLock(out / f".inkling-quant{tag}.lock").acquire()  # never delete under a live writer
-            lock.release()
-            shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    lock = OutputLock(out / f".inkling-quant{tag}.lock").acquire()
+    lock = OutputLock(out, tag).acquire()  # before anything is removed: never under a live writer
     _STOP.signame = None
     old_handlers = {s: signal.signal(s, _STOP.handler) for s in (signal.SIGINT, signal.SIGTERM)}
     old_xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # file-size limit: an error, not a kill
     try:
+        if out.exists() and any(out.iterdir()) and not part:
+            if not resume:
+                if not overwrite:
+                    raise UsageError(f"{out}: exists and is not empty; pass --resume to continue an interrupted "
+                                     f"conversion or --overwrite to replace it")
+                shutil.rmtree(out)
+            elif (out / INDEX_NAME).exists() and not manifest_path.exists():
+                return _confirm_complete(src, out, opts, prep, t0)
+        out.mkdir(parents=True, exist_ok=True)
+        _refuse_symlinks(out)
         done = _load_done(manifest_path, prep.fingerprint, out) if resume else {}
-        mine = {j.file for j in jobs}
-        for p in out.glob("*.safetensors*"):
-            if p.name in mine and p.name not in done:
-                p.unlink()  # unfinished shard (or its .partial) of this run: redo it
+        for j in jobs:  # unfinished shards (and temporaries) of this part: redo them
+            for p in temps_of(out / j.file) + ([out / j.file] if j.file not in done else []):
+                p.unlink(missing_ok=True)
         (out / INDEX_NAME).unlink(missing_ok=True)
         write_json_atomic(manifest_path, {"fingerprint": prep.fingerprint, "done": done})
         todo = [j for j in jobs if j.file not in done]
         _run_jobs(prep, todo, jobs, done, manifest_path, out, opts, quiet)
-        report = _report(src, out, opts, prep.jobs if not part else jobs, todo, t0)
+        report = _report(src, out, opts, jobs if part else prep.jobs, todo, t0)
         if part is None:
             finalize(src, out, opts, prep=prep, quiet=True)
         else:
@@ -552,6 +547,33 @@ def convert(src: str, out: str | Path, opts: Options, *, resume: bool = False, o
             signal.signal(s, h)
         signal.signal(signal.SIGXFSZ, old_xfsz)
         lock.release()
+
+
+def _refuse_symlinks(out: Path) -> None:
+    """Every file in OUT is one a conversion wrote: a symlink there was planted, and writing
+    beside it (or resuming over it) could reach a file elsewhere."""
+    links = [p.name for p in out.iterdir() if p.is_symlink()]
+    if links:
+        raise UnsafePathError(f"{out / links[0]}: a symlink in the output directory"
+                              f"{f' (and {len(links) - 1} more)' if len(links) > 1 else ''}; "
+                              f"remove it (a conversion writes only regular files)")
+
+
+def _confirm_complete(src, out: Path, opts: Options, prep: "Prepared", t0: float) -> dict:
+    """`--resume` on a finished OUT: confirm it is this conversion's result (its index lists
+    exactly the planned tensors in the planned shards, with the planned sizes), then succeed,
+    so a retried job (a Slurm requeue) passes. Nothing is rewritten or re-hashed."""
+    _refuse_symlinks(out)
+    index = read_json(out / INDEX_NAME, "index")
+    planned = {name: j.file for j in prep.jobs for name, _, _ in j.specs}
+    sizes_ok = all((out / j.file).is_file() and (out / j.file).stat().st_size == shard_file_size([(n, DTYPES[d], s) for n, d, s in j.specs], SHARD_METADATA)
+                   for j in prep.jobs)
+    if index.get("weight_map") != planned or not sizes_ok:
+        raise UsageError(f"{out}: holds a finished conversion with another source, scheme or options; "
+                         f"use --overwrite to replace it")
+    report = _report(src, out, opts, prep.jobs, [], t0)
+    report["already_complete"] = True
+    return report
 
 
 def _load_done(manifest_path: Path, fp: str, out: Path) -> dict[str, str]:
@@ -619,6 +641,10 @@ def _run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: 
         _stop(pool, out, todo, done)
         raise OutputError(f"{out}: cannot write ({e.strerror or e}); {len(done)} of {len(jobs)} shards are "
                           f"done: free space and rerun with --resume") from None
+    except cf.process.BrokenProcessPool:
+        _stop(pool, out, todo, done)
+        raise WorkerDied(f"{out}: a worker process died (killed, or out of memory) after {len(done)} of "
+                         f"{len(jobs)} shards; rerun the same command with --resume to finish") from None
     except BaseException:
         _stop(pool, out, todo, done)
         raise
@@ -636,14 +662,37 @@ def _stop(pool, out: Path, todo: list[ShardJob], done: dict[str, str]) -> None:
         pool.shutdown(wait=True, cancel_futures=True)
     for j in todo:
         if j.file not in done:
-            (out / (j.file + ".partial")).unlink(missing_ok=True)
+            for p in temps_of(out / j.file):
+                p.unlink(missing_ok=True)
 
 
-def finalize(src: str, out: str | Path, opts: Options, *, prep: Prepared | None = None, quiet: bool = False) -> dict:
-    """Write configs, non-weight files, checksums and, last, the index. Checks that every
-    planned shard is present (and matches its recorded checksum) first."""
+def finalize(src: str, out: str | Path, opts: Options, *, prep: Prepared | None = None, quiet: bool = False,
+             reports: tuple[str | None, ...] = ()) -> dict:
+    """Write configs, non-weight files, checksums and, last, the index; then drop the resume
+    manifests. Checks that every planned shard is present (and matches its recorded checksum)
+    first. Called by `convert` (which holds the output lock) or alone after --part runs."""
     out = Path(out)
-    prep = prep or prepare(src, opts)
+    if prep is not None:
+        return _finalize_io(out, prep, opts)
+    prep = prepare(src, opts)
+    check_paths(out, [prep.root, opts.activation_scales], reports=reports)
+    if not out.is_dir():
+        raise UsageError(f"{out}: no such output directory: run the --part conversions first")
+    with OutputLock(out):
+        _refuse_symlinks(out)
+        return _finalize_io(out, prep, opts)
+
+
+def _finalize_io(out: Path, prep: "Prepared", opts: Options) -> dict:
+    try:
+        return _finalize(out, prep, opts)
+    except OSError as e:  # a full disk, a lost mount: the shards are kept, the manifest says so
+        raise OutputError(f"{out}: finalizing failed: {e.strerror or e}"
+                          f"{f' ({e.filename})' if e.filename else ''}; the converted shards are kept: "
+                          f"free space and rerun with --resume (or --finalize after --part runs)") from None
+
+
+def _finalize(out: Path, prep: "Prepared", opts: Options) -> dict:
     recorded: dict[str, str] = {}
     for m in _manifests(out):
         obj = read_json(m, "part manifest")
@@ -689,12 +738,17 @@ def finalize(src: str, out: str | Path, opts: Options, *, prep: Prepared | None 
 def _report(src, out: Path, opts: Options, jobs: list[ShardJob], todo: list[ShardJob], t0: float) -> dict:
     seconds = time.perf_counter() - t0
     counts: dict[str, int] = {}
+    act = {"calibrated": 0, "source": 0, "default": 0}  # where each module's activation amax came from
     for j in jobs:
         for u in j.units:
             counts[u.format] = counts.get(u.format, 0) + len(u.sources)
+            for o in u.amax_origin:
+                if o is not None:
+                    act[o] += 1
     return {
         "source": str(src), "output": str(out), "scheme": opts.scheme, "weight_only": opts.weight_only,
         "shards": len(jobs), "shards_resumed": len(jobs) - len(todo), "tensors_by_format": counts,
+        "activation_scales": act,
         "bytes_in": sum(j.src_bytes for j in jobs), "bytes_out": sum(j.out_bytes for j in jobs),
         "seconds": round(seconds, 3),
         "source_mb_per_s": round(sum(j.src_bytes for j in todo) / 1e6 / max(seconds, 1e-9), 1),
@@ -707,7 +761,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="source checkpoint: a local HF directory or a hub repo id org/name[@revision]")
     p.add_argument("out", help="output directory (must not exist, unless --resume or --overwrite)")
     p.add_argument("--scheme", default="default", help="conversion scheme (see `inkling-quant schemes`)")
-    p.add_argument("--workers", type=int, default=1, help="shards converted in parallel processes")
+    p.add_argument("--workers", type=int_range(1, 1024), default=1, help="shards converted in parallel processes")
     p.add_argument("--device", default="cpu", help="cpu or cuda (bit-identical results)")
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="output shard size (default 5GB)")
     p.add_argument("--buffered-io", action="store_true",
@@ -715,7 +769,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("NVFP4 activation scales (W4A4 needs one input_scale per expert projection)")
     a.add_argument("--activation-scales", metavar="FILE",
                    help="calibration amax per module: JSON {module: amax} or safetensors {module.input_amax}")
-    a.add_argument("--default-activation-amax", type=float, metavar="X",
+    a.add_argument("--default-activation-amax", type=positive_float, metavar="X",
                    help="use amax X for every module without a calibrated value")
     a.add_argument("--weight-only", action="store_true", help="W4A16 NVFP4 (no input_scale; vLLM's W4A16_NVFP4)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted conversion in OUT")
@@ -725,12 +779,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--finalize", action="store_true", help="check all parts are there and write configs, checksums, index")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--quiet", action="store_true", help="no progress bars or summary")
-    p.add_argument("--json", metavar="REPORT", help="write the summary as JSON to REPORT")
+    p.add_argument("--json", metavar="REPORT", help="write the summary as JSON to REPORT ('-' for standard output)")
 
 
 def run(args) -> int:
-    if args.workers < 1:
-        raise UsageError("--workers must be at least 1")
+    quiet = args.quiet or args.json == "-"
     if args.weight_only and (args.activation_scales or args.default_activation_amax is not None):
         raise UsageError("--weight-only writes no activation scales; drop --activation-scales/--default-activation-amax")
     opts = Options(scheme=args.scheme, weight_only=args.weight_only,
@@ -740,17 +793,17 @@ def run(args) -> int:
     if args.finalize:
         if args.part:
             raise UsageError("--finalize runs once, after all --part runs: drop --part")
-        report = finalize(args.src, args.out, opts)
-        if not args.quiet:
+        report = finalize(args.src, args.out, opts, reports=(args.json,))
+        write_report(args.json, json.dumps(report, indent=2) + "\n")
+        if not quiet:
             print(f"finalized {report['output']}: {report['shards']} shards")
         return 0
     if args.part and args.overwrite:
         raise UsageError("--overwrite with --part would delete the other parts' shards")
-    report = convert(args.src, args.out, opts, resume=args.resume, overwrite=args.overwrite, quiet=args.quiet,
-                     part=args.part)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    if not args.quiet:
+    report = convert(args.src, args.out, opts, resume=args.resume, overwrite=args.overwrite, quiet=quiet,
+                     part=args.part, reports=(args.json,))
+    write_report(args.json, json.dumps(report, indent=2) + "\n")
+    if not quiet:
         print_summary(report)
     return 0
 
@@ -766,10 +819,16 @@ def _part(text: str) -> tuple[int, int]:
 
 
 def print_summary(r: dict, file=sys.stdout) -> None:
+    if r.get("already_complete"):
+        print(f"{r['output']}: already complete ({r['shards']} shards of this conversion); nothing to do", file=file)
+        return
     fmts = ", ".join(f"{k} {v}" for k, v in sorted(r["tensors_by_format"].items()))
     print(f"converted {r['source']} -> {r['output']} (scheme {r['scheme']}{', weight-only' if r['weight_only'] else ''})",
           file=file)
     print(f"  tensors: {fmts}", file=file)
+    act = r.get("activation_scales") or {}
+    if any(act.values()):
+        print("  NVFP4 activation scales: " + ", ".join(f"{v} {k}" for k, v in act.items() if v), file=file)
     print(f"  bytes: {r['bytes_in'] / 1e9:.3f} GB in, {r['bytes_out'] / 1e9:.3f} GB out in {r['shards']} shards"
           f" ({r['shards_resumed']} resumed)", file=file)
     print(f"  time: {r['seconds']:.2f} s, {r['source_mb_per_s']:.0f} MB/s of source, peak RSS {r['peak_rss_mb']:.0f} MB,"

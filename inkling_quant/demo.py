@@ -5,6 +5,7 @@ Prints a short summary of each step; exits non-zero if any step fails."""
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 
@@ -13,41 +14,58 @@ from .convert import Options, convert, print_summary
 from .inspect_cmd import render as render_inspect
 from .inspect_cmd import summarize
 from .layout import ModelConfig
-from .synth import write_checkpoint
+from .cli_common import int_range
+from .io.output import check_paths, write_report
+from .synth import SEED_MAX, write_checkpoint
 from .verify import verify
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", metavar="DIR", help="work in DIR and keep the checkpoints (default: a temp dir)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_range(0, SEED_MAX), default=0)
+    p.add_argument("--quiet", action="store_true", help="print nothing (the exit code says whether it passed)")
+    p.add_argument("--json", metavar="REPORT", help="write every step's result as JSON to REPORT ('-': standard output)")
 
 
 def run(args) -> int:
+    check_paths(None, reports=[args.json])
+    quiet = args.quiet or args.json == "-"
+    say = (lambda *a: None) if quiet else print
+    results: dict = {}
     with tempfile.TemporaryDirectory(prefix="inkling-quant-demo-") as tmp:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
         src, out, dft = work / "tiny-bf16", work / "tiny-default", work / "tiny-dspark"
         write_checkpoint(src, "tiny", seed=args.seed, overwrite=True)
-        print(f"[1/6] synth: tiny Inkling-2-Small-shaped BF16 checkpoint (48 layers, 4 experts) at {src}")
+        say(f"[1/6] synth: tiny Inkling-2-Small-shaped BF16 checkpoint (48 layers, 4 experts) at {src}")
 
-        print("[2/6] convert --scheme default --default-activation-amax 4")
-        print_summary(convert(src, out, Options(default_activation_amax=4.0), overwrite=True, quiet=True))
+        say("[2/6] convert --scheme default --default-activation-amax 4")
+        results["convert"] = convert(src, out, Options(default_activation_amax=4.0), overwrite=True, quiet=True)
+        if not quiet:
+            print_summary(results["convert"])
 
-        print("[3/6] verify --against the source (structure, values, checksums, numerics)")
+        say("[3/6] verify --against the source (structure, values, checksums, numerics)")
         report = verify(out, against=src)
-        print(report.format_summary())
+        results["verify"] = report.to_dict()
+        say(report.format_summary())
 
-        print("[4/6] inspect (headers only)")
-        print(render_inspect(summarize(out)))
+        say("[4/6] inspect (headers only)")
+        summary = summarize(out)
+        results["inspect"] = summary.to_dict()
+        say(render_inspect(summary))
 
-        print("[5/6] draft extract")
-        info = draft.extract(out, dft, overwrite=True)
-        print(f"  {info.get('tensors', '?')} DSpark tensors -> {dft}")
+        say("[5/6] draft extract")
+        results["draft"] = draft.extract(out, dft, overwrite=True)
+        say(f"  {results['draft'].get('tensors', '?')} DSpark tensors -> {dft}")
 
-        print("[6/6] plan: the full-size reference model on GB200 at TP4, --max-model-len 262144 and 1048576")
+        say("[6/6] plan: the full-size reference model on GB200 at TP4, --max-model-len 262144 and 1048576")
         cfg = ModelConfig.reference()
+        results["plan"] = []
         for length in (262_144, 1_048_576):
-            print("  " + budget.plan(cfg, "gb200", 4, max_model_len=length).verdict())
+            verdict = budget.plan(cfg, "gb200", 4, max_model_len=length).verdict()
+            results["plan"].append(verdict)
+            say("  " + verdict)
         if args.keep:
-            print(f"checkpoints kept in {work}")
+            say(f"checkpoints kept in {work}")
+        write_report(args.json, json.dumps(results, indent=2, default=str) + "\n")
         return report.exit_code

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,7 +24,8 @@ from tqdm import tqdm
 from .errors import CheckpointError, ConfigError, InklingQuantError, UnknownTensorError, UsageError
 from .io.checkpoint import (INDEX_NAME, Checkpoint, copy_file_atomic, read_json, safe_child, shard_name,
                             write_json_atomic)
-from .io.output import CHECKSUMS, link_or_copy, read_checksums, staged_output, write_checksums
+from .io.output import (CHECKSUMS, check_paths, link_or_copy, read_checksums, staged_output, write_checksums,
+                        write_report)
 from .io.safetensors import DTYPE_NAMES, Header, ShardReader, ShardWriter, TensorBuffer, TensorEntry, sha256_file
 from .layout import DraftConfig, ModelConfig, TensorSpec, classify, draft_tensors
 
@@ -51,7 +53,7 @@ def open_source(src: str | Path) -> Source:
     dspark_config; raise a clear error when there is no draft to work on."""
     ckpt = Checkpoint.open(src)
     headers = ckpt.headers()
-    config_path = ckpt.root / "config.json"
+    config_path = safe_child(ckpt.root, "config.json")
     config = read_json(config_path, "config.json")
     cfg = ModelConfig.from_dict(config, str(config_path))
     draft = [(s, e) for s in ckpt.shards for e in headers[s].tensors.values() if is_draft(e.name)]
@@ -201,7 +203,7 @@ def extract(src: str | Path, out: str | Path, *, overwrite: bool = False, progre
     buf = TensorBuffer()
     buf.view(max(e.nbytes for _, e in source.draft))  # sized once: growing it would hold two at a time
     readers = _Readers(source)
-    with staged_output(out, root, overwrite) as tmp, \
+    with staged_output(out, [root], overwrite) as tmp, \
             tqdm(total=total, unit="B", unit_scale=True, desc="draft extract", disable=not progress) as bar:
         try:
             for i, group in enumerate(plan):
@@ -264,7 +266,7 @@ def strip(src: str | Path, out: str | Path, *, overwrite: bool = False, progress
     source = open_source(src)
     ckpt, headers = source.ckpt, source.headers
     root = ckpt.root
-    sums_in = read_checksums(root / CHECKSUMS) if (root / CHECKSUMS).exists() else None
+    sums_in = read_checksums(safe_child(root, CHECKSUMS)) if (root / CHECKSUMS).exists() else None
 
     # plan: per source shard, link (no draft tensor), rewrite (some) or drop (only draft tensors)
     actions = []
@@ -289,7 +291,7 @@ def strip(src: str | Path, out: str | Path, *, overwrite: bool = False, progress
     buf.view(max([e.nbytes for s, k in kept if k == "rewrite" for e in headers[s].tensors.values()
                   if not is_draft(e.name) or (sums_in is not None and s in sums_in)], default=0))
     readers = _Readers(source)
-    with staged_output(out, root, overwrite) as tmp, \
+    with staged_output(out, [root], overwrite) as tmp, \
             tqdm(total=bar_total, unit="B", unit_scale=True, desc="draft strip", disable=not progress) as bar:
         try:
             for s, kind in kept:
@@ -312,7 +314,7 @@ def strip(src: str | Path, out: str | Path, *, overwrite: bool = False, progress
             meta = {**ckpt.metadata, "total_size": total}
             write_json_atomic(tmp / INDEX_NAME, {"metadata": meta, "weight_map": weight_map})
         write_json_atomic(tmp / "config.json", stripped_config(source.config, source))
-        others = ckpt.other_files() + ([root / QUANT_CONFIG] if (root / QUANT_CONFIG).is_file() else [])
+        others = ckpt.other_files() + ([safe_child(root, QUANT_CONFIG)] if (root / QUANT_CONFIG).is_file() else [])
         for p in others:
             copy_file_atomic(p, tmp / p.name)
         if sums_in is not None:
@@ -330,7 +332,7 @@ def strip(src: str | Path, out: str | Path, *, overwrite: bool = False, progress
 
 # --------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .synth import parse_size
+    from .cli_common import parse_size
 
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     e = sub.add_parser("extract", help="write the bundled DSpark drafter as a standalone checkpoint",
@@ -349,10 +351,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for q in (e, s):
         q.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
         q.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+        q.add_argument("--json", metavar="REPORT", help="write the report as JSON to REPORT ('-' for standard output)")
 
 
 def run(args) -> int:
-    progress = not args.quiet
+    check_paths(args.out, [args.src], reports=[args.json])
+    progress = not (args.quiet or args.json == "-")
     if args.action == "extract":
         r = extract(args.src, args.out, overwrite=args.overwrite, progress=progress,
                     max_shard_bytes=args.max_shard_size)
@@ -367,4 +371,5 @@ def run(args) -> int:
                   f"{r['rewritten']} rewritten, {r['dropped']} dropped")
     else:  # pragma: no cover - argparse refuses other actions
         raise InklingQuantError(f"unknown action {args.action!r}")
+    write_report(args.json, json.dumps(r, indent=2) + "\n")
     return 0

@@ -10,6 +10,14 @@ def short_repr(v, limit: int = 80) -> str:
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
+def printable(s: str) -> str:
+    """`s` with control characters escaped (\\n, \\x1b, ...), so a name read from a file cannot
+    forge lines in a message, a report or a terminal."""
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() or c == " " else c.encode("unicode_escape").decode("ascii") for c in s)
+
+
 class InklingQuantError(Exception):
     """Base class: the CLI prints the message and exits non-zero, without a traceback."""
 

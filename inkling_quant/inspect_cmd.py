@@ -11,16 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .errors import InklingQuantError
+from .errors import ConfigError, InklingQuantError, printable, short_repr
 from .formats import FORMATS
-from .io.checkpoint import Checkpoint, read_json
+from .io.checkpoint import Checkpoint, read_json, safe_child
+from .io.output import check_paths, write_report
 from .io.safetensors import TensorEntry
 from .layout import QUANT_SUFFIXES, ModelConfig, TensorName, classify, expert_shape, source_spec
 
@@ -91,18 +91,28 @@ def _source_of(cfg: ModelConfig, t: TensorName, module: str, observed: dict[str,
 def _quant_algo(root: Path, cfg: ModelConfig) -> str | None:
     q = cfg.raw.get("quantization_config")
     if isinstance(q, dict):
-        return q.get("quant_algo") or (q.get("quantization") or {}).get("quant_algo") or q.get("quant_method")
-    hf = root / "hf_quant_config.json"
-    if hf.is_file():
-        return (read_json(hf, "hf_quant_config.json").get("quantization") or {}).get("quant_algo")
-    return None
+        inner = q.get("quantization")
+        algo = q.get("quant_algo") or (inner.get("quant_algo") if isinstance(inner, dict) else None) \
+            or q.get("quant_method")
+        where = f"{root / 'config.json'}: quantization_config"
+    else:
+        hf = root / "hf_quant_config.json"
+        if not hf.is_file():
+            return None
+        q = read_json(safe_child(root, hf.name), "hf_quant_config.json").get("quantization")
+        if q is not None and not isinstance(q, dict):
+            raise ConfigError(f"{hf}: 'quantization' must be an object, got {short_repr(q)}")
+        algo, where = (q or {}).get("quant_algo"), f"{hf}: quantization"
+    if algo is not None and not isinstance(algo, str):
+        raise ConfigError(f"{where}.quant_algo must be a string, got {short_repr(algo)}")
+    return algo
 
 
 def summarize(root: str | Path) -> Summary:
     """Read the index, config.json and every shard header (never tensor data) and summarize."""
     root = Path(root)
     ckpt = Checkpoint.open(root)
-    cfg = ModelConfig.load(root / "config.json")
+    cfg = ModelConfig.load(root)
     headers = ckpt.headers()
     entries = [e for h in headers.values() for e in h.tensors.values()]
     s = Summary(str(root), len(headers), sum(h.file_size for h in headers.values()), len(entries),
@@ -210,21 +220,19 @@ def render(s: Summary) -> str:
                         ("module(s) no format would write", s.unrecognized)):
         if items:
             out.append(f"{len(items)} {what}: " + "; ".join(items[:5]) + (" ..." if len(items) > 5 else ""))
-    return "\n".join(out)
+    return "\n".join(printable(line) for line in out)  # a name read from a file cannot forge a line
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a local checkpoint directory")
-    p.add_argument("--json", metavar="FILE", help="also write the summary as JSON ('-' for stdout only)")
+    p.add_argument("--json", metavar="FILE", help="also write the summary as JSON ('-' for standard output only)")
+    p.add_argument("--quiet", action="store_true", help="print nothing (the exit code says whether it is clean)")
 
 
 def run(args) -> int:
+    check_paths(None, [args.checkpoint], reports=[args.json])
     s = summarize(args.checkpoint)
-    if args.json == "-":
-        json.dump(s.to_dict(), sys.stdout, indent=2)
-        print()
-    else:
+    write_report(args.json, json.dumps(s.to_dict(), indent=2) + "\n")
+    if not (args.quiet or args.json == "-"):
         print(render(s))
-        if args.json:
-            Path(args.json).write_text(json.dumps(s.to_dict(), indent=2) + "\n")
     return 0 if s.ok else 1

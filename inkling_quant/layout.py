@@ -164,11 +164,11 @@ class ModelConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "ModelConfig":
-        from .io.checkpoint import read_json  # the one untrusted-JSON reader (size cap, FIFO, depth)
+        from .io.checkpoint import read_json, safe_child  # the one untrusted-JSON reader (size cap, FIFO, depth)
 
         path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
+        if path.is_dir():  # a checkpoint's config.json: a symlink leaving the checkpoint is refused, as for shards
+            path = safe_child(path, "config.json")
         return cls.from_dict(read_json(path, "config.json", ConfigError), str(path))
 
     @classmethod
@@ -361,6 +361,14 @@ def expected_tensors(cfg: ModelConfig, include_draft: bool = True,
     yield from _vision(cfg)
     if include_draft:
         yield from draft_tensors(cfg)
+
+
+def source_tensor_count(cfg: ModelConfig) -> int:
+    """len(list(expected_tensors(cfg))) without listing the routed experts: a reader compares it
+    with what the files hold before doing work that grows with the config's counts, so a small
+    checkpoint whose config claims 16,384 experts fails at once."""
+    return sum(1 for _ in expected_tensors(cfg, include_experts=False)) + \
+        cfg.num_hidden_layers * cfg.num_experts * len(PROJECTIONS)
 
 
 def source_spec(cfg: ModelConfig, name: str) -> TensorSpec:

@@ -24,11 +24,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import regex
 import torch
 from tqdm import tqdm
 
 from . import __version__, hub
-from .io.output import CHECKSUMS, link_or_copy, read_checksums, staged_output, write_checksums
+from .io.output import CHECKSUMS, check_paths, link_or_copy, read_checksums, staged_output, write_checksums, write_report
 from .errors import CheckpointError, ConfigError, InklingQuantError, UnknownTensorError, UsageError
 from .io.checkpoint import INDEX_NAME, Checkpoint, copy_file_atomic, read_json, safe_child, write_json_atomic
 from .io.safetensors import (DTYPE_NAMES, Header, ShardReader, ShardWriter, TensorBuffer, TensorEntry, read_header,
@@ -87,6 +88,19 @@ def _number(d: dict, key: str, where: str, default=None, positive: bool = True) 
     if not finite or (positive and v <= 0):
         raise ConfigError(f"{where}: {key!r} must be a {'positive ' if positive else ''}finite number, got {v!r}")
     return v
+
+
+PATTERN_TIMEOUT_S = 1.0
+
+
+def _user_match(pattern: str, text: str, *, full: bool = False):
+    """re.match/re.fullmatch of an adapter's own pattern, bounded in time: a pattern such as
+    `(.*.*)*X` backtracks for hours on a module name. `regex` takes re's syntax and a timeout."""
+    try:
+        return (regex.fullmatch if full else regex.match)(pattern, text, timeout=PATTERN_TIMEOUT_S)
+    except TimeoutError:
+        raise ConfigError(f"adapter config: pattern {pattern[:200]!r} took over {PATTERN_TIMEOUT_S:g} s to match "
+                          f"{text!r} (catastrophic backtracking): simplify it, e.g. list the module names") from None
 
 
 @dataclass(frozen=True)
@@ -185,7 +199,7 @@ class AdapterConfig:
         ex = self.exclude_modules
         if ex:
             if isinstance(ex, str):
-                if re.fullmatch(ex, module):
+                if _user_match(ex, module, full=True):
                     return False
             elif module in ex or any(module.endswith("." + k) for k in ex):
                 return False
@@ -193,7 +207,7 @@ class AdapterConfig:
         if isinstance(tm, str):
             if tm.lower() == "all-linear":  # every Linear but the output layer
                 return classify_module(module) is not None
-            return re.fullmatch(tm, module) is not None
+            return _user_match(tm, module, full=True) is not None
         if module in tm:
             return True
         if not any(module.endswith("." + k) for k in tm):
@@ -206,7 +220,7 @@ class AdapterConfig:
             m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
         else:
             for p in [pats] if isinstance(pats, str) else pats:
-                m = re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", module)
+                m = _user_match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", module)
                 if m:
                     break
         if not m:
@@ -217,7 +231,7 @@ class AdapterConfig:
     def rank_alpha(self, module: str) -> tuple[int, float]:
         def key(patterns):
             for k in patterns:
-                if re.match(rf"(.*\.)?({k})$", module):
+                if _user_match(rf"(.*\.)?({k})$", module):
                     return k
             return module
         return (self.rank_pattern.get(key(self.rank_pattern), self.r),
@@ -277,7 +291,8 @@ def resolve_adapter(spec: str) -> Path:
 def open_adapter(spec: str | Path) -> Adapter:
     """Read and validate an adapter's config and safetensors header (no tensor data yet)."""
     root = resolve_adapter(str(spec))
-    cfg = AdapterConfig.from_dict(read_json(root / ADAPTER_CONFIG, "adapter config"), str(root / ADAPTER_CONFIG))
+    cfg_path = safe_child(root, ADAPTER_CONFIG, "adapter config")
+    cfg = AdapterConfig.from_dict(read_json(cfg_path, "adapter config"), str(cfg_path))
     weights = root / ADAPTER_WEIGHTS
     if not weights.is_file():
         if (root / "adapter_model.bin").exists():
@@ -414,7 +429,7 @@ def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0,
     want_dtype = DTYPES[dtype]
     ckpt = Checkpoint.open(ckpt_dir)
     headers = ckpt.headers()
-    config_path = ckpt.root / "config.json"
+    config_path = safe_child(ckpt.root, "config.json")
     config = read_json(config_path, "config.json")
     cfg = ModelConfig.from_dict(config, str(config_path))
     adapter = open_adapter(adapter_spec)
@@ -593,12 +608,12 @@ def merge(ckpt_dir: str | Path, adapter_spec: str | Path, out: str | Path, *, sc
     plan = check(ckpt_dir, adapter_spec, scale=scale, dtype=dtype)
     ckpt, headers = plan.ckpt, plan.headers
     root = ckpt.root
-    sums_in = read_checksums(root / CHECKSUMS) if (root / CHECKSUMS).exists() else None
+    sums_in = read_checksums(safe_child(root, CHECKSUMS)) if (root / CHECKSUMS).exists() else None
     rewrite = set(plan.rewrite)
     sums: dict[str, str] = {}
     counts = {"rewritten": 0, "linked": 0, "copied": 0}
     bar_total = sum(h.file_size for h in headers.values())
-    with staged_output(out, root, overwrite) as tmp, \
+    with staged_output(out, [root, plan.adapter.root], overwrite) as tmp, \
             ShardReader(plan.adapter.path, plan.adapter.header) as factors, \
             tqdm(total=bar_total, unit="B", unit_scale=True, desc="lora merge", disable=not progress) as bar:
         for s in ckpt.shards:
@@ -612,7 +627,7 @@ def merge(ckpt_dir: str | Path, adapter_spec: str | Path, out: str | Path, *, sc
             if digest is not None:
                 sums[s] = digest
         write_json_atomic(tmp / "config.json", merged_config(plan))
-        others = ckpt.other_files() + [root / n for n in (INDEX_NAME, QUANT_CONFIG) if (root / n).is_file()]
+        others = ckpt.other_files() + [safe_child(root, n) for n in (INDEX_NAME, QUANT_CONFIG) if (root / n).is_file()]
         for p in others:
             copy_file_atomic(p, tmp / p.name)
         if sums_in is not None:
@@ -654,16 +669,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--copy", action="store_true", help="copy unchanged shards instead of hardlinking them")
 
 
-def _emit_json(report: dict, dest: str | None) -> None:
-    if not dest:
-        return
-    text = json.dumps(report, indent=2) + "\n"
-    if dest == "-":
-        print(text, end="")
-    else:
-        Path(dest).write_text(text)
-
-
 def print_plan(s: dict) -> None:
     rs = " (rsLoRA: alpha/sqrt(r))" if s["use_rslora"] else ""
     print(f"adapter {s['adapter']}: LoRA r={s['r']} alpha={s['lora_alpha']}{rs}, --scale {s['user_scale']:g}")
@@ -681,6 +686,8 @@ def print_plan(s: dict) -> None:
 
 def run(args) -> int:
     quiet = args.quiet or args.json == "-"
+    check_paths(getattr(args, "out", None), [args.ckpt, args.adapter if Path(args.adapter).exists() else None],
+                reports=[args.json])
     if args.action == "check":
         plan = check(args.ckpt, args.adapter, scale=args.scale, dtype=args.dtype)
         report = {"action": "check", **plan.summary()}
@@ -696,5 +703,5 @@ def run(args) -> int:
                                                            " (source had no checksums.sha256: none written)"))
     else:  # pragma: no cover - argparse refuses other actions
         raise InklingQuantError(f"unknown action {args.action!r}")
-    _emit_json(report, args.json)
+    write_report(args.json, json.dumps(report, indent=2) + "\n")
     return 0

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import zlib
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from .cli_common import int_range, parse_size
 from .errors import UsageError
-from .io.checkpoint import INDEX_NAME, shard_name, write_json_atomic
+from .io.checkpoint import INDEX_NAME, copy_file_atomic, shard_name, write_json_atomic
+from .io.output import check_paths, staged_output, write_report
 from .io.safetensors import ShardWriter
 from .layout import REFERENCE_CONFIG, ModelConfig, TensorSpec, classify, expected_tensors
 
@@ -107,76 +107,58 @@ def plan_shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec
     return shards
 
 
+SEED_MAX = 2**32 - 1
+
+
 def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, layers: int | None = None,
                      experts: int | None = None, max_shard_bytes: int | None = None,
                      progress: bool = False, overwrite: bool = False) -> Path:
+    """Built in OUT.partial and renamed at the end (`staged_output`): a killed synth leaves
+    nothing that looks complete."""
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise UsageError(f"{out}: exists and is not empty (pass --overwrite)")
-        shutil.rmtree(out)
+    if not 0 <= seed <= SEED_MAX:
+        raise UsageError(f"--seed must be between 0 and {SEED_MAX}, got {seed}")
     cfg_dict = make_config(preset, layers, experts)
     cfg = ModelConfig.from_dict(cfg_dict, f"preset {preset}")
     specs = list(expected_tensors(cfg))
     shards = plan_shards(specs, max_shard_bytes or PRESETS[preset]["max_shard_bytes"])
-    # Build in a sibling temp dir, rename at the end: a killed synth leaves nothing that looks complete.
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     weight_map = {}
     total = sum(s.nbytes for s in specs)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="synth", disable=not progress) as bar:
+    with staged_output(out, (), overwrite) as tmp, \
+            tqdm(total=total, unit="B", unit_scale=True, desc="synth", disable=not progress) as bar:
         for i, shard in enumerate(shards):
             name = shard_name(i, len(shards))
-            w = ShardWriter(tmp / name, [(s.name, s.dtype, s.shape) for s in shard], {"format": "pt"})
-            with w:
+            with ShardWriter(tmp / name, [(s.name, s.dtype, s.shape) for s in shard], {"format": "pt"}) as w:
                 for s in shard:
                     w.write(s.name, synth_tensor(s, seed))
                     weight_map[s.name] = name
                     bar.update(s.nbytes)
                 w.commit()
-    write_json_atomic(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    write_json_atomic(tmp / "config.json", cfg_dict)
-    for f in sorted(FILES.iterdir()):
-        shutil.copyfile(f, tmp / f.name)
-    if out.exists():
-        out.rmdir()  # empty (checked above)
-    os.replace(tmp, out)
+        write_json_atomic(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        write_json_atomic(tmp / "config.json", cfg_dict)
+        for f in sorted(FILES.iterdir()):
+            copy_file_atomic(f, tmp / f.name)
     return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output directory")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--layers", type=int, help="number of decoder layers (default: the preset's)")
-    p.add_argument("--experts", type=int, help="routed experts per layer (default: the preset's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-shard-size", type=_size, help="e.g. 1MB, 5GB (default: the preset's)")
-    p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--quiet", action="store_true")
-
-
-def _size(text: str) -> int:
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
-    t = text.strip().upper()
-    for u, m in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if t.endswith(u):
-            try:
-                return int(float(t[: -len(u)]) * m)
-            except ValueError:
-                break
-    try:
-        return int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MB)") from None
-
-
-parse_size = _size
+    p.add_argument("--layers", type=int_range(1, 4096), help="number of decoder layers (default: the preset's)")
+    p.add_argument("--experts", type=int_range(1, 65536), help="routed experts per layer (default: the preset's)")
+    p.add_argument("--seed", type=int_range(0, SEED_MAX), default=0)
+    p.add_argument("--max-shard-size", type=parse_size, help="e.g. 1MB, 5GB (default: the preset's)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    p.add_argument("--json", metavar="REPORT", help="write a JSON summary to REPORT ('-' for standard output)")
 
 
 def run(args) -> int:
+    check_paths(args.out, reports=[args.json])
+    quiet = args.quiet or args.json == "-"
     out = write_checkpoint(args.out, args.preset, args.seed, args.layers, args.experts,
-                           args.max_shard_size, progress=not args.quiet, overwrite=args.overwrite)
-    if not args.quiet:
+                           args.max_shard_size, progress=not quiet, overwrite=args.overwrite)
+    write_report(args.json, json.dumps({"output": str(out), "preset": args.preset, "seed": args.seed}, indent=2) + "\n")
+    if not quiet:
         print(f"wrote {out}")
     return 0

@@ -45,12 +45,13 @@ import numpy as np
 import torch
 
 from . import __version__
-from .errors import InklingQuantError, UsageError
+from .errors import InklingQuantError, UsageError, printable
 from .formats import FORMATS, Format
 from .io.checkpoint import INDEX_NAME, SINGLE_NAME, MAX_JSON_BYTES, safe_child
-from .io.output import CHECKSUMS, read_checksums
+from .io.output import CHECKSUMS, check_paths, read_checksums, write_checksums, write_report
 from .io.safetensors import DTYPE_NAMES, Header, ShardReader, TensorBuffer, TensorEntry, read_header
-from .layout import QUANT_SUFFIXES, ModelConfig, TensorName, TensorSpec, classify, expected_tensors, natural_key
+from .layout import (QUANT_SUFFIXES, ModelConfig, TensorName, TensorSpec, classify, expected_tensors, natural_key,
+                     source_tensor_count)
 from .schemes import SCHEMES, Scheme, get_scheme
 
 QUANT_CONFIG = "hf_quant_config.json"
@@ -273,7 +274,7 @@ class VerifyReport:
             lines.append(f"  wrote {self.checksums_written}")
         verdict = {0: "PASS", 1: "FAIL", 2: "INCOMPLETE (usage error or unreadable input)"}[self.exit_code]
         lines.append(f"  result: {verdict} (exit {self.exit_code})")
-        return "\n".join(lines)
+        return "\n".join(printable(line) for line in lines)  # a name read from a file cannot forge a line
 
 
 def _finite(o):
@@ -469,6 +470,11 @@ def _torch_threads(n: int):
 
 
 def _load_json(path: Path, what: str, check: Check) -> dict | None:
+    try:
+        safe_child(path.parent, path.name, what)  # a symlink leaving the checkpoint: refused, as for shards
+    except InklingQuantError as e:
+        check.fail(path, None, str(e))
+        return None
     try:
         st = path.stat()
         if not stat.S_ISREG(st.st_mode):  # a FIFO or device would block or never end
@@ -905,6 +911,14 @@ class Verifier:
 
     def _layout_body(self, c: Check) -> None:
         cfg, scheme = self.cfg, self.scheme
+        # Work here grows with the config's counts: bound it by what the files hold. Each source
+        # tensor becomes at least one output tensor, so a config implying many more than the
+        # checkpoint holds disagrees with it (a 1 MB checkpoint claiming 16,384 experts a layer).
+        implied, held = source_tensor_count(cfg), len(self.weight_map) or len(self.tensors)
+        if implied > 4 * held + 64:
+            c.fail(self.root / "config.json", None, f"config.json implies {implied} source tensors, the checkpoint "
+                   f"holds {held}: they disagree (layer or expert counts?); the layout was not checked tensor by tensor")
+            return
         specs = list(expected_tensors(cfg))
         # weight-only (W4A16) or W4A4: decided by the NVFP4 tensors themselves; config is checked against it
         with_scale = without = 0
@@ -930,6 +944,9 @@ class Verifier:
             src_dtype = s.dtype
             if fmt.name == "passthrough" and s.name in self.src_tensors:
                 src_dtype = self.src_tensors[s.name].entry.dtype  # pass-through keeps the source dtype
+            elif fmt.name == "passthrough" and s.name in self.tensors and \
+                    self.tensors[s.name].entry.dtype in fmt.source_dtypes:
+                src_dtype = self.tensors[s.name].entry.dtype  # no source to ask: any dtype a source may hold
             out = fmt.out_specs(s.shape, src_dtype, not self.weight_only)
             if fmt.name == "passthrough":
                 want = {s.name: (tuple(o.shape), o.dtype) for o in out.values()}
@@ -1260,13 +1277,11 @@ class Verifier:
             c.fail(self.root / missing[0], None, "appeared while verifying; not written")
             return
         path = self.root / CHECKSUMS
-        tmp = path.with_name(path.name + ".partial")
         try:
-            with open(tmp, "w") as f:
-                f.write("".join(f"{self.digests[n]}  {n}\n" for n in files))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            write_checksums(path, {n: self.digests[n] for n in files})
+        except InklingQuantError as e:  # a name that would forge a line, a symlink where the file goes
+            c.fail(path, None, str(e))
+            return
         except OSError as e:
             c.error(path, f"cannot write: {e.strerror or e}")
             return
@@ -1532,14 +1547,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample", type=int, default=DEFAULT_SAMPLE, metavar="N",
                    help=f"experts per layer checked numerically, chosen deterministically (0 = all; default {DEFAULT_SAMPLE})")
     p.add_argument("--device", default="cpu", help="cpu (torch reference GEMM) or cuda (the Triton kernels)")
-    p.add_argument("--json", metavar="REPORT", help="write the full report (every check and figure) as JSON")
-    p.add_argument("--junit", metavar="FILE", help="write a JUnit XML report (one testcase per check) for CI")
+    p.add_argument("--json", metavar="REPORT", help="write the full report (every check and figure) as JSON ('-': standard output)")
+    p.add_argument("--junit", metavar="FILE", help="write a JUnit XML report (one testcase per check) for CI ('-': standard output)")
     p.add_argument("--quiet", action="store_true", help="print only failures and the result line")
     p.add_argument("--write-checksums", action="store_true",
                    help=f"write {CHECKSUMS} for the checkpoint if every other check passes")
 
 
 def run(args) -> int:
+    check_paths(args.ckpt if args.write_checksums else None, [args.against], reports=[args.json, args.junit])
+    if args.json == "-" and args.junit == "-":
+        raise UsageError("--json - and --junit - would both write to standard output: give one a file")
     try:
         report = verify(args.ckpt, args.against, scheme=args.scheme, sample=args.sample, device=args.device,
                         write_checksums=args.write_checksums, progress=not args.quiet and sys.stderr.isatty())
@@ -1550,11 +1568,9 @@ def run(args) -> int:
         report.checks.append(usage)
     for dest, text in ((args.json, report.to_json), (args.junit, report.to_junit)):
         if dest:
-            try:
-                Path(dest).write_text(text())
-            except OSError as e:
-                print(f"inkling-quant verify: cannot write {dest}: {e.strerror or e}", file=sys.stderr)
-                return 2
+            write_report(dest, text())  # an OutputError: exit 2, the message names the file
+    if "-" in (args.json, args.junit):
+        return report.exit_code  # standard output holds the report: no summary mixed into it
     out = report.format_summary()
     if args.quiet:
         out = "\n".join(line for line in out.splitlines()

@@ -513,7 +513,7 @@ def test_config_bool_and_float_numbers_refused():
 def test_activation_amax_json(tmp_path_factory, obj):
     p = tmp_path_factory.getbasetemp() / "amax.json"
     p.write_bytes(dumps(obj))
-    kind, res = outcome(load_activation_amax, str(p), {})
+    kind, res = outcome(load_activation_amax, str(p))
     if kind == "ok":
         assert all(isinstance(v, float) and 0 < v < math.inf for v in res.values())
 
@@ -538,7 +538,7 @@ def amax_files(draw):
 def test_activation_amax_safetensors(tmp_path_factory, raw):
     p = tmp_path_factory.getbasetemp() / "amax.safetensors"
     p.write_bytes(raw)
-    kind, res = outcome(load_activation_amax, str(p), {})
+    kind, res = outcome(load_activation_amax, str(p))
     if kind == "ok":
         assert all(isinstance(v, float) and 0 < v < math.inf for v in res.values())
 
@@ -730,7 +730,7 @@ REPLAY = {
     "config": lambda p, tmp: ModelConfig.load(p),
     "json": lambda p, tmp: read_json(p, "json file"),
     "index": _replay_index,
-    "amax": lambda p, tmp: load_activation_amax(str(p), {}),
+    "amax": lambda p, tmp: load_activation_amax(str(p)),
     "verify_config": _replay_verify_config,
     "adapter_config": lambda p, tmp: _replay_adapter_config(p),
     "draft_config": lambda p, tmp: _replay_draft_config(p),
@@ -846,7 +846,7 @@ def _atheris_main() -> None:  # pragma: no cover - run by hand, not by pytest
     for i, b in enumerate(valid + [q.read_bytes() for d in corpus_dir for q in sorted((CORPUS / d).glob("*"))]):
         (seeds / f"seed{i}").write_bytes(b)
     run = {"header": lambda: _read_all(p), "json": lambda: read_json(p, "json"),
-           "config": lambda: ModelConfig.load(p), "amax": lambda: load_activation_amax(str(p), {}),
+           "config": lambda: ModelConfig.load(p), "amax": lambda: load_activation_amax(str(p)),
            "index": lambda: _open_checkpoint(index_root)}[target]
 
     def one(data: bytes) -> None:

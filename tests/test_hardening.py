@@ -80,7 +80,7 @@ def test_sigterm_sigint_stop_cleanly_and_resume(src_and_ref, tmp_path, sig, work
     assert proc.returncode == 130, err
     assert "--resume" in err and "Traceback" not in err
     assert not list(out.glob("*.partial")) and not (out / "model.safetensors.index.json").exists()
-    assert not list(out.glob(".inkling-quant*.lock"))  # the lock is released
+    assert not list(out.parent.glob(".o*.inkling-quant.lock"))  # the lock (beside OUT) is released
     assert main(["convert", str(src), str(out), *ARGS, "--resume"]) == 0
     assert _files(out) == _files(ref)
 
@@ -96,7 +96,7 @@ def test_second_writer_refused_and_stale_lock_taken_over(src_and_ref, tmp_path, 
     first.wait()
     assert alive, "first conversion ended before the second started"
     assert second == 2 and "another conversion" in err and f"pid {first.pid}" in err
-    assert (out / ".inkling-quant.lock").exists()  # left behind by kill -9: stale now
+    assert (out.parent / ".o.inkling-quant.lock").exists()  # left behind by kill -9: stale now
     assert main(["convert", str(src), str(out), *ARGS, "--resume"]) == 0
     assert _files(out) == _files(ref)
 

@@ -179,7 +179,7 @@ def _child_ours(spec: dict) -> dict:
     sys.path.insert(0, str(ROOT))
     from inkling_quant import schemes
     from inkling_quant.convert import Options, convert
-    from inkling_quant.synth import parse_size
+    from inkling_quant.cli_common import parse_size
 
     if spec["scheme"] == "copy":  # the I/O floor (_child_copy): a scheme of no rules
         schemes.SCHEMES["copy"] = schemes.Scheme("copy", "bench only: every tensor passed through", ())
@@ -358,7 +358,8 @@ def _mb(n: float) -> float:
 
 def _child_synth(spec: dict) -> dict:
     sys.path.insert(0, str(ROOT))
-    from inkling_quant.synth import parse_size, write_checkpoint
+    from inkling_quant.cli_common import parse_size
+    from inkling_quant.synth import write_checkpoint
 
     t0 = time.perf_counter()
     write_checkpoint(spec["out"], "bench", layers=spec["layers"], experts=spec["experts"],

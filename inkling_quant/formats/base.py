@@ -59,10 +59,11 @@ class Format:
 
 
 class Passthrough(Format):
-    """BF16/FP32 tensors copied bit-exactly."""
+    """BF16/FP16/FP32 tensors copied bit-exactly, in the dtype the source stores them."""
 
     name = "passthrough"
     quant_algo = None
+    source_dtypes = (torch.bfloat16, torch.float16, torch.float32)  # what a source may hold; kept as is
 
     def out_specs(self, shape, dtype, activation_scale=True):
         return {"weight": OutSpec(tuple(shape), dtype)}

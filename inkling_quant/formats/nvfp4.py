@@ -238,9 +238,16 @@ def nvfp4_global_scale(global_amax: torch.Tensor) -> torch.Tensor:
     return global_amax.float() / GLOBAL_DIV
 
 
-def nvfp4_input_scale(input_amax) -> torch.Tensor:
-    """input_scale = amax / (6 * 448), fp32 0-d (ModelOpt ``get_activation_scaling_factor``)."""
-    return torch.as_tensor(input_amax, dtype=torch.float32).reshape(()) / GLOBAL_DIV
+def nvfp4_input_scale(input_amax, name: str = "") -> torch.Tensor:
+    """input_scale = amax / (6 * 448), fp32 0-d (ModelOpt ``get_activation_scaling_factor``).
+    The result must be finite and > 0 (ModelOpt asserts a positive activation scale): an amax
+    so small that the fp32 division underflows to 0 is refused, naming the module."""
+    ia = _as_amax(input_amax, "input_amax", name)
+    scale = np.float32(ia / np.float32(GLOBAL_DIV))
+    if not scale > 0:
+        raise FormatError(f"{_where(name)}input_amax {float(ia):g} gives input_scale {float(scale):g}: "
+                          f"an activation scale must be finite and > 0 (ModelOpt asserts a positive scale)")
+    return torch.tensor(scale, dtype=torch.float32)
 
 
 # ============================================================================ the CPU kernel
@@ -484,11 +491,7 @@ class NVFP4(Format):
             "weight_scale_2": s2.to(w.device),
         }
         if input_amax is not None:
-            ia = _as_amax(input_amax, "input_amax", name)
-            if ia <= 0:
-                raise FormatError(f"{_where(name)}input_amax must be > 0 (ModelOpt asserts a positive "
-                                  f"activation scale), got {float(ia)}")
-            out["input_scale"] = torch.tensor(ia / np.float32(GLOBAL_DIV), dtype=torch.float32).to(w.device)
+            out["input_scale"] = nvfp4_input_scale(input_amax, name).to(w.device)
         return out
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:

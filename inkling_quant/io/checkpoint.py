@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from ..errors import CheckpointError, UnsafePathError
+from .files import atomic_file, check_line_safe
 from .safetensors import Header, _encodable, _short, open_regular, parse_json_bytes, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -30,6 +29,7 @@ def safe_child(root: Path, name: str, what: str = "file") -> Path:
             or not _encodable(name):
         raise UnsafePathError(f"{root}: refusing {what} name {_short(name)}: must be a plain file name "
                               f"inside the checkpoint")
+    check_line_safe(name, f"{root}: {what}")
     path = root / name
     try:
         if path.is_symlink():
@@ -72,26 +72,10 @@ def read_json(path: Path, what: str, error: type[Exception] = CheckpointError) -
     return obj
 
 
-@contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield the temporary name to write `path` under; rename it into place when the block
-    ends, remove it on any exception (a SIGTERM turned into KeyboardInterrupt included), so an
-    interrupted write leaves neither a half-written file nor a stray `.partial`."""
-    tmp = path.with_name(path.name + ".partial")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def write_json_atomic(path: Path, obj) -> None:
-    with atomic_path(path) as tmp, open(tmp, "w") as f:
+    with atomic_file(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=False)
         f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 @dataclass
@@ -171,10 +155,9 @@ class Checkpoint:
 
 
 def copy_file_atomic(src: Path, dst: Path) -> None:
-    with atomic_path(dst) as tmp:
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+    fd = open_regular(src)
+    with os.fdopen(fd, "rb") as fi, atomic_file(dst) as fo:
+        shutil.copyfileobj(fi, fo, 1 << 20)
 
 
 def shard_name(i: int, n: int) -> str:

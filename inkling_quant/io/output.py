@@ -1,18 +1,21 @@
-"""Writing a derived checkpoint safely: a staged output directory renamed into place,
-shards hard-linked or copied with their sha256 checked, and sha256sum-style checksum files.
-Shared by `draft` and `lora` (convert writes shard by shard with its own resume manifest)."""
+"""Writing a checkpoint safely: the output guard (`check_paths`: never write or remove what a
+command reads), the output lock (one writer per OUT), a staged output directory renamed into
+place, shards hard-linked or copied with their sha256 checked, sha256sum-style checksum files,
+and report files. Shared by every command that writes (docs/safety.md)."""
 from __future__ import annotations
 
 import hashlib
 import os
 import re
 import shutil
+import socket
+import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
-from ..errors import CheckpointError, UsageError
-from .checkpoint import atomic_path
+from ..errors import CheckpointError, OutputError, UsageError
+from .files import atomic_file, check_line_safe
 from .safetensors import open_regular, sha256_file
 
 CHECKSUMS = "checksums.sha256"
@@ -50,10 +53,10 @@ def read_checksums(path: Path, problem: Callable[[str, str], None] | None = None
 
 
 def write_checksums(path: Path, sums: dict[str, str]) -> None:
-    with atomic_path(path) as tmp, open(tmp, "w") as f:
+    for name in sums:
+        check_line_safe(name, f"{path}: file")  # a newline in a name would forge a line
+    with atomic_file(path, "w") as f:
         f.write("".join(f"{sums[name]}  {name}\n" for name in sorted(sums)))
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def remove_path(p: Path) -> None:
@@ -76,40 +79,165 @@ def fsync_dir(p: Path) -> None:
         os.close(fd)
 
 
+# --------------------------------------------------------------------------- the output guard
+STAGING, BACKUP = ".partial", ".old"  # OUT is built in OUT.partial; a replaced OUT waits in OUT.old
+
+
+def _real(p: str | Path) -> Path:
+    return Path(os.path.realpath(p))
+
+
+def check_paths(out: str | Path | None, sources: Sequence[str | Path | None] = (), *,
+                reports: Sequence[str | None] = ()) -> None:
+    """Refuse, before anything is created or removed, every way a command could write or remove
+    what it reads: OUT that is a source, lies inside one or holds one; a staging or backup name
+    (OUT.partial, OUT.old) that is or holds a source; OUT that is a symlink or not a directory;
+    a report file (--json, --junit) that is a source, lies inside one, or is a directory.
+    Paths are compared resolved (realpath), so `a/../b` and symlinked spellings are caught."""
+    srcs = [(s, _real(s)) for s in sources if s is not None]
+    if out is not None:
+        out = Path(out)
+        if out.is_symlink():
+            raise UsageError(f"{out}: is a symlink; give the real output directory")
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"{out}: exists and is not a directory")
+        o = _real(out)
+        for given, s in srcs:
+            why = ("is the source" if o == s else "lies inside the source" if o.is_relative_to(s)
+                   else "holds the source" if s.is_relative_to(o) else None)
+            if why:
+                raise UsageError(f"{out}: the output {why} {given}; it must be outside the source (and not hold it)")
+            for suffix in (STAGING, BACKUP):
+                n = o.with_name(o.name + suffix)
+                if n == s or s.is_relative_to(n):
+                    raise UsageError(f"{out}: its {'staging' if suffix == STAGING else 'backup'} directory "
+                                     f"{n.name} is or holds the source {given}; rename the source or choose "
+                                     f"another output")
+    for r in reports:
+        if r is None or r == "-":
+            continue
+        if Path(r).is_dir():
+            raise UsageError(f"{r}: is a directory; name a file for the report")
+        rr = _real(r)
+        for given, s in srcs:
+            if rr == s or rr.is_relative_to(s):
+                raise UsageError(f"{r}: the report would be written into the source {given}; name a file "
+                                 f"outside it")
+
+
+def write_report(dest: str | None, text: str) -> None:
+    """--json/--junit FILE|-: `-` is standard output; a file is written atomically."""
+    if not dest:
+        return
+    if dest == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    try:
+        with atomic_file(Path(dest), "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise OutputError(f"{dest}: cannot write the report: {e.strerror or e}") from None
+
+
+class OutputLock:
+    """One writer per output directory (per --part): `.<OUT name>[tag].inkling-quant.lock` beside
+    OUT, holding host and pid, taken with O_EXCL. Beside, not inside: the staged commands (draft,
+    lora, synth) create OUT only at the end, and convert --overwrite removes OUT under it. A lock
+    whose process is gone (same host) is stale and taken over."""
+
+    def __init__(self, out: str | Path, tag: str = ""):
+        out = Path(out)
+        self.path = out.parent / f".{out.name}{tag}.inkling-quant.lock"
+        self.held = False
+
+    def acquire(self) -> "OutputLock":
+        me = f"{socket.gethostname()} {os.getpid()}\n"
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"{self.path.parent}: cannot create the output's directory: {e.strerror or e}") from None
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            except FileExistsError:
+                try:
+                    host, pid = self.path.read_text().split()
+                    pid = int(pid)
+                except (OSError, ValueError):
+                    host, pid = "?", -1
+                if host == socket.gethostname() and not _alive(pid):
+                    self.path.unlink(missing_ok=True)  # stale: its owner died (kill -9, reboot)
+                    continue
+                raise UsageError(f"{self.path.parent}: another conversion, merge or extraction (pid {pid} on "
+                                 f"{host}) is writing this output; wait for it, or remove {self.path.name} if that "
+                                 f"process is gone") from None
+            except OSError as e:
+                raise OutputError(f"{self.path}: cannot take the output lock: {e.strerror or e}") from None
+            with os.fdopen(fd, "w") as f:
+                f.write(me)
+            self.held = True
+            return self
+        raise UsageError(f"{self.path}: could not take the lock")
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+    def __enter__(self) -> "OutputLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @contextmanager
-def staged_output(out: str | Path, src: Path, overwrite: bool):
-    """Yield OUT.partial to build in; rename it to OUT when the block completes. Refuses an
-    existing OUT (an empty directory excepted) unless `overwrite`, and an OUT that is, holds or
-    lies inside SRC. On any failure the partial directory is removed and OUT is untouched."""
+def staged_output(out: str | Path, sources: Sequence[str | Path | None], overwrite: bool):
+    """Yield OUT.partial to build in; rename it to OUT when the block completes. Checks the paths
+    (`check_paths`) and takes the output lock first. Refuses an existing OUT (an empty directory
+    excepted) unless `overwrite`. On any failure the partial directory is removed and OUT is
+    untouched."""
     out = Path(out)
-    if out.exists() or out.is_symlink():
-        empty_dir = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
+    check_paths(out, sources)
+    if out.exists():
+        empty_dir = out.is_dir() and not any(out.iterdir())
         if not (empty_dir or overwrite):
             raise UsageError(f"{out}: already exists (pass --overwrite to replace it)")
-    o, s = out.resolve(), Path(src).resolve()
-    if o == s or s in o.parents or o in s.parents:
-        raise UsageError(f"{out}: output must be outside the source checkpoint {src} (and not contain it)")
-    tmp = out.with_name(out.name + ".partial")
-    try:
-        remove_path(tmp)  # left by a killed run
-        tmp.mkdir(parents=True)
-        yield tmp
-        fsync_dir(tmp)
-        if out.exists() or out.is_symlink():
-            old = out.with_name(out.name + ".old")
-            remove_path(old)
-            os.replace(out, old)
-            os.replace(tmp, out)
-            remove_path(old)
-        else:
-            os.replace(tmp, out)
-        fsync_dir(out.parent)
-    except OSError as e:
-        remove_path(tmp)
-        raise CheckpointError(f"{out}: writing failed: {e}") from e
-    except BaseException:
-        remove_path(tmp)
-        raise
+    tmp = out.with_name(out.name + STAGING)
+    with OutputLock(out):
+        try:
+            remove_path(tmp)  # left by a killed run (the lock says none is running)
+            tmp.mkdir(parents=True)
+            yield tmp
+            fsync_dir(tmp)
+            if out.exists() or out.is_symlink():
+                old = out.with_name(out.name + BACKUP)
+                remove_path(old)
+                os.replace(out, old)
+                os.replace(tmp, out)
+                remove_path(old)
+            else:
+                os.replace(tmp, out)
+            fsync_dir(out.parent)
+        except OSError as e:
+            remove_path(tmp)
+            raise OutputError(f"{out}: writing failed: {e.strerror or e}") from e
+        except BaseException:
+            remove_path(tmp)
+            raise
 
 
 def hashed_copy(src: Path, dst: Path, expected: str | None, bar) -> str:
@@ -117,14 +245,11 @@ def hashed_copy(src: Path, dst: Path, expected: str | None, bar) -> str:
     h = hashlib.sha256()
     buf = bytearray(_CHUNK)
     mv = memoryview(buf)
-    with atomic_path(dst) as tmp:
-        with open(src, "rb", buffering=0) as fi, open(tmp, "wb") as fo:
-            while n := fi.readinto(buf):
-                h.update(mv[:n])
-                fo.write(mv[:n])
-                bar.update(n)
-            fo.flush()
-            os.fsync(fo.fileno())
+    with open(src, "rb", buffering=0) as fi, atomic_file(dst) as fo:
+        while n := fi.readinto(buf):
+            h.update(mv[:n])
+            fo.write(mv[:n])
+            bar.update(n)
         digest = h.hexdigest()
         if expected is not None and digest != expected:
             raise CheckpointError(f"{src}: sha256 {digest} does not match {CHECKSUMS} ({expected}): the shard is corrupt")

@@ -7,7 +7,8 @@ buffer the caller may reuse, not through `safetensors.safe_open`: safe_open mmap
 file, and the touched pages of a mapped shard count toward the process's RSS, so memory would
 grow with the shard instead of the tensor. The `safetensors` library has no streaming writer
 (it serializes a whole dict at once), so `ShardWriter` writes the header first and then each
-tensor as it is produced, hashing on the way, under a temporary name renamed when complete.
+tensor as it is produced, hashing on the way, under a temporary name renamed when complete
+(`files.create_temp`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
+from .files import create_temp, replace_into
 from ..errors import short_repr as _short
 
 MAX_HEADER_BYTES = 100_000_000  # the cap safetensors itself applies
@@ -291,9 +293,15 @@ def _header_bytes(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], met
     return struct.pack("<Q", len(blob)) + blob, order, offset
 
 
+def shard_file_size(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None) -> int:
+    """The size of the file ShardWriter writes for these specs and metadata."""
+    head, _, data_bytes = _header_bytes(specs, metadata)
+    return len(head) + data_bytes
+
+
 class ShardWriter:
     """Streams one safetensors file: the header is written from the declared specs, then each
-    tensor in declared order. The file lives under `<name>.partial` until `commit()` fsyncs and
+    tensor in declared order. The file lives under `<name>.<random>.partial` until `commit()` fsyncs and
     renames it; `abort()` (or an exception inside `with`) removes it. sha256 is computed on the
     way so nothing is read back.
 
@@ -307,12 +315,11 @@ class ShardWriter:
     def __init__(self, path: str | Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None, *, direct: bool = False):
         self.path = Path(path)
-        self.tmp = self.path.with_name(self.path.name + ".partial")
         head, self._order, self.data_bytes = _header_bytes(specs, metadata)
         self._next = 0
         self._hash = hashlib.sha256()
         self._hasher: ThreadPoolExecutor | None = None
-        self._fd, self.direct = _open_for_write(self.tmp, direct)
+        self._fd, self.tmp, self.direct = _open_for_write(self.path, direct)
         self._stage: np.ndarray | None = None  # the O_DIRECT staging buffer, page-aligned
         self._staged = 0
         self._written = 0
@@ -406,7 +413,7 @@ class ShardWriter:
             os.fsync(self._fd)
         os.close(self._fd)
         self._fd = -1
-        os.replace(self.tmp, self.path)
+        replace_into(self.tmp, self.path)
         return self._hash.hexdigest()
 
     def abort(self) -> None:
@@ -426,16 +433,18 @@ class ShardWriter:
             self.abort()
 
 
-def _open_for_write(path: Path, direct: bool) -> tuple[int, bool]:
-    """An fd for a new file at `path`, with O_DIRECT when asked for and the file system takes it."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+def _open_for_write(path: Path, direct: bool) -> tuple[int, Path, bool]:
+    """(fd, temporary path, direct) of a new temporary file for `path`, with O_DIRECT when asked
+    for and the file system takes it."""
     if direct and hasattr(os, "O_DIRECT"):
         try:
-            return os.open(path, flags | os.O_DIRECT, 0o666), True
+            fd, tmp = create_temp(path, os.O_DIRECT)
+            return fd, tmp, True
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-    return os.open(path, flags, 0o666), False
+    fd, tmp = create_temp(path)
+    return fd, tmp, False
 
 
 def _write_fully(fd: int, b: memoryview) -> None:
