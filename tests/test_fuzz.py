@@ -24,6 +24,7 @@ import functools
 import json
 import math
 import os
+import shutil
 import signal
 import struct
 import sys
@@ -725,6 +726,13 @@ def _replay_draft_config(p: Path):
     return specs
 
 
+def _replay_hf_quant_config(p: Path, tmp: Path):
+    from inkling_quant.inspect_cmd import _quant_algo
+
+    shutil.copyfile(p, tmp / "hf_quant_config.json")
+    return _quant_algo(tmp, ModelConfig.reference())
+
+
 REPLAY = {
     "header": lambda p, tmp: _replay_header(p),
     "config": lambda p, tmp: ModelConfig.load(p),
@@ -734,6 +742,7 @@ REPLAY = {
     "verify_config": _replay_verify_config,
     "adapter_config": lambda p, tmp: _replay_adapter_config(p),
     "draft_config": lambda p, tmp: _replay_draft_config(p),
+    "hf_quant_config": _replay_hf_quant_config,
 }
 XFAIL: dict[str, tuple[type, str]] = {}  # all fixed; the cases stay as regressions
 
