@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from . import __version__, hub
+from .cli_common import int_range, parse_size, positive_float
 from .errors import CheckpointError, FormatError, InklingQuantError, OutputError, UnsafePathError, UsageError, printable
 from .formats import FORMATS
 from .formats.nvfp4 import GLOBAL_DIV, nvfp4_input_scale
@@ -39,7 +40,6 @@ from .io.safetensors import (DTYPE_NAMES, DTYPES, ShardReader, ShardWriter, Tens
                              shard_file_size)
 from .layout import ModelConfig, classify, expected_tensors, natural_key, source_spec, source_tensor_count
 from .schemes import Scheme, get_scheme
-from .cli_common import int_range, parse_size, positive_float
 
 MANIFEST = ".inkling-quant-convert.json"
 MANIFEST_GLOB = ".inkling-quant-convert*.json"
@@ -566,7 +566,7 @@ def _confirm_complete(src, out: Path, opts: Options, prep: "Prepared", t0: float
     _refuse_symlinks(out)
     index = read_json(out / INDEX_NAME, "index")
     planned = {name: j.file for j in prep.jobs for name, _, _ in j.specs}
-    sizes_ok = all((out / j.file).is_file() and (out / j.file).stat().st_size == shard_file_size([(n, DTYPES[d], s) for n, d, s in j.specs], SHARD_METADATA)
+    sizes_ok = all((out / j.file).is_file() and (out / j.file).stat().st_size == _shard_file_size(j)
                    for j in prep.jobs)
     if index.get("weight_map") != planned or not sizes_ok:
         raise UsageError(f"{out}: holds a finished conversion with another source, scheme or options; "
@@ -574,6 +574,10 @@ def _confirm_complete(src, out: Path, opts: Options, prep: "Prepared", t0: float
     report = _report(src, out, opts, prep.jobs, [], t0)
     report["already_complete"] = True
     return report
+
+
+def _shard_file_size(j: ShardJob) -> int:
+    return shard_file_size([(n, DTYPES[d], s) for n, d, s in j.specs], SHARD_METADATA)
 
 
 def _load_done(manifest_path: Path, fp: str, out: Path) -> dict[str, str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..errors import CheckpointError, OutputError, UsageError
-from .files import atomic_file, check_line_safe
+from .files import TEMP_SUFFIX, atomic_file, check_line_safe
 from .safetensors import open_regular, sha256_file
 
 CHECKSUMS = "checksums.sha256"
@@ -80,7 +80,7 @@ def fsync_dir(p: Path) -> None:
 
 
 # --------------------------------------------------------------------------- the output guard
-STAGING, BACKUP = ".partial", ".old"  # OUT is built in OUT.partial; a replaced OUT waits in OUT.old
+STAGING, BACKUP = TEMP_SUFFIX, ".old"  # OUT is built in OUT.partial; a replaced OUT waits in OUT.old
 
 
 def _real(p: str | Path) -> Path:
