@@ -28,7 +28,8 @@ from tqdm import tqdm
 
 from . import __version__, hub
 from .cli_common import int_range, parse_size, positive_float
-from .errors import CheckpointError, FormatError, InklingQuantError, OutputError, UnsafePathError, UsageError, printable
+from .errors import (CheckpointError, FormatError, InklingQuantError, Interrupted, OutputError, UnsafePathError,
+                     UsageError, WorkerDied, printable)
 from .formats import FORMATS
 from .formats.nvfp4 import GLOBAL_DIV, nvfp4_input_scale
 from .formats.nvfp4 import amax as tensor_amax
@@ -453,16 +454,6 @@ def prepare(src: str, opts: Options) -> Prepared:
                                   f"another model or another naming?")
     jobs = plan(cfg, tensors, scheme, opts, calibrated, from_source, str(src))
     return Prepared(root, repo, revision, cfg, jobs, other, _fingerprint(jobs, opts, stat))
-
-
-class Interrupted(InklingQuantError):
-    """SIGINT/SIGTERM: finished shards are kept; `--resume` continues."""
-
-    exit_code = 130
-
-
-class WorkerDied(InklingQuantError):
-    """A worker process ended without a result (SIGKILL, the OOM killer): finished shards are kept."""
 
 
 class _StopRequest:

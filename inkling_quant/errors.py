@@ -19,9 +19,16 @@ def printable(s: str) -> str:
 
 
 class InklingQuantError(Exception):
-    """Base class: the CLI prints the message and exits non-zero, without a traceback."""
+    """Base class: the CLI prints the message and exits non-zero, without a traceback.
+    `path` and `tensor`, where the raiser knows them, name the file and tensor as data (a
+    report lists them without parsing the message)."""
 
     exit_code = 2
+
+    def __init__(self, message: str = "", *, path=None, tensor: str | None = None):
+        super().__init__(message)
+        self.path = None if path is None else str(path)
+        self.tensor = tensor
 
 
 class ConfigError(InklingQuantError):
@@ -50,3 +57,13 @@ class UsageError(InklingQuantError):
 
 class OutputError(InklingQuantError):
     """The output could not be written (disk full, file-size limit, permissions)."""
+
+
+class Interrupted(InklingQuantError):
+    """SIGINT/SIGTERM: finished work is kept; `--resume` continues."""
+
+    exit_code = 130
+
+
+class WorkerDied(InklingQuantError):
+    """A worker process ended without a result (SIGKILL, the OOM killer): finished shards are kept."""
