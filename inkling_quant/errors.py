@@ -67,3 +67,8 @@ class Interrupted(InklingQuantError):
 
 class WorkerDied(InklingQuantError):
     """A worker process ended without a result (SIGKILL, the OOM killer): finished shards are kept."""
+
+
+class KernelError(InklingQuantError, ValueError):
+    """A kernel called with inputs it cannot take (shapes, devices, a path this machine lacks).
+    Also a ValueError, which callers of the kernels caught before they raised our errors."""

@@ -17,16 +17,17 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, InklingQuantError, printable, short_repr
-from .formats import FORMATS
-from .io.checkpoint import Checkpoint, read_json, safe_child
+from .errors import InklingQuantError, printable
+from .export import read_quantization
+from .formats import FORMATS, SCALE_SUFFIXES, detect
+from .io.checkpoint import Checkpoint
 from .io.output import check_paths, write_report
 from .io.safetensors import TensorEntry
-from .layout import QUANT_SUFFIXES, ModelConfig, TensorName, classify, expert_shape, source_spec
+from .layout import ModelConfig, TensorName, classify, expert_shape, source_spec
 
-WEIGHT_SUFFIXES = ("weight",) + QUANT_SUFFIXES
+WEIGHT_SUFFIXES = ("weight",) + SCALE_SUFFIXES
 UNRECOGNIZED = "unrecognized"
-SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SOURCE_DTYPES = FORMATS["passthrough"].source_dtypes
 
 
 @dataclass
@@ -68,15 +69,14 @@ class FormatDetector:
 
     @staticmethod
     def _detect(shape, dtype, sig) -> tuple[str, bool | None]:
-        for fmt in FORMATS.values():
-            for act in (True, False):
-                try:
-                    specs = fmt.out_specs(shape, dtype, activation_scale=act)
-                except (InklingQuantError, ValueError):
-                    break  # the format cannot represent this shape
-                if tuple(sorted((k, tuple(o.shape), o.dtype) for k, o in specs.items())) == sig:
-                    return fmt.name, (act if fmt.quant_algo else None)
-        return UNRECOGNIZED, None
+        observed = {k: (s, d) for k, s, d in sig}
+        fmt = detect(observed, shape, dtype)
+        if fmt is None:
+            return UNRECOGNIZED, None
+        if not fmt.quant_algo:
+            return fmt.name, None
+        with_act = {k: (tuple(o.shape), o.dtype) for k, o in fmt.out_specs(shape, dtype, True).items()}
+        return fmt.name, with_act == observed
 
 
 def _source_of(cfg: ModelConfig, t: TensorName, module: str, observed: dict[str, TensorEntry]):
@@ -89,23 +89,8 @@ def _source_of(cfg: ModelConfig, t: TensorName, module: str, observed: dict[str,
 
 
 def _quant_algo(root: Path, cfg: ModelConfig) -> str | None:
-    q = cfg.raw.get("quantization_config")
-    if isinstance(q, dict):
-        inner = q.get("quantization")
-        algo = q.get("quant_algo") or (inner.get("quant_algo") if isinstance(inner, dict) else None) \
-            or q.get("quant_method")
-        where = f"{root / 'config.json'}: quantization_config"
-    else:
-        hf = root / "hf_quant_config.json"
-        if not hf.is_file():
-            return None
-        q = read_json(safe_child(root, hf.name), "hf_quant_config.json").get("quantization")
-        if q is not None and not isinstance(q, dict):
-            raise ConfigError(f"{hf}: 'quantization' must be an object, got {short_repr(q)}")
-        algo, where = (q or {}).get("quant_algo"), f"{hf}: quantization"
-    if algo is not None and not isinstance(algo, str):
-        raise ConfigError(f"{where}.quant_algo must be a string, got {short_repr(algo)}")
-    return algo
+    q = read_quantization(root, cfg.raw)
+    return q["quant_algo"] if q else None
 
 
 def summarize(root: str | Path) -> Summary:

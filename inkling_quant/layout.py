@@ -18,13 +18,13 @@ import torch
 
 from .errors import ConfigError, UnknownTensorError
 from .errors import short_repr as _short
+from .formats import SCALE_SUFFIXES
 
 REFERENCE_CONFIG = Path(__file__).parent / "configs" / "inkling-2-small.json"
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "g_proj")
-# Suffixes a quantized checkpoint adds beside `weight` (formats own their meaning).
-QUANT_SUFFIXES = ("weight_scale_2", "weight_scale", "input_scale")
+QUANT_SUFFIXES = SCALE_SUFFIXES  # what a quantized checkpoint adds beside `weight`: the formats' vocabulary
 
 
 # --------------------------------------------------------------------------- config
@@ -215,7 +215,7 @@ PARTS = ("embed", "attention", "attn_sink", "rel_bias", "short_conv", "attn_res"
          "expert", "vision", "draft", "lm_head")
 
 _L = r"(?P<layer>\d+)"
-_W = r"(?P<suffix>weight|weight_scale|weight_scale_2|input_scale)"
+_W = rf"(?P<suffix>weight|{'|'.join(SCALE_SUFFIXES)})"
 # Every tensor name of the layout, as (pattern, part); named groups give layer, expert,
 # projection and suffix. Quantized checkpoints add weight_scale/_2 and input_scale suffixes.
 _RULES: list[tuple[re.Pattern, str]] = [(re.compile(p), part) for p, part in [

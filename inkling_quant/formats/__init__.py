@@ -7,6 +7,23 @@ from .nvfp4 import NVFP4
 
 FORMATS: dict[str, Format] = {f.name: f for f in (NVFP4(), MXFP8(), Passthrough())}
 
+#: every suffix a quantized module adds beside `weight` (the tensor-name vocabulary of the formats)
+SCALE_SUFFIXES: tuple[str, ...] = tuple(dict.fromkeys(s for f in FORMATS.values() for s in f.suffixes
+                                                      if s != "weight"))
+#: every value rule a format may name (`Format.value_rule`): what verify checks the bytes for
+VALUE_RULES = {"positive": "finite and positive (a scale)", "e8m0": "e8m0 exponent in range (not 0xFF)"}
+
+
+def format_for_quant_algo(quant_algo) -> Format | None:
+    """The format a ModelOpt `quant_algo` string names (NVFP4, W4A16_NVFP4, MXFP8), or None."""
+    return next((f for f in FORMATS.values() if quant_algo in f.quant_algos), None)
+
+
+def detect(observed, shape: tuple[int, ...], dtype) -> Format | None:
+    """The format whose tensors a module holds (suffix -> (shape, dtype)) for a source weight of
+    `shape`/`dtype`, or None when no format writes exactly those."""
+    return next((f for f in FORMATS.values() if f.matches(observed, shape, dtype)), None)
+
 
 def get_format(name: str) -> Format:
     try:
@@ -15,4 +32,5 @@ def get_format(name: str) -> Format:
         raise KeyError(f"unknown format {name!r}; known: {sorted(FORMATS)}") from None
 
 
-__all__ = ["FORMATS", "Format", "OutSpec", "Passthrough", "NVFP4", "MXFP8", "get_format"]
+__all__ = ["FORMATS", "Format", "OutSpec", "Passthrough", "NVFP4", "MXFP8", "SCALE_SUFFIXES", "VALUE_RULES",
+           "detect", "format_for_quant_algo", "get_format"]

@@ -29,7 +29,10 @@ class Format:
 
     name: str                  # "nvfp4", "mxfp8", "passthrough"
     quant_algo: str | None     # ModelOpt quant_algo string, None for pass-through
+    quant_algos: tuple[str, ...] = ()  # every quant_algo a ModelOpt config may name this format by
+    suffixes: tuple[str, ...] = ("weight",)  # every tensor-name suffix it may write for a module
     block_size: int = 1        # elements per scale along the input (last) dim
+    kernel: str | None = None  # the inkling_quant.kernels entry point computing x @ dequant(W)^T
     # verify's numerics thresholds for y = x @ W^T against the BF16 source weight
     max_rel_error: float = 0.0
     min_cosine: float = 1.0
@@ -56,6 +59,38 @@ class Format:
     def layer_config(self, weight_only: bool = False) -> dict | None:
         """The `quantized_layers` entry of ModelOpt's MIXED_PRECISION config, None if unquantized."""
         return None
+
+    # --- rules the commands ask the format instead of re-deriving them -------------------
+    def fused_global_amax(self, weights: list[torch.Tensor]) -> torch.Tensor | None:
+        """The amax fused projections (an expert's gate and up) share, or None where the
+        format has no per-tensor global scale."""
+        return None
+
+    def activation_scale(self, amax: float, name: str = "") -> torch.Tensor | None:
+        """The static activation scale written for a calibrated amax, or None (dynamic)."""
+        return None
+
+    def activation_amax(self, scale: float) -> float:
+        """The inverse of `activation_scale`: the amax a stored activation scale stands for."""
+        raise NotImplementedError(f"{self.name} stores no activation scale")
+
+    def value_rule(self, suffix: str) -> str | None:
+        """What the values of the tensor `suffix` must be, as one of VALUE_RULES' keys (the
+        checks live in formats.values), or None when only finiteness applies."""
+        return None
+
+    def matches(self, observed: Mapping[str, tuple[tuple[int, ...], torch.dtype]], shape: tuple[int, ...],
+                dtype: torch.dtype) -> bool:
+        """Whether a module's tensors (suffix -> (shape, dtype)) are what this format writes for a
+        source weight of `shape`/`dtype`, with or without an activation scale."""
+        for act in (True, False):
+            try:
+                want = {k: (tuple(o.shape), o.dtype) for k, o in self.out_specs(shape, dtype, act).items()}
+            except Exception:  # noqa: BLE001 - a shape this format cannot hold: not a match
+                continue
+            if want == {k: (tuple(v[0]), v[1]) for k, v in observed.items()}:
+                return True
+        return False
 
 
 class Passthrough(Format):

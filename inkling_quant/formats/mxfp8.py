@@ -28,7 +28,7 @@ import torch
 
 from ..errors import FormatError
 from .base import Format, OutSpec
-from .nvfp4 import _BITS, _buf, _check_dtype, _check_shape, _nonfinite, _np, _run_chunks
+from ._cpu import _BITS, _buf, _check_dtype, _check_shape, _nonfinite, _np, _run_chunks
 
 __all__ = ["MXFP8", "BLOCK_SIZE", "E4M3_MAX", "e8m0_exponent"]
 
@@ -134,7 +134,10 @@ class MXFP8(Format):
 
     name = "mxfp8"
     quant_algo = "MXFP8"
+    quant_algos = ("MXFP8",)
+    suffixes = ("weight", "weight_scale")
     block_size = BLOCK_SIZE
+    kernel = "mxfp8_dequant_gemm"
     # verify's thresholds for y = x @ W^T vs the BF16 source (docs/formats.md "Error statistics",
     # tools/bench_formats.py --errors): relative error ~0.027 typical, worst 0.053 and cosine
     # >= 0.9993 over 1200 Gaussian + outlier weights (an e4m3 element is off by <= 2^-4 relative).
@@ -181,3 +184,6 @@ class MXFP8(Format):
 
     def layer_config(self, weight_only: bool = False) -> dict:
         return {"quant_algo": "MXFP8", "group_size": BLOCK_SIZE}
+
+    def value_rule(self, suffix):
+        return "e8m0" if suffix == "weight_scale" else None  # a biased exponent byte; 0xFF is NaN

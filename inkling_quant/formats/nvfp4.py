@@ -32,15 +32,14 @@ On other devices (CUDA) a plain-torch path runs the same formulas on the device.
 """
 from __future__ import annotations
 
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Mapping
+from typing import Mapping
 
 import numpy as np
 import torch
 
 from ..errors import FormatError
+from ._cpu import _BITS, _buf, _check_dtype, _check_shape, _const, _nonfinite, _np, _run_chunks, _where
 from .base import Format, OutSpec
 
 __all__ = [
@@ -63,35 +62,6 @@ E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.
 # float8_e4m3fn byte -> its fp32 value (exact), for numpy.
 _E4M3_TO_F32 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 
-# dtype -> (signed int view of the same width, abs mask, smallest Inf/NaN pattern, log2 of the
-# smallest positive subnormal). Any IEEE value with |bits| >= the Inf pattern is Inf or NaN.
-_BITS = {
-    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80, -133),
-    torch.float16: (torch.int16, 0x7FFF, 0x7C00, -24),
-    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000, -149),
-}
-
-
-# ============================================================================ small helpers
-def _where(name: str) -> str:
-    return f"tensor {name!r}: " if name else ""
-
-
-def _check_dtype(w: torch.Tensor, fmt: str, name: str) -> None:
-    if w.dtype not in _BITS:
-        raise FormatError(f"{_where(name)}{fmt} quantizes bf16/fp16/fp32 weights, got {w.dtype}")
-
-
-def _check_shape(shape, block: int, fmt: str, name: str) -> None:
-    if len(shape) < 1 or shape[-1] % block != 0:
-        raise FormatError(f"{_where(name)}{fmt} needs the last (input) dimension divisible by "
-                          f"{block}, got shape {tuple(shape)}")
-
-
-def _nonfinite(name: str) -> FormatError:
-    return FormatError(f"{_where(name)}contains NaN or Inf: cannot be quantized")
-
-
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes (0..15) ``[..., 2k]`` -> packed uint8 ``[..., k]``, element 2j in the low nibble
     (ModelOpt: ``(q[..., 1::2] << 4) | q[..., 0::2]``)."""
@@ -108,80 +78,6 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     out[..., 0::2] = p & 0x0F
     out[..., 1::2] = p >> 4
     return out
-
-
-# ============================================================================ threads + buffers
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-_TLS = threading.local()
-
-
-def _forget_pool() -> None:  # in a forked child the parent's worker threads do not exist
-    global _POOL, _POOL_LOCK
-    _POOL, _POOL_LOCK = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
-
-
-def _pool(n: int) -> ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL._max_workers < n:  # grow only; old idle threads just exit
-            _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="inkling-quant-formats")
-        return _POOL
-
-
-def _run_chunks(fn: Callable[[int, int], object], n_items: int, chunk: int) -> None:
-    """fn(lo, hi) over [0, n_items) in chunks of `chunk`, on torch.get_num_threads() threads."""
-    ranges = [(lo, min(n_items, lo + chunk)) for lo in range(0, n_items, chunk)]
-    nt = min(max(1, torch.get_num_threads()), len(ranges))
-    if nt <= 1:
-        for lo, hi in ranges:
-            fn(lo, hi)
-        return
-
-    def work(k: int) -> None:
-        for lo, hi in ranges[k::nt]:
-            fn(lo, hi)
-
-    futs = [_pool(nt).submit(work, k) for k in range(nt)]
-    err = None
-    for f in futs:  # wait for all, then raise the first error
-        try:
-            f.result()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            err = err or e
-    if err is not None:
-        raise err
-
-
-def _buf(key: str, shape: tuple[int, ...], dtype) -> np.ndarray:
-    """A per-thread scratch array, reused across calls (grown when needed)."""
-    d = getattr(_TLS, "bufs", None)
-    if d is None:
-        d = _TLS.bufs = {}
-    a = d.get(key)
-    if a is None or a.shape != shape or a.dtype != dtype:
-        a = d[key] = np.empty(shape, dtype)
-    return a
-
-
-def _const(key: str, n: int, dtype, value) -> np.ndarray:
-    """A per-thread 1-D array of at least n elements, all ``value`` (for fast array-array numpy
-    loops: numpy's minimum/maximum against a scalar is several times slower)."""
-    d = getattr(_TLS, "consts", None)
-    if d is None:
-        d = _TLS.consts = {}
-    a = d.get(key)
-    if a is None or a.size < n:
-        a = d[key] = np.full(max(n, 1 << 14), value, dtype)
-    return a[:n]
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().numpy()
 
 
 # ============================================================================ amax
@@ -435,7 +331,10 @@ class NVFP4(Format):
 
     name = "nvfp4"
     quant_algo = "NVFP4"
+    quant_algos = ("NVFP4", "W4A16_NVFP4")
+    suffixes = ("weight", "weight_scale", "weight_scale_2", "input_scale")
     block_size = BLOCK_SIZE
+    kernel = "nvfp4_dequant_gemm"
     # verify's thresholds for y = x @ W^T vs the BF16 source (docs/formats.md "Error statistics",
     # tools/bench_formats.py --errors): relative error ~0.095 typical, worst 0.125 and cosine
     # >= 0.992 over 1200 Gaussian + outlier weights of the tiny and real expert shapes. ~1.45x
@@ -514,3 +413,17 @@ class NVFP4(Format):
 
     def layer_config(self, weight_only: bool = False) -> dict:
         return {"quant_algo": "W4A16_NVFP4" if weight_only else "NVFP4", "group_size": BLOCK_SIZE}
+
+    def fused_global_amax(self, weights):
+        """gate and up of an expert share one weight_scale_2 (vLLM fuses them into one GEMM and
+        reads one global scale): the max of their amaxes, as ModelOpt's export does."""
+        return torch.maximum(*[amax(w) for w in weights]) if len(weights) > 1 else amax(weights[0])
+
+    def activation_scale(self, amax, name=""):
+        return nvfp4_input_scale(amax, name)
+
+    def activation_amax(self, scale):
+        return float(scale) * GLOBAL_DIV
+
+    def value_rule(self, suffix):
+        return "positive" if suffix in ("weight_scale", "weight_scale_2", "input_scale") else None

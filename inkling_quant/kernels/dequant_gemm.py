@@ -32,6 +32,8 @@ import warnings
 
 import torch
 
+from ..errors import KernelError
+from ..formats import mxfp8, nvfp4
 from . import reference as _ref
 
 try:  # triton is a declared dependency, but keep the reference usable without it
@@ -51,10 +53,10 @@ PATH_REFERENCE = "torch-reference"
 PATHS = (PATH_INTERPRETER, PATH_BF16_MMA, PATH_SM100, PATH_REFERENCE)
 _MODE = {PATH_INTERPRETER: 0, PATH_BF16_MMA: 1, PATH_SM100: 2}
 
-NVFP4_BLOCK = 16
-MXFP8_BLOCK = 32
-E2M1_MAX = 6.0
-E4M3_MAX = 448.0
+NVFP4_BLOCK = nvfp4.BLOCK_SIZE  # the formats own these; the jitted bodies below spell them as
+MXFP8_BLOCK = mxfp8.BLOCK_SIZE  # literals (Triton constexpr); the interpreter tests hold them to the formats
+E2M1_MAX = nvfp4.E2M1_MAX
+E4M3_MAX = nvfp4.E4M3_MAX
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,16 +340,16 @@ def _resolve_path(path: str | None, device: torch.device) -> str:
             _warn_fallback()
         return path
     if path not in PATHS:
-        raise ValueError(f"unknown path {path!r}; known: {PATHS}")
+        raise KernelError(f"unknown path {path!r}; known: {PATHS}")
     if path == PATH_REFERENCE:
         return path
     if triton is None or backend() == "torch-reference":
-        raise RuntimeError(f"path {path!r} needs Triton: {backend_note()}")
+        raise KernelError(f"path {path!r} needs Triton: {backend_note()}")
     if _interpreted() and path == PATH_BF16_MMA:
-        raise ValueError("dequant-bf16-mma cannot run in the Triton interpreter: its bf16 tl.dot returns "
+        raise KernelError("dequant-bf16-mma cannot run in the Triton interpreter: its bf16 tl.dot returns "
                          "wrong results (triton-lang/triton#11584); use 'interpreter-fp32'")
     if not _interpreted() and device.type != "cuda":
-        raise ValueError(f"path {path!r} needs CUDA tensors, got {device}")
+        raise KernelError(f"path {path!r} needs CUDA tensors, got {device}")
     return path
 
 
@@ -417,7 +419,7 @@ def moe_tile_map(expert_offsets: torch.Tensor, block_m: int, num_tokens: int, ex
 # ----------------------------------------------------------------------------------------------
 def _check_x(x: torch.Tensor, K: int) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] != K:
-        raise ValueError(f"x must be [M, {K}], got {tuple(x.shape)}")
+        raise KernelError(f"x must be [M, {K}], got {tuple(x.shape)}")
     if x.dtype != torch.bfloat16:
         x = x.to(torch.bfloat16)
     if x.stride(1) != 1:
@@ -433,9 +435,9 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 def _nvfp4_launch(x, w_packed, w_scale, w_scale_2, input_scale, out_dtype, path, grouped, expert_offsets):
     N, K = w_packed.shape[-2], w_packed.shape[-1] * 2
     if K % NVFP4_BLOCK:
-        raise ValueError(f"NVFP4 needs K % 16 == 0, got K={K}")
+        raise KernelError(f"NVFP4 needs K % 16 == 0, got K={K}")
     if w_scale.shape[-1] != K // NVFP4_BLOCK or w_scale.shape[-2] != N:
-        raise ValueError(f"weight_scale must be [.., {N}, {K // NVFP4_BLOCK}], got {tuple(w_scale.shape)}")
+        raise KernelError(f"weight_scale must be [.., {N}, {K // NVFP4_BLOCK}], got {tuple(w_scale.shape)}")
     x = _check_x(x, K)
     M = x.shape[0]
     E = w_packed.shape[0] if grouped else 1
@@ -443,7 +445,7 @@ def _nvfp4_launch(x, w_packed, w_scale, w_scale_2, input_scale, out_dtype, path,
     w_scale = _u8(w_scale)  # e4m3 bits, decoded in-kernel
     ws2 = w_scale_2.to(device=x.device, dtype=torch.float32).reshape(-1).contiguous()
     if ws2.numel() != E:
-        raise ValueError(f"weight_scale_2 needs {E} value(s), got {ws2.numel()}")
+        raise KernelError(f"weight_scale_2 needs {E} value(s), got {ws2.numel()}")
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
     mode = _MODE[path]
     as2 = ws2  # unused unless MODE 2
@@ -475,9 +477,9 @@ def _nvfp4_launch(x, w_packed, w_scale, w_scale_2, input_scale, out_dtype, path,
 def _mxfp8_launch(x, w, w_scale, out_dtype, path, grouped, expert_offsets):
     N, K = w.shape[-2], w.shape[-1]
     if K % MXFP8_BLOCK:
-        raise ValueError(f"MXFP8 needs K % 32 == 0, got K={K}")
+        raise KernelError(f"MXFP8 needs K % 32 == 0, got K={K}")
     if w_scale.shape[-1] != K // MXFP8_BLOCK or w_scale.shape[-2] != N:
-        raise ValueError(f"weight_scale must be [.., {N}, {K // MXFP8_BLOCK}], got {tuple(w_scale.shape)}")
+        raise KernelError(f"weight_scale must be [.., {N}, {K // MXFP8_BLOCK}], got {tuple(w_scale.shape)}")
     x = _check_x(x, K)
     M = x.shape[0]
     E = w.shape[0] if grouped else 1

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import torch
 
-E2M1_MAX = 6.0
-E4M3_MAX = 448.0
+from ..formats import FORMATS
+from ..formats.nvfp4 import GLOBAL_DIV, nvfp4_global_scale
 
 
 def _fmt(name: str):
-    from inkling_quant.formats import FORMATS  # lazy: keeps `import inkling_quant.kernels` light
-
     return FORMATS[name]
 
 
@@ -78,7 +76,8 @@ def nvfp4_activation_amax(x: torch.Tensor, input_scale=None) -> torch.Tensor:
     ``input_scale * 6 * 448`` for a checkpoint's static input_scale."""
     if input_scale is None:
         return x.detach().abs().amax().float()
-    return torch.as_tensor(input_scale, dtype=torch.float32, device=x.device).reshape(()) * (E2M1_MAX * E4M3_MAX)
+    # the inverse of the format's input_scale rule (Format.activation_amax), kept on the device
+    return torch.as_tensor(input_scale, dtype=torch.float32, device=x.device).reshape(()) * GLOBAL_DIV
 
 
 def nvfp4_activation_scale(x: torch.Tensor, input_scale=None) -> torch.Tensor:
@@ -86,7 +85,7 @@ def nvfp4_activation_scale(x: torch.Tensor, input_scale=None) -> torch.Tensor:
     same expression inkling_quant.formats' NVFP4 uses for weight_scale_2 (a test checks they are
     bit-equal), 1.0 for an all-zero x. No host sync."""
     amax = nvfp4_activation_amax(x, input_scale)
-    s = amax / (E2M1_MAX * E4M3_MAX)
+    s = nvfp4_global_scale(amax)
     return torch.where(amax > 0, s, torch.ones_like(s))
 
 

@@ -1,0 +1,114 @@
+"""CPU helpers shared by the format kernels (nvfp4, mxfp8): dtype bit layouts, input checks,
+the thread pool that runs chunks of whole blocks, and per-thread scratch buffers. Private to
+formats/: nothing here is a format rule."""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..errors import FormatError
+
+# dtype -> (signed int view of the same width, abs mask, smallest Inf/NaN pattern, log2 of the
+# smallest positive subnormal). Any IEEE value with |bits| >= the Inf pattern is Inf or NaN.
+_BITS = {
+    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80, -133),
+    torch.float16: (torch.int16, 0x7FFF, 0x7C00, -24),
+    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000, -149),
+}
+
+
+def _where(name: str) -> str:
+    return f"tensor {name!r}: " if name else ""
+
+
+def _check_dtype(w: torch.Tensor, fmt: str, name: str) -> None:
+    if w.dtype not in _BITS:
+        raise FormatError(f"{_where(name)}{fmt} quantizes bf16/fp16/fp32 weights, got {w.dtype}")
+
+
+def _check_shape(shape, block: int, fmt: str, name: str) -> None:
+    if len(shape) < 1 or shape[-1] % block != 0:
+        raise FormatError(f"{_where(name)}{fmt} needs the last (input) dimension divisible by "
+                          f"{block}, got shape {tuple(shape)}")
+
+
+def _nonfinite(name: str) -> FormatError:
+    return FormatError(f"{_where(name)}contains NaN or Inf: cannot be quantized")
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+_TLS = threading.local()
+
+
+def _forget_pool() -> None:  # in a forked child the parent's worker threads do not exist
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL._max_workers < n:  # grow only; old idle threads just exit
+            _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="inkling-quant-formats")
+        return _POOL
+
+
+def _run_chunks(fn: Callable[[int, int], object], n_items: int, chunk: int) -> None:
+    """fn(lo, hi) over [0, n_items) in chunks of `chunk`, on torch.get_num_threads() threads."""
+    ranges = [(lo, min(n_items, lo + chunk)) for lo in range(0, n_items, chunk)]
+    nt = min(max(1, torch.get_num_threads()), len(ranges))
+    if nt <= 1:
+        for lo, hi in ranges:
+            fn(lo, hi)
+        return
+
+    def work(k: int) -> None:
+        for lo, hi in ranges[k::nt]:
+            fn(lo, hi)
+
+    futs = [_pool(nt).submit(work, k) for k in range(nt)]
+    err = None
+    for f in futs:  # wait for all, then raise the first error
+        try:
+            f.result()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            err = err or e
+    if err is not None:
+        raise err
+
+
+def _buf(key: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A per-thread scratch array, reused across calls (grown when needed)."""
+    d = getattr(_TLS, "bufs", None)
+    if d is None:
+        d = _TLS.bufs = {}
+    a = d.get(key)
+    if a is None or a.shape != shape or a.dtype != dtype:
+        a = d[key] = np.empty(shape, dtype)
+    return a
+
+
+def _const(key: str, n: int, dtype, value) -> np.ndarray:
+    """A per-thread 1-D array of at least n elements, all ``value`` (for fast array-array numpy
+    loops: numpy's minimum/maximum against a scalar is several times slower)."""
+    d = getattr(_TLS, "consts", None)
+    if d is None:
+        d = _TLS.consts = {}
+    a = d.get(key)
+    if a is None or a.size < n:
+        a = d[key] = np.full(max(n, 1 << 14), value, dtype)
+    return a[:n]
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy()
