@@ -11,6 +11,7 @@ from fractions import Fraction
 
 from .errors import UsageError
 from .formats import FORMATS, Format
+from .io.output import check_paths, write_report
 from .layout import ModelConfig, TensorName
 
 
@@ -57,6 +58,8 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
            (Rule("expert", F(0), F(5, 6), "nvfp4"), Rule("expert", F(5, 6), F(1), "mxfp8"))),
     Scheme("nvfp4", "every routed expert NVFP4", (Rule("expert", F(0), F(1), "nvfp4"),)),
     Scheme("mxfp8", "every routed expert MXFP8", (Rule("expert", F(0), F(1), "mxfp8"),)),
+    Scheme("none", "nothing quantized: every tensor passes through (an unquantized checkpoint; the copy floor)",
+           ()),
 )}
 
 
@@ -69,14 +72,16 @@ def get_scheme(name: str) -> Scheme:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="config.json (or checkpoint dir) whose layer count to use; default: the reference config")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--json", metavar="FILE", help="also write the tables as JSON to FILE ('-': standard output only)")
+    p.add_argument("--quiet", action="store_true", help="print no table")
 
 
 def run(args) -> int:
+    check_paths(None, [args.config], reports=[args.json])
     cfg = ModelConfig.load(args.config) if args.config else ModelConfig.reference()
     tables = {name: s.table(cfg) for name, s in SCHEMES.items()}
-    if args.json:
-        print(json.dumps(tables, indent=2))
+    write_report(args.json, json.dumps(tables, indent=2) + "\n")
+    if args.quiet or args.json == "-":
         return 0
     print(f"{'scheme':<9} {'part':<16} {'layers':<8} {'format':<12} quant_algo")
     for name, rows in tables.items():
