@@ -6,7 +6,8 @@ import math
 import pytest
 
 from inkling_quant import budget
-from inkling_quant.budget import GiB, KVSpec, Parallel, kv_layer_specs, kv_layout, param_counts, plan
+from inkling_quant.budget import GiB, Parallel, param_counts, plan
+from inkling_quant.kvcache import KVSpec, kv_layer_specs, kv_layout
 from inkling_quant.errors import ConfigError, UsageError
 from inkling_quant.formats import FORMATS
 from inkling_quant.layout import PROJECTIONS, ModelConfig, expert_shape
