@@ -1,0 +1,125 @@
+"""The package's imports run one way (docs/architecture.md): each module imports only from its
+own layer or the layers below, and no two modules import each other, directly or round about.
+Read from the source with `ast` (nothing is imported), lazy imports inside functions included,
+`if TYPE_CHECKING:` blocks excluded (they never run). Cheap: part of the test suite, so CI runs it."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "inkling_quant"
+
+# bottom to top; a module's layer is that of the longest prefix listed; the rest are commands
+LAYERS = [
+    ("inkling_quant", "inkling_quant.errors", "inkling_quant.cli_common"),
+    ("inkling_quant.io", "inkling_quant.hub"),
+    ("inkling_quant.formats",),
+    ("inkling_quant.layout", "inkling_quant.kernels"),
+    ("inkling_quant.schemes",),
+    ("inkling_quant.export", "inkling_quant.kvcache"),
+]
+COMMANDS = len(LAYERS)
+
+
+def layer_of(module: str) -> int:
+    best, layer = -1, COMMANDS
+    for i, names in enumerate(LAYERS):
+        for n in names:
+            exact_only = n == "inkling_quant"  # the package root's own __init__, not everything
+            if module == n or (not exact_only and module.startswith(n + ".") and len(n) > best):
+                best, layer = len(n), i
+    return layer
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or \
+        (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every inkling_quant module `path` imports (absolute names)."""
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for n in child.orelse:
+                    visit(n)
+                continue
+            if isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (child.level - 1)]
+                    mod = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    mod = child.module or ""
+                if mod.startswith("inkling_quant"):
+                    for alias in child.names:  # `from . import kernels` imports a module
+                        sub = f"{mod}.{alias.name}"
+                        out.add(sub if _exists(sub) else mod)
+            elif isinstance(child, ast.Import):
+                out.update(a.name for a in child.names if a.name.startswith("inkling_quant"))
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    out.discard(me)
+    return out
+
+
+def _exists(module: str) -> bool:
+    p = PKG.parent / Path(*module.split("."))
+    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
+def graph() -> dict[str, set[str]]:
+    return {module_name(p): imports_of(p) for p in sorted(PKG.rglob("*.py"))}
+
+
+def test_imports_run_downward():
+    upward = [f"{m} (layer {layer_of(m)}) imports {d} (layer {layer_of(d)})"
+              for m, deps in graph().items() for d in sorted(deps)
+              if layer_of(d) > layer_of(m) and not (m == "inkling_quant" and d.startswith("inkling_quant."))]
+    assert not upward, "imports against the layering of docs/architecture.md:\n" + "\n".join(upward)
+
+
+def test_no_import_cycles():
+    g = graph()
+    # a package's __init__ re-exporting its own modules is not a cycle between concerns
+    edges = {m: {d for d in deps if d in g and not d.startswith(m + ".")} for m, deps in g.items()}
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def dfs(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(edges[m]):
+            if state.get(d) == 1:
+                cycles.append(path[path.index(d):] + [d] if d in path else [m, d])
+            elif d not in state:
+                dfs(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            dfs(m, [m])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_checker_sees_imports():
+    """The checker itself: it finds a relative, an absolute and a lazy import, and skips TYPE_CHECKING."""
+    g = graph()
+    assert "inkling_quant.formats" in g["inkling_quant.schemes"]
+    assert "inkling_quant.io.checkpoint" in g["inkling_quant.layout"]  # lazy, inside a function
+    assert "inkling_quant.budget" not in g["inkling_quant.kvcache"]    # under TYPE_CHECKING
+    assert layer_of("inkling_quant.io.output") < layer_of("inkling_quant.formats") < layer_of("inkling_quant.layout")
+    assert layer_of("inkling_quant.convert") == COMMANDS
