@@ -58,3 +58,12 @@ def float_range(lo: float, hi: float, *, lo_open: bool = False):
 
 
 positive_float = float_range(0.0, 3.0e38, lo_open=True)  # finite, > 0, and representable in fp32
+
+
+def human_bytes(n: float, digits: int = 1) -> str:
+    """1234567 -> '1.2 MB' (decimal units, as disks and `ls -h --si` count)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
+        n /= 1000
+    return str(n)  # pragma: no cover - the loop returns at TB

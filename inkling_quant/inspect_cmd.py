@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from .cli_common import human_bytes
 from .errors import InklingQuantError, printable
 from .export import read_quantization
 from .formats import FORMATS, SCALE_SUFFIXES, detect
@@ -173,22 +174,15 @@ def _ranges(per_layer: dict[int, tuple[str, int]]) -> list[dict]:
     return out
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
 def render(s: Summary) -> str:
-    out = [f"{s.root}: {s.tensors:,} tensors in {s.shards} shard(s), {_size(s.file_bytes)}"
+    out = [f"{s.root}: {s.tensors:,} tensors in {s.shards} shard(s), {human_bytes(s.file_bytes, 2)}"
            + (f", quant_algo {s.quant_algo}" if s.quant_algo else ", no quantization_config")]
     out.append("")
     hdr = f"{'part':<12} {'tensors':>8} {'params':>15} {'bytes':>10}  formats"
     out += [hdr, "-" * len(hdr)]
     for part, p in s.parts.items():
-        fm = ", ".join(f"{f} {_size(b)}" for f, b in sorted(p["formats"].items()))
-        out.append(f"{part:<12} {p['tensors']:>8,} {p['params']:>15,} {_size(p['bytes']):>10}  {fm}")
+        fm = ", ".join(f"{f} {human_bytes(b, 2)}" for f, b in sorted(p["formats"].items()))
+        out.append(f"{part:<12} {p['tensors']:>8,} {p['params']:>15,} {human_bytes(p['bytes'], 2):>10}  {fm}")
     out.append("")
     if s.expert_layers:
         out.append("routed experts:")
@@ -198,7 +192,7 @@ def render(s: Summary) -> str:
     else:
         out.append("routed experts: none")
     d = s.draft
-    out.append("DSpark draft: " + (f"present, {d['tensors']} tensors, {_size(d['bytes'])}" if d["present"]
+    out.append("DSpark draft: " + (f"present, {d['tensors']} tensors, {human_bytes(d['bytes'], 2)}" if d["present"]
                                   else "absent" + (" (config.json has a dspark_config)" if d["expected_by_config"]
                                                    else "")))
     for what, items in (("tensor(s) outside the layout", s.unknown),
