@@ -13,9 +13,9 @@ from typing import Callable, Iterable
 
 from .errors import ConfigError, short_repr
 from .formats import Format, format_for_quant_algo
+from .io.checkpoint import HF_QUANT_CONFIG
 from .layout import natural_key
 
-HF_QUANT_CONFIG = "hf_quant_config.json"
 MIXED_PRECISION = "MIXED_PRECISION"
 QUANT_METHOD = "modelopt"
 PRODUCER_VERSION = "0.47.0"  # the ModelOpt export whose layout we write (docs/formats.md)

@@ -16,6 +16,9 @@ from .safetensors import Header, _encodable, _short, open_regular, parse_json_by
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's export record (export.py reads and writes it)
+CHECKSUMS = "checksums.sha256"
 MAX_JSON_BYTES = 64 << 20
 
 
@@ -143,7 +146,7 @@ class Checkpoint:
 
     def other_files(self) -> list[Path]:
         """Non-weight files to carry over unchanged (tokenizer, chat template, configs...)."""
-        skip = {INDEX_NAME, "config.json", "hf_quant_config.json", "checksums.sha256"}
+        skip = {INDEX_NAME, CONFIG_NAME, HF_QUANT_CONFIG, CHECKSUMS}
         out = []
         for p in sorted(self.root.iterdir()):
             if p.name.startswith(".") or p.name in skip or p.name.endswith((".safetensors", ".partial")):

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..errors import CheckpointError, OutputError, UsageError
+from .checkpoint import CHECKSUMS
 from .files import TEMP_SUFFIX, atomic_file, check_line_safe
 from .safetensors import open_regular, sha256_file
 
-CHECKSUMS = "checksums.sha256"
 _CHUNK = 8 << 20
 
 _SUM_LINE = re.compile(r"([0-9a-fA-F]{64}) [ *](.+)")
