@@ -777,6 +777,30 @@ def test_resume_on_complete_output_is_a_no_op(src, converted, tmp_path):
     assert tree_digest(out) == before
 
 
+def test_disk_full_during_finalize_keeps_shards_and_resumes(src, converted, tmp_path):
+    """Class 5: ENOSPC while finalize writes checksums.sha256 (the shards are all written): exit 2
+    with the --resume hint, no traceback, no index (nothing looks complete), the shards kept;
+    `convert --resume` then finishes with the bytes of an uninterrupted run."""
+    out = tmp_path / "out"
+    real_replace = os.replace
+
+    def full_disk(a, b, *args, **kw):
+        if Path(b).name == CHECKSUMS:
+            raise OSError(28, "No space left on device", str(b))
+        return real_replace(a, b, *args, **kw)
+
+    with mock.patch("os.replace", full_disk):
+        r = call("convert", src, out, *AMAX)
+    assert r.rc == 2, r.err
+    stderr_is_clean(r)
+    assert "--resume" in r.err and "No space left" in r.err
+    assert not (out / INDEX).exists() and not list(out.glob("*.partial"))
+    assert safetensors_files(out), "the converted shards were removed"
+    r = call("convert", src, out, *AMAX, "--resume")
+    assert r.rc == 0, r.err
+    assert _weights_and_configs(out) == _weights_and_configs(converted)
+
+
 def test_fp32_passthrough_source_verifies(src, tmp_path):
     """Class 6: a source whose non-expert tensors are FP32 converts (FP32 passed through) and
     `verify OUT` (no --against) exits 0."""
