@@ -13,7 +13,6 @@ docs/draft.md has the layout and the reasons for each choice.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,11 +21,11 @@ import torch
 from tqdm import tqdm
 
 from .errors import CheckpointError, ConfigError, InklingQuantError, UnknownTensorError, UsageError
-from .io.checkpoint import (INDEX_NAME, Checkpoint, copy_file_atomic, read_json, safe_child, shard_name,
-                            write_json_atomic)
-from .io.output import (CHECKSUMS, check_paths, link_or_copy, read_checksums, staged_output, write_checksums,
-                        write_report)
-from .io.safetensors import DTYPE_NAMES, Header, ShardReader, ShardWriter, TensorBuffer, TensorEntry, sha256_file
+from .io.checkpoint import INDEX_NAME, Checkpoint, read_json, safe_child, shard_name, write_json_atomic
+from .io.derive import carry_checksums, copy_other_files, rewrite_shard, source_checksums
+from .io.output import CHECKSUMS, check_paths, link_or_copy, staged_output, write_checksums, write_report
+from .io.safetensors import DTYPE_NAMES, ShardWriter, TensorBuffer, TensorEntry
+from .io.shards import ShardReaders, plan_shards
 from .layout import DraftConfig, ModelConfig, TensorSpec, classify, draft_tensors
 
 DRAFT_PREFIX = "dspark."
@@ -142,44 +141,7 @@ def draft_specs(dc: dict, source: str = "draft config.json") -> list[TensorSpec]
     return list(draft_tensors(view))
 
 
-class _Readers:
-    """One open ShardReader at a time (the plans read shards in order)."""
-
-    def __init__(self, src: Source):
-        self.src, self.name, self.reader = src, None, None
-
-    def get(self, shard: str) -> ShardReader:
-        if shard != self.name:
-            self.close()
-            self.reader = ShardReader(safe_child(self.src.ckpt.root, shard, "shard"), self.src.headers[shard])
-            self.name = shard
-        return self.reader
-
-    def close(self) -> None:
-        if self.reader is not None:
-            self.reader.close()
-        self.name, self.reader = None, None
-
-
-def _as_tensor(mv: memoryview, e: TensorEntry) -> torch.Tensor:
-    if e.nbytes == 0:
-        return torch.empty(e.shape, dtype=e.dtype)
-    return torch.frombuffer(mv, dtype=e.dtype).reshape(e.shape)
-
-
 # --------------------------------------------------------------------------- extract
-def plan_shards(entries: list[tuple[str, TensorEntry]], max_bytes: int) -> list[list[tuple[str, TensorEntry]]]:
-    shards: list[list] = [[]]
-    size = 0
-    for item in entries:
-        if shards[-1] and size + item[1].nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(item)
-        size += item[1].nbytes
-    return shards
-
-
 def extract(src: str | Path, out: str | Path, *, overwrite: bool = False, progress: bool = False,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
     """Write the bundled DSpark drafter of SRC to OUT as a standalone checkpoint."""
@@ -195,28 +157,24 @@ def extract(src: str | Path, out: str | Path, *, overwrite: bool = False, progre
         e = headers[shard].tensors[name]
         shared[role] = {"name": name, "shape": list(e.shape), "dtype": DTYPE_NAMES[e.dtype]}
     dconf = draft_config(source.config, source.cfg, shared)
-    plan = plan_shards(source.draft, max_shard_bytes)
+    plan = plan_shards(source.draft, max_shard_bytes, size=lambda item: item[1].nbytes)
     total = sum(e.nbytes for _, e in source.draft)
 
     weight_map: dict[str, str] = {}
     sums: dict[str, str] = {}
     buf = TensorBuffer()
     buf.view(max(e.nbytes for _, e in source.draft))  # sized once: growing it would hold two at a time
-    readers = _Readers(source)
-    with staged_output(out, [root], overwrite) as tmp, \
+    with staged_output(out, [root], overwrite) as tmp, ShardReaders(root, headers) as readers, \
             tqdm(total=total, unit="B", unit_scale=True, desc="draft extract", disable=not progress) as bar:
-        try:
-            for i, group in enumerate(plan):
-                name = shard_name(i, len(plan))
-                specs = [(e.name, e.dtype, e.shape) for _, e in group]
-                with ShardWriter(tmp / name, specs, {"format": "pt"}, direct=True) as w:
-                    for shard, e in group:
-                        w.write(e.name, readers.get(shard).get(e.name, buf))
-                        weight_map[e.name] = name
-                        bar.update(e.nbytes)
-                    sums[name] = w.commit()
-        finally:
-            readers.close()
+        for i, group in enumerate(plan):
+            name = shard_name(i, len(plan))
+            specs = [(e.name, e.dtype, e.shape) for _, e in group]
+            with ShardWriter(tmp / name, specs, {"format": "pt"}, direct=True) as w:
+                for shard, e in group:
+                    w.write(e.name, readers.get(shard).get(e.name, buf))
+                    weight_map[e.name] = name
+                    bar.update(e.nbytes)
+                sums[name] = w.commit()
         write_json_atomic(tmp / "config.json", dconf)
         write_json_atomic(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
         write_checksums(tmp / CHECKSUMS, sums)
@@ -225,31 +183,6 @@ def extract(src: str | Path, out: str | Path, *, overwrite: bool = False, progre
 
 
 # --------------------------------------------------------------------------- strip
-def _rewrite(reader: ShardReader, header: Header, dst: Path, buf: TensorBuffer, expected: str | None, bar) -> str:
-    """dst = the shard without its draft tensors, in file order, its metadata kept. With
-    `expected`, the whole source file is hashed on the way (draft tensors included) and checked."""
-    h = hashlib.sha256() if expected is not None else None
-    if h is not None:
-        with open(header.path, "rb") as f:
-            h.update(f.read(header.data_start))
-    keep = [e for e in header.tensors.values() if not is_draft(e.name)]
-    with ShardWriter(dst, [(e.name, e.dtype, e.shape) for e in keep], header.metadata or None, direct=True) as w:
-        for e in header.tensors.values():
-            drop = is_draft(e.name)
-            if drop and h is None:
-                continue
-            mv = reader.read_bytes(e, buf.view(e.nbytes)) if e.nbytes else memoryview(b"")
-            if h is not None:
-                h.update(mv)
-            if not drop:
-                w.write(e.name, _as_tensor(mv, e))
-                bar.update(e.nbytes)
-        if h is not None and h.hexdigest() != expected:
-            raise CheckpointError(f"{header.path}: sha256 {h.hexdigest()} does not match {CHECKSUMS} "
-                                  f"({expected}): the shard is corrupt")
-        return w.commit()
-
-
 def stripped_config(config: dict, source: Source) -> dict:
     """config.json without dspark_config; in its place a note that keeps it for a re-merge."""
     note = {"note": "DSpark draft removed by `inkling-quant draft strip`; serve it from a checkpoint made "
@@ -260,71 +193,67 @@ def stripped_config(config: dict, source: Source) -> dict:
             for k, v in config.items()}
 
 
+def _plan_strip(source: Source) -> tuple[list[tuple[str, str]], dict[str, str], int]:
+    """Per source shard: link (no draft tensor), rewrite (some) or drop (only draft tensors).
+    Returns the kept (shard, action) pairs, their output names (renumbered when a shard of an
+    indexed checkpoint goes, so "-of-N" stays true) and the number dropped."""
+    headers = source.headers
+    actions = []
+    for s in source.ckpt.shards:
+        n_draft = sum(is_draft(n) for n in headers[s].tensors)
+        kind = "link" if n_draft == 0 else ("drop" if n_draft == len(headers[s].tensors) else "rewrite")
+        actions.append((s, kind))
+    kept = [(s, k) for s, k in actions if k != "drop"]
+    if not kept:
+        raise CheckpointError(f"{source.ckpt.root}: every shard holds only draft tensors: nothing would be left")
+    renumber = (source.ckpt.root / INDEX_NAME).exists() and len(kept) != len(actions)
+    out_names = {s: (shard_name(i, len(kept)) if renumber else s) for i, (s, _) in enumerate(kept)}
+    return kept, out_names, len(actions) - len(kept)
+
+
 def strip(src: str | Path, out: str | Path, *, overwrite: bool = False, progress: bool = False,
           copy: bool = False) -> dict:
     """Write SRC without its DSpark draft to OUT."""
     source = open_source(src)
     ckpt, headers = source.ckpt, source.headers
     root = ckpt.root
-    sums_in = read_checksums(safe_child(root, CHECKSUMS)) if (root / CHECKSUMS).exists() else None
-
-    # plan: per source shard, link (no draft tensor), rewrite (some) or drop (only draft tensors)
-    actions = []
-    for s in ckpt.shards:
-        n_draft = sum(is_draft(n) for n in headers[s].tensors)
-        kind = "link" if n_draft == 0 else ("drop" if n_draft == len(headers[s].tensors) else "rewrite")
-        actions.append((s, kind))
-    kept = [(s, k) for s, k in actions if k != "drop"]
-    if not kept:
-        raise CheckpointError(f"{root}: every shard holds only draft tensors: nothing would be left")
+    sums_in = source_checksums(root)
+    kept, out_names, dropped = _plan_strip(source)
     indexed = (root / INDEX_NAME).exists()
-    renumber = indexed and len(kept) != len(actions)  # keep "-of-N" names true when a shard goes
-    out_names = {s: (shard_name(i, len(kept)) if renumber else s) for i, (s, _) in enumerate(kept)}
     total = sum(e.nbytes for s, _ in kept for e in headers[s].tensors.values() if not is_draft(e.name))
     bar_total = sum(headers[s].file_size if k == "link" else
                     sum(e.nbytes for e in headers[s].tensors.values() if not is_draft(e.name)) for s, k in kept)
 
     weight_map: dict[str, str] = {}
     sums: dict[str, str] = {}
-    counts = {"linked": 0, "copied": 0, "rewritten": 0, "dropped": len(actions) - len(kept)}
+    counts = {"linked": 0, "copied": 0, "rewritten": 0, "dropped": dropped}
     buf = TensorBuffer()
     buf.view(max([e.nbytes for s, k in kept if k == "rewrite" for e in headers[s].tensors.values()
                   if not is_draft(e.name) or (sums_in is not None and s in sums_in)], default=0))
-    readers = _Readers(source)
-    with staged_output(out, [root], overwrite) as tmp, \
+    with staged_output(out, [root], overwrite) as tmp, ShardReaders(root, headers) as readers, \
             tqdm(total=bar_total, unit="B", unit_scale=True, desc="draft strip", disable=not progress) as bar:
-        try:
-            for s, kind in kept:
-                name = out_names[s]
-                expected = sums_in.get(s) if sums_in is not None else None
-                if kind == "link":
-                    digest, how = link_or_copy(root / s, tmp / name, copy, expected, sums_in is not None, bar)
-                    counts[how] += 1
-                else:
-                    digest = _rewrite(readers.get(s), headers[s], tmp / name, buf, expected, bar)
-                    counts["rewritten"] += 1
-                if digest is not None:
-                    sums[name] = digest
-                for e in headers[s].tensors.values():
-                    if not is_draft(e.name):
-                        weight_map[e.name] = name
-        finally:
-            readers.close()
+        for s, kind in kept:
+            name = out_names[s]
+            expected = sums_in.get(s) if sums_in is not None else None
+            if kind == "link":
+                digest, how = link_or_copy(root / s, tmp / name, copy, expected, sums_in is not None, bar)
+                counts[how] += 1
+            else:
+                digest = rewrite_shard(readers.get(s), tmp / name, drop=is_draft, expected=expected, buf=buf, bar=bar)
+                counts["rewritten"] += 1
+            if digest is not None:
+                sums[name] = digest
+            for e in headers[s].tensors.values():
+                if not is_draft(e.name):
+                    weight_map[e.name] = name
         if indexed:
             meta = {**ckpt.metadata, "total_size": total}
             write_json_atomic(tmp / INDEX_NAME, {"metadata": meta, "weight_map": weight_map})
         write_json_atomic(tmp / "config.json", stripped_config(source.config, source))
-        others = ckpt.other_files() + ([safe_child(root, QUANT_CONFIG)] if (root / QUANT_CONFIG).is_file() else [])
-        for p in others:
-            copy_file_atomic(p, tmp / p.name)
+        copy_other_files(ckpt, tmp, also=[QUANT_CONFIG])
         if sums_in is not None:
-            # every file the source listed that OUT still has, re-hashed where it changed
-            shard_names = set(ckpt.shards)
-            for f in sums_in:
-                plain = "/" not in f and "\\" not in f and f not in (".", "..")
-                if plain and f not in shard_names and f not in sums and (tmp / f).is_file():
-                    sums[f] = sha256_file(tmp / f)
-            write_checksums(tmp / CHECKSUMS, sums)
+            # every shard of OUT, and every other file the source listed that OUT still has
+            carry_checksums(sums_in, tmp, sums, also=sums)
     return {"action": "strip", "source": str(src), "output": str(out), "tensors_removed": len(source.draft),
             "bytes_removed": sum(e.nbytes for _, e in source.draft), "shards": len(kept), **counts,
             "checksums": sums_in is not None}

@@ -22,6 +22,7 @@ from .errors import UsageError
 from .io.checkpoint import INDEX_NAME, copy_file_atomic, shard_name, write_json_atomic
 from .io.output import check_paths, staged_output, write_report
 from .io.safetensors import ShardWriter
+from .io.shards import plan_shards
 from .layout import REFERENCE_CONFIG, ModelConfig, TensorSpec, classify, expected_tensors
 
 FILES = Path(__file__).parent / "configs" / "files"  # tokenizer, chat template, ... (tiny stand-ins)
@@ -93,18 +94,6 @@ def synth_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
         flat = rows.reshape(-1)
         flat[torch.randint(0, flat.numel(), (n_spikes,), generator=g)] *= 40.0
     return x.to(spec.dtype)
-
-
-def plan_shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
-    shards: list[list[TensorSpec]] = [[]]
-    size = 0
-    for s in specs:
-        if shards[-1] and size + s.nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(s)
-        size += s.nbytes
-    return shards
 
 
 SEED_MAX = 2**32 - 1

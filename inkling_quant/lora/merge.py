@@ -1,0 +1,317 @@
+"""`lora check` and `lora merge` against a checkpoint: the plan (which tensor of which shard
+each adapter module merges into, at what scale, and every refusal that depends on the
+checkpoint) and the merge, a checkpoint derived with `io.derive`: shards holding a merged tensor
+rewritten, the others hardlinked (or copied), checksums carried over."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .. import __version__
+from ..errors import CheckpointError, ConfigError, UsageError
+from ..io.checkpoint import INDEX_NAME, Checkpoint, read_json, safe_child, write_json_atomic
+from ..io.derive import carry_checksums, copy_other_files, rewrite_shard, source_checksums
+from ..io.output import link_or_copy, staged_output
+from ..io.safetensors import DTYPE_NAMES, Header, ShardReader, TensorEntry
+from ..io.shards import ShardReaders
+from ..layout import ModelConfig, TensorName
+from .peft import (ADAPTER_CONFIG, FLOAT_DTYPES, MERGEABLE, MERGEABLE_PARTS, PEFT_PREFIX, Adapter, classify_module,
+                   open_adapter, read_lora)
+
+QUANT_CONFIG = "hf_quant_config.json"
+PROVENANCE_KEY = "lora_merged"          # config.json: the adapters merged into this checkpoint
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# --------------------------------------------------------------------------- plan
+@dataclass(frozen=True)
+class Target:
+    module: str
+    part: str           # "attention" or "expert"
+    layer: int
+    tensor: str         # the checkpoint tensor merged into (module + ".weight")
+    shard: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    rank: int
+    alpha: float
+    scaling: float      # PEFT's scaling (alpha/r or alpha/sqrt(r))
+    scale: float        # scaling * --scale: what multiplies B @ A
+
+    def row(self) -> dict:
+        return {"module": self.module, "part": self.part, "shard": self.shard, "shape": list(self.shape),
+                "dtype": DTYPE_NAMES[self.dtype], "rank": self.rank, "alpha": self.alpha,
+                "scaling": self.scaling, "scale": self.scale}
+
+
+@dataclass
+class Plan:
+    ckpt: Checkpoint
+    headers: dict[str, Header]
+    config: dict
+    cfg: ModelConfig
+    adapter: Adapter
+    targets: list[Target]
+    user_scale: float
+    warnings: list[str]
+
+    @property
+    def rewrite(self) -> list[str]:
+        shards = {t.shard for t in self.targets}
+        return [s for s in self.ckpt.shards if s in shards]
+
+    def summary(self) -> dict:
+        a = self.adapter.config
+        return {
+            "checkpoint": str(self.ckpt.root), "adapter": self.adapter.source,
+            "adapter_sha256": self.adapter.sha256, "base_model_name_or_path": a.base_model,
+            "r": a.r, "lora_alpha": a.lora_alpha, "use_rslora": a.use_rslora, "user_scale": self.user_scale,
+            "modules": len(self.targets),
+            "by_part": {p: sum(t.part == p for t in self.targets) for p in MERGEABLE_PARTS},
+            "shards_rewritten": len(self.rewrite), "shards_unchanged": len(self.ckpt.shards) - len(self.rewrite),
+            "warnings": self.warnings, "targets": [t.row() for t in self.targets],
+        }
+
+
+def _quantized_format(plan_cfg: dict, ckpt: Checkpoint, headers: dict[str, Header], module: str) -> str | None:
+    """The number format of `module` when the checkpoint holds it quantized, else None."""
+    layers = ((plan_cfg.get("quantization_config") or {}).get("quantized_layers") or {})
+    entry = layers.get(module)
+    if isinstance(entry, dict) and entry.get("quant_algo"):
+        return str(entry["quant_algo"])
+    for suffix in ("weight_scale", "weight_scale_2", "input_scale"):
+        if f"{module}.{suffix}" in ckpt.weight_map:
+            return "quantized"
+    shard = ckpt.weight_map.get(module + ".weight")
+    if shard is not None:
+        e = headers[shard].tensors.get(module + ".weight")
+        if e is not None and e.dtype not in FLOAT_DTYPES:
+            return DTYPE_NAMES[e.dtype]
+    return None
+
+
+def _span(layers: list[int]) -> str:
+    return f"{min(layers)}-{max(layers)}" if layers else "none"
+
+
+def _selected_modules(plan: Plan) -> list[tuple[str, TensorName]]:
+    """The mergeable modules of the checkpoint that target_modules selects; raise when none is."""
+    acfg, ckpt = plan.adapter.config, plan.ckpt
+    selected, elsewhere = [], []
+    for tensor in ckpt.weight_map:
+        if not tensor.endswith(".weight"):
+            continue
+        module = tensor[: -len(".weight")]
+        t = classify_module(module)
+        if t is not None and acfg.targets(module):
+            (selected if t.part in MERGEABLE_PARTS else elsewhere).append((module, t))
+    where = plan.adapter.root / ADAPTER_CONFIG
+    if not selected and elsewhere:
+        m, t = elsewhere[0]
+        raise ConfigError(f"{where}: target_modules={json.dumps(acfg.target_modules)} selects only modules LoRA "
+                          f"cannot be merged into (e.g. {m!r}, {t.part}): LoRA merges only into {MERGEABLE}")
+    if not selected:
+        raise ConfigError(f"{where}: target_modules={json.dumps(acfg.target_modules)} matches no attention "
+                          f"projection or routed expert of {ckpt.root}: adapter for another model")
+    return selected
+
+
+def _mergeable(plan: Plan, module: str, where: str) -> TensorName:
+    """`module`'s layout record; raise unless it is a mergeable, unquantized module of this
+    model that the adapter config selects."""
+    cfg = plan.cfg
+    t = classify_module(module)
+    if t is None:
+        raise ConfigError(f"{where} is not a module of the Inkling 2 Small layout (expected e.g. "
+                          f"'{PEFT_PREFIX}model.layers.0.self_attn.q_proj.lora_A.weight'): adapter for "
+                          f"another model?")
+    if t.part not in MERGEABLE_PARTS:
+        raise ConfigError(f"{where} ({t.part}): LoRA merges only into {MERGEABLE}")
+    if t.layer >= cfg.num_hidden_layers:
+        raise ConfigError(f"{where} is in layer {t.layer}, but config.json has {cfg.num_hidden_layers} layers: "
+                          f"adapter for another model")
+    if t.part == "expert" and t.expert >= cfg.num_experts:
+        raise ConfigError(f"{where} is expert {t.expert}, but config.json has {cfg.num_experts} routed experts: "
+                          f"adapter for another model")
+    if not plan.adapter.config.targets(module):
+        raise ConfigError(f"{where} has LoRA weights, but the adapter config's target_modules="
+                          f"{json.dumps(plan.adapter.config.target_modules)} does not select it: adapter files do "
+                          f"not match")
+    fmt = _quantized_format(plan.config, plan.ckpt, plan.headers, module)
+    if fmt is not None:
+        if t.part == "expert":
+            raise ConfigError(
+                f"{where}: the routed experts of this checkpoint are {fmt}; expert adapters need BF16 expert "
+                f"weights (the Inkling 2 Small recipe: 'with the NVFP4/MXFP8 experts, use attention-only "
+                f"adapters'). Merge into the BF16 source before converting, or train an attention-only adapter")
+        raise ConfigError(f"{where}: the checkpoint holds this projection quantized ({fmt}); LoRA merges into "
+                          f"unquantized weights only")
+    return t
+
+
+def _target(plan: Plan, module: str, a: TensorEntry, b: TensorEntry, dtype: str, scale: float) -> Target:
+    """The merge of adapter module `module` (factors a, b) into the checkpoint; raise when the
+    checkpoint's weight is missing, of another dtype or shape, or the rank is not the config's."""
+    ckpt, where = plan.ckpt, f"{plan.adapter.path}: module {module!r}"
+    t = _mergeable(plan, module, where)
+    tensor = module + ".weight"
+    shard = ckpt.weight_map.get(tensor)
+    if shard is None:
+        raise CheckpointError(f"{ckpt.root}: tensor {tensor!r} (targeted by the adapter) is not in the checkpoint")
+    e = plan.headers[shard].tensors[tensor]
+    if e.dtype != DTYPES[dtype]:
+        stored = next((k for k, v in DTYPES.items() if v == e.dtype), None)
+        hint = f"; pass --dtype {stored} to merge into {stored} weights" if stored else ""
+        raise UsageError(f"{ckpt.root / shard}: tensor {tensor!r} is {DTYPE_NAMES[e.dtype]}, not {dtype}: the "
+                         f"merge rounds to the stored dtype and never changes it{hint}")
+    out_f, in_f = e.shape
+    if a.shape[1] != in_f or b.shape[0] != out_f:
+        hint = ""
+        if t.part == "attention" and t.projection != "o_proj" and a.shape[1] != in_f:
+            hint = f" (trained on hidden_size {a.shape[1]}; this checkpoint has {plan.cfg.hidden_size})"
+        raise ConfigError(f"{where}: shape mismatch: B @ A is [{b.shape[0]}, {a.shape[1]}] but the checkpoint's "
+                          f"weight is {list(e.shape)}{hint}: adapter for another model")
+    r, alpha, scaling = plan.adapter.config.scaling(module)
+    if a.shape[0] != r:
+        raise ConfigError(f"{where}: lora_A has rank {a.shape[0]} but the adapter config gives r={r} for this "
+                          f"module (r / rank_pattern): the scale alpha/r would be wrong")
+    return Target(module, t.part, t.layer, tensor, shard, tuple(e.shape), e.dtype, r, alpha, scaling, scaling * scale)
+
+
+def _check_complete(plan: Plan, selected: list[tuple[str, TensorName]]) -> None:
+    """Raise when target_modules selects modules here that the adapter lacks: another (smaller) model."""
+    aw, cfg = plan.adapter.path, plan.cfg
+    missing = [(m, t) for m, t in selected if m not in plan.adapter.modules]
+    if missing:
+        have = sorted({t.layer for t in plan.targets})
+        miss_layers = sorted({t.layer for _, t in missing})
+        if have and min(miss_layers) > max(have):
+            raise ConfigError(f"{aw}: LoRA weights for layers {_span(have)} only, but target_modules selects layers up "
+                              f"to {max(miss_layers)} of this {cfg.num_hidden_layers}-layer checkpoint: adapter for "
+                              f"another model (fewer layers)")
+        raise ConfigError(f"{aw}: target_modules selects {len(missing)} module(s) the adapter has no weights for, e.g. "
+                          f"{missing[0][0]!r}: incomplete adapter or another model")
+
+
+def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0, dtype: str = "bf16") -> Plan:
+    """Validate the adapter against the checkpoint and plan the merge; raise on anything we refuse."""
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise UsageError(f"--scale must be a finite number, got {scale!r}")
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    ckpt = Checkpoint.open(ckpt_dir)
+    headers = ckpt.headers()
+    config_path = safe_child(ckpt.root, "config.json")
+    config = read_json(config_path, "config.json")
+    cfg = ModelConfig.from_dict(config, str(config_path))
+    adapter = open_adapter(adapter_spec)
+    acfg = adapter.config
+    plan = Plan(ckpt, headers, config, cfg, adapter, [], float(scale), [])
+    if acfg.fan_in_fan_out:
+        plan.warnings.append("fan_in_fan_out=true ignored, as PEFT does for nn.Linear layers: the projections are "
+                             "stored [out, in], so the delta is B @ A")
+    # 1. target_modules must select some mergeable module of this checkpoint
+    selected = _selected_modules(plan)
+    # 2. every adapter module is a mergeable module of this model, which target_modules selects
+    for module, (a, b) in adapter.modules.items():
+        plan.targets.append(_target(plan, module, a, b, dtype, scale))
+    # 3. modules target_modules selects here but the adapter lacks: another (smaller) model
+    _check_complete(plan, selected)
+    # 4. adapter values: finite (one tensor at a time; adapters are small beside the model)
+    with ShardReader(adapter.path, adapter.header) as reader:
+        for a, b in adapter.modules.values():
+            read_lora(reader, a)
+            read_lora(reader, b)
+
+    if acfg.base_model:
+        plan.warnings.append(f"adapter trained on {acfg.base_model!r} (base_model_name_or_path; shapes and layer "
+                             f"count were checked against this checkpoint, the name is not)")
+    order = {n: i for i, n in enumerate(ckpt.weight_map)}
+    shard_pos = {s: i for i, s in enumerate(ckpt.shards)}
+    plan.targets.sort(key=lambda t: (shard_pos[t.shard], order[t.tensor]))
+    return plan
+
+
+# --------------------------------------------------------------------------- merge
+def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + scale * (B @ A), computed in FP32 and rounded once (to nearest even) to W's dtype.
+
+    The same operations, in the same order, as PEFT's merge with FP32 adapter weights
+    (`get_delta_weight`: (B @ A) * scaling in FP32; then `weight.data += delta`, which adds in FP32
+    and rounds once), so the bits match PEFT's `merge_and_unload()` exactly."""
+    delta = b.float() @ a.float()
+    delta.mul_(scale)
+    delta.add_(w)  # FP32 += BF16: the weight is widened exactly, the sum is FP32
+    return delta.to(w.dtype)
+
+
+def _merge_into(plan: Plan, factors: ShardReader):
+    """rewrite_shard's transform: a targeted weight merged (W + scale * B @ A), any other as it is."""
+    targets = {t.tensor: t for t in plan.targets}
+
+    def transform(e: TensorEntry, t: torch.Tensor) -> torch.Tensor:
+        tgt = targets.get(e.name)
+        if tgt is None:
+            return t
+        a_e, b_e = plan.adapter.modules[tgt.module]
+        merged = merged_weight(t, read_lora(factors, a_e), read_lora(factors, b_e), tgt.scale)
+        if not bool(torch.isfinite(merged).all()):
+            raise CheckpointError(f"{plan.headers[tgt.shard].path}: tensor {e.name!r}: the merged weight has Inf/NaN "
+                                  f"(overflow of {DTYPE_NAMES[e.dtype]}; is --scale too large?)")
+        return merged
+    return transform
+
+
+def merged_config(plan: Plan) -> dict:
+    """config.json with the merge recorded under PROVENANCE_KEY (appended: merges stack)."""
+    config = dict(plan.config)
+    record = {
+        "adapter": plan.adapter.source, "adapter_sha256": plan.adapter.sha256,
+        "base_model_name_or_path": plan.adapter.config.base_model,
+        "r": plan.adapter.config.r, "lora_alpha": plan.adapter.config.lora_alpha,
+        "use_rslora": plan.adapter.config.use_rslora, "scale": plan.user_scale,
+        "modules": len(plan.targets), "tool": f"inkling-quant {__version__}",
+    }
+    prior = config.get(PROVENANCE_KEY)
+    config[PROVENANCE_KEY] = (list(prior) if isinstance(prior, list) else []) + [record]
+    return config
+
+
+def merge(ckpt_dir: str | Path, adapter_spec: str | Path, out: str | Path, *, scale: float = 1.0,
+          dtype: str = "bf16", overwrite: bool = False, copy: bool = False, progress: bool = False) -> dict:
+    """Write CKPT with the adapter merged to OUT; return a report."""
+    plan = check(ckpt_dir, adapter_spec, scale=scale, dtype=dtype)
+    ckpt, headers = plan.ckpt, plan.headers
+    root = ckpt.root
+    sums_in = source_checksums(root)
+    rewrite = set(plan.rewrite)
+    sums: dict[str, str] = {}
+    counts = {"rewritten": 0, "linked": 0, "copied": 0}
+    bar_total = sum(h.file_size for h in headers.values())
+    with staged_output(out, [root, plan.adapter.root], overwrite) as tmp, ShardReaders(root, headers) as readers, \
+            ShardReader(plan.adapter.path, plan.adapter.header) as factors, \
+            tqdm(total=bar_total, unit="B", unit_scale=True, desc="lora merge", disable=not progress) as bar:
+        transform = _merge_into(plan, factors)
+        for s in ckpt.shards:
+            expected = sums_in.get(s) if sums_in is not None else None
+            if s in rewrite:
+                digest = rewrite_shard(readers.get(s), tmp / s, transform=transform, expected=expected, bar=bar)
+                counts["rewritten"] += 1
+            else:
+                digest, how = link_or_copy(safe_child(root, s, "shard"), tmp / s, copy, expected, False, bar)
+                counts[how] += 1
+            if digest is not None:
+                sums[s] = digest
+        write_json_atomic(tmp / "config.json", merged_config(plan))
+        copy_other_files(ckpt, tmp, also=[INDEX_NAME, QUANT_CONFIG])
+        if sums_in is not None:
+            # the files the source lists, as OUT has them: merged shards with the writer's digest,
+            # linked shards with the source's (same inode), config.json and copied files re-hashed
+            carry_checksums(sums_in, tmp, sums)
+    return {"action": "merge", "output": str(out), **counts, "checksums": sums_in is not None,
+            **plan.summary()}
