@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from .errors import CheckpointError, ConfigError, InklingQuantError, UnknownTensorError, UsageError
-from .io.checkpoint import INDEX_NAME, Checkpoint, read_json, safe_child, shard_name, write_json_atomic
+from .io.checkpoint import HF_QUANT_CONFIG, INDEX_NAME, Checkpoint, read_json, safe_child, shard_name, write_json_atomic
 from .io.derive import carry_checksums, copy_other_files, rewrite_shard, source_checksums
 from .io.output import CHECKSUMS, check_paths, link_or_copy, staged_output, write_checksums, write_report
 from .io.safetensors import DTYPE_NAMES, ShardWriter, TensorBuffer, TensorEntry
@@ -31,7 +31,7 @@ from .layout import DraftConfig, ModelConfig, TensorSpec, classify, draft_tensor
 DRAFT_PREFIX = "dspark."
 DRAFT_ARCHITECTURES = ["DSparkDrafter"]
 DRAFT_MODEL_TYPE = "dspark"
-QUANT_CONFIG = "hf_quant_config.json"
+QUANT_CONFIG = HF_QUANT_CONFIG
 STRIPPED_KEY = "dspark_stripped"          # the note strip leaves in config.json
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9       # HF's default "5GB": the reference draft fits one shard
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

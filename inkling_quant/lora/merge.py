@@ -14,7 +14,8 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..errors import CheckpointError, ConfigError, UsageError
-from ..io.checkpoint import INDEX_NAME, Checkpoint, read_json, safe_child, write_json_atomic
+from ..formats import SCALE_SUFFIXES
+from ..io.checkpoint import HF_QUANT_CONFIG, INDEX_NAME, Checkpoint, read_json, safe_child, write_json_atomic
 from ..io.derive import carry_checksums, copy_other_files, rewrite_shard, source_checksums
 from ..io.output import link_or_copy, staged_output
 from ..io.safetensors import DTYPE_NAMES, Header, ShardReader, TensorEntry
@@ -23,7 +24,7 @@ from ..layout import ModelConfig, TensorName
 from .peft import (ADAPTER_CONFIG, FLOAT_DTYPES, MERGEABLE, MERGEABLE_PARTS, PEFT_PREFIX, Adapter, classify_module,
                    open_adapter, read_lora)
 
-QUANT_CONFIG = "hf_quant_config.json"
+QUANT_CONFIG = HF_QUANT_CONFIG
 PROVENANCE_KEY = "lora_merged"          # config.json: the adapters merged into this checkpoint
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -84,7 +85,7 @@ def _quantized_format(plan_cfg: dict, ckpt: Checkpoint, headers: dict[str, Heade
     entry = layers.get(module)
     if isinstance(entry, dict) and entry.get("quant_algo"):
         return str(entry["quant_algo"])
-    for suffix in ("weight_scale", "weight_scale_2", "input_scale"):
+    for suffix in SCALE_SUFFIXES:
         if f"{module}.{suffix}" in ckpt.weight_map:
             return "quantized"
     shard = ckpt.weight_map.get(module + ".weight")
