@@ -26,21 +26,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import __version__, hub
-from .cli_common import int_range, parse_size, positive_float
-from .errors import (CheckpointError, FormatError, InklingQuantError, Interrupted, OutputError, UnsafePathError,
-                     UsageError, WorkerDied, printable)
-from .formats import FORMATS
-from .formats.nvfp4 import GLOBAL_DIV, nvfp4_input_scale
-from .formats.nvfp4 import amax as tensor_amax
-from .io.checkpoint import (INDEX_NAME, Checkpoint, copy_file_atomic, read_json, safe_child, shard_name,
-                            write_json_atomic)
-from .io.files import temps_of
-from .io.output import CHECKSUMS, OutputLock, check_paths, write_checksums, write_report
-from .io.safetensors import (DTYPE_NAMES, DTYPES, ShardReader, ShardWriter, TensorBuffer, fsync_files, sha256_file,
-                             shard_file_size)
-from .layout import ModelConfig, classify, expected_tensors, natural_key, source_spec, source_tensor_count
-from .schemes import Scheme, get_scheme
+from .. import __version__, hub
+from ..cli_common import int_range, parse_size, positive_float
+from ..errors import (CheckpointError, FormatError, InklingQuantError, Interrupted, OutputError, UnsafePathError,
+                      UsageError, WorkerDied, printable)
+from ..formats import FORMATS
+from ..formats.nvfp4 import GLOBAL_DIV, nvfp4_input_scale
+from ..formats.nvfp4 import amax as tensor_amax
+from ..io.checkpoint import (INDEX_NAME, Checkpoint, copy_file_atomic, read_json, safe_child, shard_name,
+                             write_json_atomic)
+from ..io.files import temps_of
+from ..io.output import CHECKSUMS, OutputLock, check_paths, write_checksums, write_report
+from ..io.safetensors import (DTYPE_NAMES, DTYPES, ShardReader, ShardWriter, TensorBuffer, fsync_files, sha256_file,
+                              shard_file_size)
+from ..layout import ModelConfig, classify, expected_tensors, natural_key, source_spec, source_tensor_count
+from ..schemes import Scheme, get_scheme
 
 MANIFEST = ".inkling-quant-convert.json"
 MANIFEST_GLOB = ".inkling-quant-convert*.json"
@@ -137,7 +137,7 @@ def load_activation_amax(path: str | None) -> dict[str, float]:
     out: dict[str, float] = {}
     if not path:
         return out
-    from .io.safetensors import _short, read_header
+    from ..io.safetensors import _short, read_header
 
     p = Path(path)
     if p.suffix == ".safetensors":
