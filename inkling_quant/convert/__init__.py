@@ -1,0 +1,253 @@
+"""Convert a BF16/FP32 Inkling 2 Small checkpoint: routed experts to NVFP4/MXFP8 per the scheme,
+everything else passed through bit-exact, in ModelOpt's MIXED_PRECISION Hugging Face layout.
+
+A pipeline read top to bottom: validate the source against the layout -> plan output shards
+(fused gate/up pairs kept together so they share one NVFP4 global scale) -> convert shards in
+parallel, one tensor in memory at a time, each shard written under a temporary name and
+recorded in a resume manifest -> finalize (configs, non-weight files, checksums, index last).
+A killed run leaves no index, so nothing looks complete; `--resume` redoes only unfinished shards.
+"""
+# The package: plan.py (source, calibration, units, shards) -> worker.py (one shard: read,
+# check, quantize, write) -> run.py (output directory, manifest, signals, process pool) ->
+# modelopt_config.py (the configs written) -> here: prepare(), convert(), finalize(), the CLI.
+# Note: `plan` and `run` below are the functions (plan(), the CLI's run(args)), which shadow the
+# submodules of the same name as attributes; import from the submodules with `from ... import`.
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .. import __version__, hub
+from ..cli_common import int_range, parse_size, positive_float
+from ..errors import CheckpointError, OutputError, UsageError
+from ..io.checkpoint import INDEX_NAME, copy_file_atomic, write_json_atomic
+from ..io.output import CHECKSUMS, OutputLock, check_paths, write_checksums, write_report
+from ..io.safetensors import fsync_files, sha256_file
+from ..layout import ModelConfig
+from ..schemes import get_scheme
+from .modelopt_config import MODELOPT_FORMAT_VERSION, quant_config, write_quant_configs
+from .plan import (FLOAT_SOURCES, Options, Prepared, ShardJob, SrcTensor, Unit, list_source, load_activation_amax,
+                   load_calibration, plan, validate_source)
+from .run import (MANIFEST, MANIFEST_GLOB, confirm_complete, fingerprint, manifest_path, manifests, part_jobs,
+                  previous_output, recorded_checksums, refuse_symlinks, run_jobs, start_output, writing)
+from .worker import SHARD_METADATA, ShardResult, convert_shard, source_input_amax
+
+__all__ = ["FLOAT_SOURCES", "MANIFEST", "MANIFEST_GLOB", "MODELOPT_FORMAT_VERSION", "SHARD_METADATA", "Options",
+           "Prepared", "ShardJob", "ShardResult", "SrcTensor", "Unit", "add_arguments", "convert", "convert_shard",
+           "finalize", "load_activation_amax", "plan", "prepare", "print_summary", "quant_config", "run",
+           "validate_source"]
+
+
+# --------------------------------------------------------------------------- the pipeline
+def prepare(src: str, opts: Options) -> Prepared:
+    """Resolve and check the source, settle every activation amax, plan the shards: everything
+    decided before any byte is written (the same for every part and every resume)."""
+    root, repo, revision = hub.resolve(str(src))
+    cfg = ModelConfig.load(root)
+    scheme = get_scheme(opts.scheme)
+    listing, other_files, stat = list_source(root, repo, revision)
+    tensors = validate_source(cfg, listing, str(src))
+    from_source: dict[str, float] = {}
+    calibrated: dict[str, float] = {}
+    if not opts.weight_only:
+        from_source = source_input_amax(tensors, root, repo, revision)
+        calibrated = load_calibration(opts.activation_scales, tensors, src)
+    jobs = plan(cfg, tensors, scheme, opts, calibrated, from_source, str(src))
+    return Prepared(root, repo, revision, cfg, jobs, other_files, fingerprint(jobs, opts, stat))
+
+
+def convert(src: str, out: str | Path, opts: Options, *, resume: bool = False, overwrite: bool = False,
+            quiet: bool = False, part: tuple[int, int] | None = None, reports: tuple[str | None, ...] = ()) -> dict:
+    """Convert SRC into OUT. With `part=(i, n)` only every n-th shard (from the i-th) is
+    converted and nothing is finalized: `finalize(src, out, opts)` does that once all parts ran.
+    `reports`: the report files the caller will write (checked with the output paths)."""
+    t0 = time.perf_counter()
+    out = Path(out)
+    if opts.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    prep = prepare(src, opts)
+    jobs = part_jobs(prep.jobs, part)
+    check_paths(out, [prep.root, opts.activation_scales], reports=reports)
+    manifest = manifest_path(out, part)
+    with writing(out, part):  # the output lock, and signals that stop the run cleanly
+        if previous_output(out, manifest, part, resume, overwrite):  # --resume on a finished OUT
+            confirm_complete(out, prep)
+            return {**_report(src, out, opts, prep.jobs, [], t0), "already_complete": True}
+        done = start_output(out, prep, jobs, manifest, resume)
+        todo = [j for j in jobs if j.file not in done]
+        run_jobs(prep, todo, jobs, done, manifest, out, opts, quiet)
+        report = _report(src, out, opts, jobs if part else prep.jobs, todo, t0)
+        if part is None:
+            _finalize_io(out, prep, opts)
+        else:
+            report["part"] = f"{part[0]}/{part[1]}"
+        return report
+
+
+def finalize(src: str, out: str | Path, opts: Options, *, prep: Prepared | None = None, quiet: bool = False,
+             reports: tuple[str | None, ...] = ()) -> dict:
+    """Write configs, non-weight files, checksums and, last, the index; then drop the resume
+    manifests. Checks that every planned shard is present (and matches its recorded checksum)
+    first. Called by `convert` (which holds the output lock) or alone after --part runs."""
+    out = Path(out)
+    if prep is not None:
+        return _finalize_io(out, prep, opts)
+    prep = prepare(src, opts)
+    check_paths(out, [prep.root, opts.activation_scales], reports=reports)
+    if not out.is_dir():
+        raise UsageError(f"{out}: no such output directory: run the --part conversions first")
+    with OutputLock(out):
+        refuse_symlinks(out)
+        return _finalize_io(out, prep, opts)
+
+
+def _finalize_io(out: Path, prep: Prepared, opts: Options) -> dict:
+    try:
+        return _finalize(out, prep, opts)
+    except OSError as e:  # a full disk, a lost mount: the shards are kept, the manifest says so
+        raise OutputError(f"{out}: finalizing failed: {e.strerror or e}"
+                          f"{f' ({e.filename})' if e.filename else ''}; the converted shards are kept: "
+                          f"free space and rerun with --resume (or --finalize after --part runs)") from None
+
+
+def _finalize(out: Path, prep: Prepared, opts: Options) -> dict:
+    sums = recorded_checksums(out, prep)
+    fsync_files(out / j.file for j in prep.jobs)
+    if len(manifests(out)) > 1:  # shards from other machines: check what they recorded
+        for f, h in sums.items():
+            if sha256_file(out / f) != h:
+                raise CheckpointError(f"{out / f}: checksum differs from the one its part recorded")
+    converter = {"name": "inkling-quant", "version": __version__, "scheme": opts.scheme,
+                 "weight_only": opts.weight_only}
+    written = write_quant_configs(out, prep.cfg, prep.jobs, opts.weight_only, converter)
+    for p in prep.other_files:
+        copy_file_atomic(p, out / p.name)
+    _write_checksums(out, sums, written + [p.name for p in prep.other_files])
+    weight_map = {name: j.file for j in prep.jobs for name, _, _ in j.specs}
+    write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": sum(j.out_bytes for j in prep.jobs)},
+                                         "weight_map": weight_map})
+    for m in manifests(out):
+        m.unlink()
+    return {"output": str(out), "shards": len(prep.jobs), "finalized": True}
+
+
+def _write_checksums(out: Path, shard_sums: dict[str, str], others: list[str]) -> None:
+    """checksums.sha256 over every file: the shards' as recorded while writing, the rest hashed."""
+    sums = dict(shard_sums)
+    files = sorted(list(sums) + others)
+    for f in files:
+        if f not in sums:
+            sums[f] = sha256_file(out / f)
+    write_checksums(out / CHECKSUMS, {f: sums[f] for f in files})
+
+
+def _report(src, out: Path, opts: Options, jobs: list[ShardJob], todo: list[ShardJob], t0: float) -> dict:
+    seconds = time.perf_counter() - t0
+    counts: dict[str, int] = {}
+    act = {"calibrated": 0, "source": 0, "default": 0}  # where each module's activation amax came from
+    for j in jobs:
+        for u in j.units:
+            counts[u.format] = counts.get(u.format, 0) + len(u.sources)
+            for o in u.amax_origin:
+                if o is not None:
+                    act[o] += 1
+    return {
+        "source": str(src), "output": str(out), "scheme": opts.scheme, "weight_only": opts.weight_only,
+        "shards": len(jobs), "shards_resumed": len(jobs) - len(todo), "tensors_by_format": counts,
+        "activation_scales": act,
+        "bytes_in": sum(j.src_bytes for j in jobs), "bytes_out": sum(j.out_bytes for j in jobs),
+        "seconds": round(seconds, 3),
+        "source_mb_per_s": round(sum(j.src_bytes for j in todo) / 1e6 / max(seconds, 1e-9), 1),
+        "workers": opts.workers, "peak_rss_mb": round(_peak_rss_mb(), 1),
+    }
+
+
+def _peak_rss_mb() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, kids) / 1024
+
+
+# --------------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="source checkpoint: a local HF directory or a hub repo id org/name[@revision]")
+    p.add_argument("out", help="output directory (must not exist, unless --resume or --overwrite)")
+    p.add_argument("--scheme", default="default", help="conversion scheme (see `inkling-quant schemes`)")
+    p.add_argument("--workers", type=int_range(1, 1024), default=1, help="shards converted in parallel processes")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (bit-identical results)")
+    p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="output shard size (default 5GB)")
+    p.add_argument("--buffered-io", action="store_true",
+                   help="write shards through the page cache instead of O_DIRECT (docs/convert.md)")
+    a = p.add_argument_group("NVFP4 activation scales (W4A4 needs one input_scale per expert projection)")
+    a.add_argument("--activation-scales", metavar="FILE",
+                   help="calibration amax per module: JSON {module: amax} or safetensors {module.input_amax}")
+    a.add_argument("--default-activation-amax", type=positive_float, metavar="X",
+                   help="use amax X for every module without a calibrated value")
+    a.add_argument("--weight-only", action="store_true", help="W4A16 NVFP4 (no input_scale; vLLM's W4A16_NVFP4)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted conversion in OUT")
+    m = p.add_argument_group("several machines sharing one OUT (docs/scale.md)")
+    m.add_argument("--part", type=_part, metavar="I/N", help="convert only part I of N (a deterministic shard subset); "
+                   "no index is written until --finalize")
+    m.add_argument("--finalize", action="store_true", help="check all parts are there and write configs, checksums, index")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    p.add_argument("--quiet", action="store_true", help="no progress bars or summary")
+    p.add_argument("--json", metavar="REPORT", help="write the summary as JSON to REPORT ('-' for standard output)")
+
+
+def run(args) -> int:
+    quiet = args.quiet or args.json == "-"
+    if args.weight_only and (args.activation_scales or args.default_activation_amax is not None):
+        raise UsageError("--weight-only writes no activation scales; drop --activation-scales/--default-activation-amax")
+    opts = Options(scheme=args.scheme, weight_only=args.weight_only,
+                   default_activation_amax=args.default_activation_amax,
+                   activation_scales=args.activation_scales, max_shard_bytes=args.max_shard_size,
+                   workers=args.workers, device=args.device, buffered_io=args.buffered_io)
+    if args.finalize:
+        if args.part:
+            raise UsageError("--finalize runs once, after all --part runs: drop --part")
+        report = finalize(args.src, args.out, opts, reports=(args.json,))
+        write_report(args.json, json.dumps(report, indent=2) + "\n")
+        if not quiet:
+            print(f"finalized {report['output']}: {report['shards']} shards")
+        return 0
+    if args.part and args.overwrite:
+        raise UsageError("--overwrite with --part would delete the other parts' shards")
+    report = convert(args.src, args.out, opts, resume=args.resume, overwrite=args.overwrite, quiet=quiet,
+                     part=args.part, reports=(args.json,))
+    write_report(args.json, json.dumps(report, indent=2) + "\n")
+    if not quiet:
+        print_summary(report)
+    return 0
+
+
+def _part(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--part takes I/N, e.g. 3/8, got {text!r}") from None
+    if not 1 <= i <= n:
+        raise argparse.ArgumentTypeError(f"--part {text}: need 1 <= I <= N")
+    return i, n
+
+
+def print_summary(r: dict, file=sys.stdout) -> None:
+    if r.get("already_complete"):
+        print(f"{r['output']}: already complete ({r['shards']} shards of this conversion); nothing to do", file=file)
+        return
+    fmts = ", ".join(f"{k} {v}" for k, v in sorted(r["tensors_by_format"].items()))
+    print(f"converted {r['source']} -> {r['output']} (scheme {r['scheme']}{', weight-only' if r['weight_only'] else ''})",
+          file=file)
+    print(f"  tensors: {fmts}", file=file)
+    act = r.get("activation_scales") or {}
+    if any(act.values()):
+        print("  NVFP4 activation scales: " + ", ".join(f"{v} {k}" for k, v in act.items() if v), file=file)
+    print(f"  bytes: {r['bytes_in'] / 1e9:.3f} GB in, {r['bytes_out'] / 1e9:.3f} GB out in {r['shards']} shards"
+          f" ({r['shards_resumed']} resumed)", file=file)
+    print(f"  time: {r['seconds']:.2f} s, {r['source_mb_per_s']:.0f} MB/s of source, peak RSS {r['peak_rss_mb']:.0f} MB,"
+          f" {r['workers']} worker(s)", file=file)

@@ -1,0 +1,308 @@
+"""Planning: everything decided before any byte is written. The source is listed and checked
+against the layout, each NVFP4 module gets its activation amax, tensors are grouped into units
+(an NVFP4 expert's gate and up together, so they share one global scale) and the units are
+packed into output shards."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import hub
+from ..errors import CheckpointError, FormatError, InklingQuantError, UsageError, printable
+from ..formats import FORMATS
+from ..formats.nvfp4 import nvfp4_input_scale
+from ..io.checkpoint import Checkpoint, read_json, shard_name
+from ..io.safetensors import DTYPE_NAMES, DTYPES, ShardReader
+from ..layout import ModelConfig, TensorName, classify, expected_tensors, source_spec, source_tensor_count
+from ..schemes import Scheme
+
+FLOAT_SOURCES = FORMATS["passthrough"].source_dtypes
+
+# shard -> tensor name -> (safetensors dtype name, shape)
+Listing = dict[str, dict[str, tuple[str, tuple[int, ...]]]]
+
+
+@dataclass(frozen=True)
+class SrcTensor:
+    name: str
+    shard: str
+    dtype: str  # safetensors dtype name (picklable, hashable)
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Tensors converted together: one tensor, or an NVFP4 expert's gate+up sharing a global scale."""
+
+    sources: tuple[SrcTensor, ...]
+    format: str
+    input_amax: tuple[float | None, ...]
+    amax_origin: tuple[str | None, ...] = ()  # per source: "calibrated", "source" or "default"
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    index: int
+    file: str
+    units: tuple[Unit, ...]
+    specs: tuple[tuple[str, str, tuple[int, ...]], ...]  # output (name, dtype name, shape) in order
+    src_bytes: int
+    out_bytes: int
+
+
+@dataclass
+class Options:
+    scheme: str = "default"
+    weight_only: bool = False
+    default_activation_amax: float | None = None
+    activation_scales: str | None = None
+    max_shard_bytes: int = 5 * 10**9
+    workers: int = 1
+    device: str = "cpu"
+    buffered_io: bool = False  # how the bytes are written, not which: left out of the resume fingerprint
+
+
+@dataclass
+class Prepared:
+    """Everything decided before any byte is written: the same for every part and every resume."""
+
+    root: Path
+    repo: str | None
+    revision: str | None
+    cfg: ModelConfig
+    jobs: list[ShardJob]
+    other_files: list[Path]
+    fingerprint: str
+
+
+# --------------------------------------------------------------------------- the source
+def list_source(root: Path, repo: str | None, revision: str | None) -> tuple[Listing, list[Path], dict]:
+    """The source's tensors from its shard headers, its non-weight files, and what identifies its
+    files for the resume fingerprint (size and mtime; a hub repo by its revision)."""
+    if repo:
+        listing = {s: {n: (d, tuple(sh)) for n, (d, sh) in e.items()} for s, e in hub.tensor_listing(repo, revision).items()}
+        return listing, [], {"repo": repo, "revision": revision}
+    ckpt = Checkpoint.open(root)
+    headers = ckpt.headers()
+    listing = {s: {n: (DTYPE_NAMES[e.dtype], e.shape) for n, e in h.tensors.items()} for s, h in headers.items()}
+    stat = {s: [h.file_size, os.stat(h.path).st_mtime_ns] for s, h in headers.items()}
+    return listing, ckpt.other_files(), stat
+
+
+def validate_source(cfg: ModelConfig, listing: Listing, root: str) -> list[SrcTensor]:
+    """Every tensor must be in the layout, float, with the shape the config implies; nothing missing."""
+    tensors, seen = [], set()
+    for shard, entries in listing.items():
+        for name, (dtype, shape) in entries.items():
+            where = f"{root}/{shard}: tensor {name!r}"
+            try:
+                t = classify(name)
+                spec = source_spec(cfg, name if t.suffix != "input_scale" else f"{t.module}.weight")
+            except InklingQuantError as e:
+                raise CheckpointError(f"{root}/{shard}: {e}") from None
+            if t.suffix in ("weight_scale", "weight_scale_2") or DTYPES[dtype] not in FLOAT_SOURCES:
+                raise CheckpointError(f"{where}: source is already quantized ({dtype}); convert takes "
+                                      f"BF16/FP16/FP32 checkpoints (dequantize first)")
+            if t.suffix == "input_scale":
+                if tuple(shape) not in ((), (1,)):
+                    raise CheckpointError(f"{where}: input_scale must be a scalar, got shape {list(shape)}")
+            elif tuple(shape) != spec.shape:
+                raise CheckpointError(f"{where}: shape {list(shape)} disagrees with config.json "
+                                      f"(expected {list(spec.shape)})")
+            tensors.append(SrcTensor(name, shard, dtype, tuple(shape)))
+            seen.add(name)
+    # every tensor seen is one of the config's (source_spec checked it), so the count says how
+    # many are missing; the first is found without listing a config's claimed 16,384 experts
+    n_missing = source_tensor_count(cfg) - sum(not n.endswith(".input_scale") for n in seen)
+    if n_missing:
+        first = next(s.name for s in expected_tensors(cfg) if s.name not in seen)
+        more = f" (and {n_missing - 1} more)" if n_missing > 1 else ""
+        raise CheckpointError(f"{root}: tensor {first!r}{more} required by config.json is missing")
+    return tensors
+
+
+# --------------------------------------------------------------------------- calibration
+def load_activation_amax(path: str | None) -> dict[str, float]:
+    """module -> activation amax from a calibration file (JSON {module: amax} or safetensors
+    {module + '.input_amax': one-element float tensor})."""
+    if not path:
+        return {}
+    p = Path(path)
+    out = _amax_from_safetensors(p) if p.suffix == ".safetensors" else _amax_from_json(p)
+    for k, v in out.items():
+        if not (v > 0 and v < float("inf")):
+            raise CheckpointError(f"{path}: module {k[:200]!r}: activation amax must be finite and positive, got {v}")
+    return out
+
+
+def _amax_from_safetensors(p: Path) -> dict[str, float]:
+    from ..io.safetensors import read_header
+
+    out: dict[str, float] = {}
+    with ShardReader(p, read_header(p)) as r:
+        for name, e in r.header.tensors.items():
+            module = name[: -len(".input_amax")]
+            where = f"{p}: tensor {name[:200]!r}"
+            if not name.endswith(".input_amax") or not module:
+                raise CheckpointError(f"{where}: expected '<module>.input_amax' names")
+            if not e.dtype.is_floating_point or e.nbytes != e.dtype.itemsize:
+                raise CheckpointError(f"{where}: an amax is one floating-point value, got dtype "
+                                      f"{DTYPE_NAMES[e.dtype]} shape {list(e.shape)}")
+            out[module] = float(r.get(name).float().reshape(-1)[0])
+    return out
+
+
+def _amax_from_json(p: Path) -> dict[str, float]:
+    from ..io.safetensors import _short
+
+    out: dict[str, float] = {}
+    obj = read_json(p, "activation scales file")
+    for k, v in obj.items():
+        if not k:
+            raise CheckpointError(f"{p}: an empty module name")
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise CheckpointError(f"{p}: module {k[:200]!r}: amax must be a number, got {_short(v)}")
+        try:
+            out[k] = float(v)
+        except OverflowError:  # an integer past the float range
+            raise CheckpointError(f"{p}: module {k[:200]!r}: activation amax must be finite and positive, "
+                                  f"got an integer too large for a float") from None
+    return out
+
+
+def load_calibration(path: str | None, tensors: list[SrcTensor], src: str) -> dict[str, float]:
+    """--activation-scales: every module it names must be one of the source's."""
+    calibrated = load_activation_amax(path)
+    modules = {t.name[: -len(".weight")] for t in tensors if t.name.endswith(".weight")}
+    unknown = sorted(k for k in calibrated if k not in modules)
+    if unknown:
+        raise CheckpointError(f"{path}: {len(unknown)} of {len(calibrated)} module name(s) match "
+                              f"no module of {src} (first: {printable(unknown[0][:200])!r}); calibration for "
+                              f"another model or another naming?")
+    return calibrated
+
+
+# --------------------------------------------------------------------------- units and shards
+def plan(cfg: ModelConfig, tensors: list[SrcTensor], scheme: Scheme, opts: Options,
+         calibrated: dict[str, float], from_source: dict[str, float] | None = None, root: str = ".") -> list[ShardJob]:
+    """Units (a tensor, or an NVFP4 gate/up pair) packed into output shards. An NVFP4 module's
+    activation amax comes from `calibrated` (--activation-scales), else `from_source` (the
+    source's own input_scale), else --default-activation-amax. Every tensor is checked against
+    its format (block divisibility) here, before any byte is written."""
+    units = _units(cfg, tensors, scheme, opts, calibrated, from_source or {}, root)
+    return _pack(units, opts)
+
+
+def _units(cfg: ModelConfig, tensors: list[SrcTensor], scheme: Scheme, opts: Options,
+           calibrated: dict[str, float], from_source: dict[str, float], root: str) -> list[Unit]:
+    """Each tensor's unit, format and activation amax, in source order; a format error names the
+    tensor at once, missing activation amaxes are reported together at the end."""
+    units: list[Unit] = []
+    by_name = {t.name: t for t in tensors}
+    done: set[str] = set()
+    missing_amax: list[str] = []
+    for t in tensors:
+        if t.name in done:
+            continue
+        rec = classify(t.name)
+        if rec.suffix == "input_scale":  # calibration carried in the source: consumed, not copied
+            continue
+        fmt = scheme.format_name(cfg, rec)
+        group = _group(t, rec, fmt, by_name)
+        amax: list[float | None] = []
+        origin: list[str | None] = []
+        for g in group:
+            done.add(g.name)
+            try:
+                _out_names(g, fmt, opts.weight_only)
+            except FormatError as e:
+                raise FormatError(f"{root}/{g.shard}: tensor {g.name!r}: {e}") from None
+            module = g.name[: -len(".weight")]
+            a, o = None, None
+            if fmt == "nvfp4" and not opts.weight_only:
+                a, o = _activation_amax(module, opts, calibrated, from_source)
+                if a is None:
+                    missing_amax.append(module)
+            amax.append(a)
+            origin.append(o)
+        if fmt == "nvfp4" and len(group) == 2 and None not in amax:
+            amax = [max(amax)] * 2  # gate and up read the same activations: one input scale
+        units.append(Unit(tuple(group), fmt, tuple(amax), tuple(origin)))
+    if missing_amax:
+        raise UsageError(
+            f"NVFP4 (W4A4) needs an activation scale per expert projection; none for {missing_amax[0]!r}"
+            f" and {len(missing_amax) - 1} more. Pass --activation-scales FILE (calibration amax per module),"
+            f" --default-activation-amax X, or --weight-only for W4A16 output")
+    return units
+
+
+def _group(t: SrcTensor, rec: TensorName, fmt: str, by_name: dict[str, SrcTensor]) -> list[SrcTensor]:
+    """The tensors of t's unit: an NVFP4 expert's gate and up (in that order) share one global
+    scale, so they are converted together even when the source put them in different shards."""
+    if fmt == "nvfp4" and rec.projection in ("gate_proj", "up_proj"):
+        partner = "up_proj" if rec.projection == "gate_proj" else "gate_proj"
+        p = by_name[f"model.layers.{rec.layer}.mlp.experts.{rec.expert}.{partner}.weight"]
+        return [t, p] if rec.projection == "gate_proj" else [p, t]
+    return [t]
+
+
+def _activation_amax(module: str, opts: Options, calibrated: dict[str, float],
+                     from_source: dict[str, float]) -> tuple[float | None, str | None]:
+    """(amax, where it came from) by precedence, checked; (None, None) when there is none."""
+    for origin, a in (("calibrated", calibrated.get(module)), ("source", from_source.get(module)),
+                      ("default", opts.default_activation_amax)):
+        if a is not None:
+            _check_activation_amax(a, origin, module, opts)
+            return a, origin
+    return None, None
+
+
+def _check_activation_amax(amax: float, origin: str, module: str, opts: Options) -> None:
+    """The input_scale this amax gives must be finite and > 0: checked before any byte is written."""
+    try:
+        nvfp4_input_scale(amax, module + ".input_scale")
+    except FormatError as e:
+        where = {"calibrated": opts.activation_scales, "source": "the source's input_scale",
+                 "default": "--default-activation-amax"}[origin]
+        raise UsageError(f"{where}: {e}") from None
+
+
+def _pack(units: list[Unit], opts: Options) -> list[ShardJob]:
+    """Units in order into shards of at most --max-shard-size of output (a larger unit alone)."""
+    shards: list[list[Unit]] = [[]]
+    size = 0
+    for u in units:
+        out_b = sum(spec_nbytes(s) for s in _unit_specs(u, opts.weight_only))
+        if shards[-1] and size + out_b > opts.max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(u)
+        size += out_b
+    shards = [s for s in shards if s]
+    return [_job(i, len(shards), s, opts.weight_only) for i, s in enumerate(shards)]
+
+
+def _job(index: int, count: int, units: list[Unit], weight_only: bool) -> ShardJob:
+    specs = tuple(s for u in units for s in _unit_specs(u, weight_only))
+    src_bytes = sum(spec_nbytes((s.name, s.dtype, s.shape)) for u in units for s in u.sources)
+    return ShardJob(index, shard_name(index, count), tuple(units), specs, src_bytes, sum(spec_nbytes(s) for s in specs))
+
+
+def _unit_specs(u: Unit, weight_only: bool) -> list[tuple[str, str, tuple[int, ...]]]:
+    return [s for src in u.sources for s in _out_names(src, u.format, weight_only)]
+
+
+def _out_names(src: SrcTensor, fmt_name: str, weight_only: bool) -> list[tuple[str, str, tuple[int, ...]]]:
+    fmt = FORMATS[fmt_name]
+    specs = fmt.out_specs(src.shape, DTYPES[src.dtype], activation_scale=not weight_only)
+    module = src.name[: -len(".weight")] if fmt_name != "passthrough" else None
+    return [(src.name if module is None else f"{module}.{suffix}", DTYPE_NAMES[s.dtype], tuple(s.shape))
+            for suffix, s in specs.items()]
+
+
+def spec_nbytes(spec: tuple[str, str, tuple[int, ...]]) -> int:
+    n = DTYPES[spec[1]].itemsize
+    for s in spec[2]:
+        n *= s
+    return n

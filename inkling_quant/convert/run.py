@@ -1,0 +1,301 @@
+"""Process control of a conversion: the output directory (one writer per part, refuse / replace /
+resume), the resume manifest and its fingerprint, signals turned into a clean stop, the worker
+process pool, and what a stop leaves behind (no half-written shard, a manifest to resume from)."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from tqdm import tqdm
+
+from .. import __version__
+from ..errors import Interrupted, OutputError, UnsafePathError, UsageError, WorkerDied
+from ..io.checkpoint import INDEX_NAME, read_json, safe_child, write_json_atomic
+from ..io.files import temps_of
+from ..io.output import OutputLock
+from ..io.safetensors import DTYPES, sha256_file, shard_file_size
+from .plan import Options, Prepared, ShardJob
+from .worker import SHARD_METADATA, ShardResult, convert_shard
+
+MANIFEST = ".inkling-quant-convert.json"
+MANIFEST_GLOB = ".inkling-quant-convert*.json"
+
+
+# --------------------------------------------------------------------------- parts and manifests
+def part_tag(part: tuple[int, int] | None) -> str:
+    return f"-part-{part[0]}-of-{part[1]}" if part else ""
+
+
+def part_jobs(jobs: list[ShardJob], part: tuple[int, int] | None) -> list[ShardJob]:
+    """--part I/N: every N-th shard, from the I-th (all of them without --part)."""
+    return [j for j in jobs if part is None or j.index % part[1] == part[0] - 1]
+
+
+def manifest_path(out: Path, part: tuple[int, int] | None) -> Path:
+    return out / f".inkling-quant-convert{part_tag(part)}.json"
+
+
+def manifests(out: Path) -> list[Path]:
+    return sorted(out.glob(MANIFEST_GLOB))
+
+
+def fingerprint(jobs: list[ShardJob], opts: Options, stat: dict) -> str:
+    """What a resume or a part must share: version, options (not how many workers or how the bytes
+    are written), the plan and the source files."""
+    blob = json.dumps({"version": __version__, "opts": asdict(opts) | {"workers": None, "buffered_io": None},
+                       "jobs": [[j.file, list(j.specs)] for j in jobs], "sources": stat}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _write_manifest(path: Path, fp: str, done: dict[str, str]) -> None:
+    write_json_atomic(path, {"fingerprint": fp, "done": done})
+
+
+def _load_done(path: Path, fp: str, out: Path) -> dict[str, str]:
+    """Shards a previous run recorded and that still hash to what it recorded."""
+    if not path.exists():
+        return {}
+    m = read_json(path, "resume manifest")
+    if m.get("fingerprint") != fp:
+        raise UsageError(f"{out}: was started with another source, scheme or options; "
+                         f"cannot --resume (use --overwrite to start again)")
+    done = {}
+    for f, sha in (m.get("done") or {}).items():
+        p = safe_child(out, f, "shard")
+        if p.is_file() and sha256_file(p) == sha:
+            done[f] = sha
+    return done
+
+
+def recorded_checksums(out: Path, prep: Prepared) -> dict[str, str]:
+    """shard -> sha256 as the parts' manifests recorded it; every planned shard must be there."""
+    recorded: dict[str, str] = {}
+    for m in manifests(out):
+        obj = read_json(m, "part manifest")
+        if obj.get("fingerprint") != prep.fingerprint:
+            raise UsageError(f"{m}: written by a conversion with another source, scheme or options")
+        recorded.update(obj.get("done") or {})
+    missing = [j.file for j in prep.jobs if j.file not in recorded or not (out / j.file).is_file()]
+    if missing:
+        raise UsageError(f"{out}: {len(missing)} of {len(prep.jobs)} shards are not converted yet "
+                         f"(first: {missing[0]}); run the missing --part(s) first")
+    return {j.file: recorded[j.file] for j in prep.jobs}
+
+
+# --------------------------------------------------------------------------- signals and the lock
+class _StopRequest:
+    """SIGINT/SIGTERM during a conversion. The handler only records the signal; the converter
+    acts on it at the next unit boundary. An exception raised by a handler lands at an arbitrary
+    bytecode, and that can be inside a weakref callback or a finalizer, where Python swallows
+    it, or inside a callback from torch's C++ code, where it aborts the process (both seen in
+    CI). While the main thread only waits for worker processes, it is raised at once."""
+
+    def __init__(self):
+        self.signame: str | None = None
+        self.waiting = False
+
+    def handler(self, signum, frame) -> None:
+        self.signame = signal.Signals(signum).name
+        if self.waiting:
+            raise KeyboardInterrupt(self.signame)
+
+    def check(self) -> None:
+        if self.signame is not None:
+            raise KeyboardInterrupt(self.signame)
+
+    def wait(self, fn: Callable, *args):
+        """fn(*args), a wait on the workers only: a signal raises at once."""
+        self.waiting = True  # only waiting: a signal may raise right here
+        try:
+            return fn(*args)
+        finally:
+            self.waiting = False
+
+
+_STOP = _StopRequest()  # in worker processes no handler is installed: check() never raises
+
+
+@contextmanager
+def writing(out: Path, part: tuple[int, int] | None) -> Iterator[None]:
+    """Hold OUT's lock (one writer per part; taken before anything is removed: never under a live
+    writer) and turn SIGINT/SIGTERM into a stop at the next unit, a file-size limit into an error."""
+    lock = OutputLock(out, part_tag(part)).acquire()
+    _STOP.signame = None
+    old_handlers = {s: signal.signal(s, _STOP.handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    old_xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # file-size limit: an error, not a kill
+    try:
+        yield
+    finally:
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+        signal.signal(signal.SIGXFSZ, old_xfsz)
+        lock.release()
+
+
+# --------------------------------------------------------------------------- the output directory
+def previous_output(out: Path, manifest: Path, part: tuple[int, int] | None, resume: bool, overwrite: bool) -> bool:
+    """A non-empty OUT (parts share theirs): refused, removed (--overwrite) or kept (--resume).
+    True when --resume finds a finished conversion there (an index and no manifest)."""
+    if not (out.exists() and any(out.iterdir()) and not part):
+        return False
+    if not resume:
+        if not overwrite:
+            raise UsageError(f"{out}: exists and is not empty; pass --resume to continue an interrupted "
+                             f"conversion or --overwrite to replace it")
+        shutil.rmtree(out)
+        return False
+    return (out / INDEX_NAME).exists() and not manifest.exists()
+
+
+def start_output(out: Path, prep: Prepared, jobs: list[ShardJob], manifest: Path, resume: bool) -> dict[str, str]:
+    """Create OUT, keep the shards a resumed run finished (shard -> sha256, returned), remove this
+    part's unfinished shards and temporaries and any index, and write the manifest."""
+    out.mkdir(parents=True, exist_ok=True)
+    refuse_symlinks(out)
+    done = _load_done(manifest, prep.fingerprint, out) if resume else {}
+    for j in jobs:  # unfinished shards (and temporaries) of this part: redo them
+        for p in temps_of(out / j.file) + ([out / j.file] if j.file not in done else []):
+            p.unlink(missing_ok=True)
+    (out / INDEX_NAME).unlink(missing_ok=True)
+    _write_manifest(manifest, prep.fingerprint, done)
+    return done
+
+
+def refuse_symlinks(out: Path) -> None:
+    """Every file in OUT is one a conversion wrote: a symlink there was planted, and writing
+    beside it (or resuming over it) could reach a file elsewhere."""
+    links = [p.name for p in out.iterdir() if p.is_symlink()]
+    if links:
+        raise UnsafePathError(f"{out / links[0]}: a symlink in the output directory"
+                              f"{f' (and {len(links) - 1} more)' if len(links) > 1 else ''}; "
+                              f"remove it (a conversion writes only regular files)")
+
+
+def confirm_complete(out: Path, prep: Prepared) -> None:
+    """`--resume` on a finished OUT: confirm it is this conversion's result (its index lists
+    exactly the planned tensors in the planned shards, with the planned sizes), so that a retried
+    job (a Slurm requeue) passes. Nothing is rewritten or re-hashed."""
+    refuse_symlinks(out)
+    index = read_json(out / INDEX_NAME, "index")
+    planned = {name: j.file for j in prep.jobs for name, _, _ in j.specs}
+    sizes_ok = all((out / j.file).is_file() and (out / j.file).stat().st_size == _shard_file_size(j)
+                   for j in prep.jobs)
+    if index.get("weight_map") != planned or not sizes_ok:
+        raise UsageError(f"{out}: holds a finished conversion with another source, scheme or options; "
+                         f"use --overwrite to replace it")
+
+
+def _shard_file_size(j: ShardJob) -> int:
+    return shard_file_size([(n, DTYPES[d], s) for n, d, s in j.specs], SHARD_METADATA)
+
+
+# --------------------------------------------------------------------------- the shards
+def run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: dict[str, str],
+             manifest: Path, out: Path, opts: Options, quiet: bool) -> None:
+    """Convert `todo` (here, or in `opts.workers` spawned processes), recording each finished shard
+    in `done` and the manifest. Any stop (a signal, a full disk, a dead worker, an error) stops the
+    workers and removes what they left half-written, and says how to resume."""
+    args = (str(prep.root), prep.repo, prep.revision, str(out), opts.device, opts.buffered_io)
+    pool = None
+    with _progress_bars(jobs, todo, done, quiet) as (bar_bytes, bar_shards):
+        def record(r: ShardResult):
+            done[r.file] = r.sha256
+            _write_manifest(manifest, prep.fingerprint, done)
+            bar_shards.update(1)
+
+        try:
+            if opts.workers <= 1 or len(todo) <= 1:
+                _convert_here(todo, args, record, bar_bytes.update)
+            else:
+                pool = _start_pool(opts.workers)
+                _convert_in_pool(pool, todo, args, record, bar_bytes.update)
+            _STOP.check()  # a signal during the last shard: stop before finalizing
+        except KeyboardInterrupt as e:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)  # a second ^C must not cut the clean-up short
+            _stop(pool, out, todo, done)
+            raise Interrupted(f"{out}: interrupted ({e or 'SIGINT'}) after {len(done)} of {len(jobs)} shards; "
+                              f"rerun the same command with --resume to finish") from None
+        except OSError as e:
+            _stop(pool, out, todo, done)
+            raise OutputError(f"{out}: cannot write ({e.strerror or e}); {len(done)} of {len(jobs)} shards are "
+                              f"done: free space and rerun with --resume") from None
+        except cf.process.BrokenProcessPool:
+            _stop(pool, out, todo, done)
+            raise WorkerDied(f"{out}: a worker process died (killed, or out of memory) after {len(done)} of "
+                             f"{len(jobs)} shards; rerun the same command with --resume to finish") from None
+        except BaseException:
+            _stop(pool, out, todo, done)
+            raise
+
+
+@contextmanager
+def _progress_bars(jobs: list[ShardJob], todo: list[ShardJob], done: dict[str, str], quiet: bool):
+    """A byte bar (source bytes, with throughput) and a shard bar, starting at what is done."""
+    bar_bytes = tqdm(total=sum(j.src_bytes for j in jobs), unit="B", unit_scale=True, desc="convert",
+                     disable=quiet, smoothing=0.1)
+    bar_bytes.update(sum(j.src_bytes for j in jobs if j.file in done))
+    bar_shards = tqdm(total=len(jobs), unit="shard", desc="shards", disable=quiet, position=1, leave=False)
+    bar_shards.update(len(jobs) - len(todo))
+    try:
+        yield bar_bytes, bar_shards
+    finally:
+        bar_bytes.close()
+        bar_shards.close()
+
+
+def _convert_here(todo: list[ShardJob], args: tuple, record, progress) -> None:
+    """In this process, one shard after another; a signal stops it at the next unit."""
+    for j in todo:
+        _STOP.check()
+        record(convert_shard(j, *args, progress=progress, stop=_STOP.check))
+
+
+def _start_pool(workers: int) -> cf.ProcessPoolExecutor:
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    ctx = mp.get_context("spawn")  # no fork after torch/OpenMP threads exist
+    return cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(threads,))
+
+
+def _worker_init(threads: int) -> None:
+    torch.set_num_threads(threads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it terminates us on interrupt
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit becomes an OSError
+
+
+def _convert_in_pool(pool: cf.ProcessPoolExecutor, todo: list[ShardJob], args: tuple, record, progress) -> None:
+    """Every shard submitted at once; each recorded as it finishes, in any order."""
+    futs = [pool.submit(convert_shard, j, *args) for j in todo]
+    finished = cf.as_completed(futs)
+    while True:
+        _STOP.check()
+        f = _STOP.wait(next, finished, None)
+        if f is None:
+            break
+        r = f.result()
+        progress(r.src_bytes)
+        record(r)
+    pool.shutdown()
+
+
+def _stop(pool, out: Path, todo: list[ShardJob], done: dict[str, str]) -> None:
+    """Stop the workers, then remove what they left half-written: a terminated worker (or a
+    signal landing between opening a shard and entering its `with`) cannot clean up itself."""
+    if pool is not None:
+        for p in list(getattr(pool, "_processes", {}).values()):
+            p.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+    for j in todo:
+        if j.file not in done:
+            for p in temps_of(out / j.file):
+                p.unlink(missing_ok=True)
