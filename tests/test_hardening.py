@@ -70,6 +70,23 @@ def test_sigkill_at_many_points_always_resumes_byte_identical(src_and_ref, tmp_p
         assert _files(out) == _files(ref), f"kill point {at} shards + {delay:.3f}s"
 
 
+def test_resume_removes_the_temporaries_a_kill_left(src_and_ref, tmp_path):
+    """A kill -9 while the manifest, the index or a shard was being written leaves a temporary
+    under a random name (`<name>.<hex>.partial`), which no rerun overwrites: --resume removes
+    this conversion's own, so the result is file for file the uninterrupted one."""
+    src, ref = src_and_ref
+    out = tmp_path / "o"
+    proc = _start_and_wait(src, out, 2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    left = [".inkling-quant-convert.json", "model.safetensors.index.json", "config.json", "checksums.sha256",
+            sorted(p.name for p in ref.iterdir() if p.suffix == ".safetensors")[-1]]
+    for name in left:
+        (out / f"{name}.0123456789abcdef.partial").write_bytes(b"half-written")
+    assert main(["convert", str(src), str(out), *ARGS, "--resume"]) == 0
+    assert _files(out) == _files(ref)
+
+
 @pytest.mark.parametrize("sig,workers", [(signal.SIGTERM, 1), (signal.SIGINT, 1), (signal.SIGTERM, 2), (signal.SIGINT, 2)])
 def test_sigterm_sigint_stop_cleanly_and_resume(src_and_ref, tmp_path, sig, workers):
     src, ref = src_and_ref

@@ -56,7 +56,7 @@ from inkling_quant.layout import ModelConfig
 from inkling_quant.synth import write_checkpoint
 
 AMAX = ["--default-activation-amax", "4", "--quiet"]
-MANIFEST = ".inkling-quant-convert.json"   # convert's resume manifest (inkling_quant/convert.py)
+MANIFEST = ".inkling-quant-convert.json"   # convert's resume manifest (inkling_quant/convert/runner.py)
 INDEX = "model.safetensors.index.json"
 CHECKSUMS = "checksums.sha256"
 HANG_S = 20                               # "bounded work": a command must finish within this

@@ -7,11 +7,9 @@ parallel, one tensor in memory at a time, each shard written under a temporary n
 recorded in a resume manifest -> finalize (configs, non-weight files, checksums, index last).
 A killed run leaves no index, so nothing looks complete; `--resume` redoes only unfinished shards.
 """
-# The package: plan.py (source, calibration, units, shards) -> worker.py (one shard: read,
-# check, quantize, write) -> run.py (output directory, manifest, signals, process pool) ->
-# modelopt_config.py (the configs written) -> here: prepare(), convert(), finalize(), the CLI.
-# Note: `plan` and `run` below are the functions (plan(), the CLI's run(args)), which shadow the
-# submodules of the same name as attributes; import from the submodules with `from ... import`.
+# The package: planner.py (source, calibration, units, shards) -> worker.py (one shard: read,
+# check, quantize, write) -> runner.py (output directory, manifest, signals, process pool) ->
+# here: prepare(), convert(), finalize() (the configs through inkling_quant.export), the CLI.
 from __future__ import annotations
 
 import argparse
@@ -26,16 +24,19 @@ import torch
 from .. import __version__, hub
 from ..cli_common import int_range, parse_size, positive_float
 from ..errors import CheckpointError, OutputError, UsageError
-from ..io.checkpoint import INDEX_NAME, copy_file_atomic, write_json_atomic
+from ..export import PRODUCER_VERSION as MODELOPT_FORMAT_VERSION
+from ..export import config_with_quantization, hf_quant_config, quantization
+from ..formats import FORMATS
+from ..io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG, INDEX_NAME, copy_file_atomic, write_json_atomic
 from ..io.output import CHECKSUMS, OutputLock, check_paths, write_checksums, write_report
 from ..io.safetensors import fsync_files, sha256_file
 from ..layout import ModelConfig
 from ..schemes import get_scheme
-from .modelopt_config import MODELOPT_FORMAT_VERSION, quant_config, write_quant_configs
-from .plan import (FLOAT_SOURCES, Options, Prepared, ShardJob, SrcTensor, Unit, list_source, load_activation_amax,
-                   load_calibration, plan, validate_source)
-from .run import (MANIFEST, MANIFEST_GLOB, confirm_complete, fingerprint, manifest_path, manifests, part_jobs,
-                  previous_output, recorded_checksums, refuse_symlinks, run_jobs, start_output, writing)
+from .planner import (FLOAT_SOURCES, Options, Prepared, ShardJob, SrcTensor, Unit, list_source, load_activation_amax,
+                      load_calibration, plan, validate_source)
+from .runner import (MANIFEST, MANIFEST_GLOB, confirm_complete, fingerprint, manifest_path, manifests, part_jobs,
+                     previous_output, recorded_checksums, refuse_symlinks, remove_temps, run_jobs, start_output,
+                     writing)
 from .worker import SHARD_METADATA, ShardResult, convert_shard, source_input_amax
 
 __all__ = ["FLOAT_SOURCES", "MANIFEST", "MANIFEST_GLOB", "MODELOPT_FORMAT_VERSION", "SHARD_METADATA", "Options",
@@ -117,15 +118,14 @@ def _finalize_io(out: Path, prep: Prepared, opts: Options) -> dict:
 
 
 def _finalize(out: Path, prep: Prepared, opts: Options) -> dict:
+    remove_temps(out, [CONFIG_NAME, HF_QUANT_CONFIG, CHECKSUMS, INDEX_NAME] + [p.name for p in prep.other_files])
     sums = recorded_checksums(out, prep)
     fsync_files(out / j.file for j in prep.jobs)
     if len(manifests(out)) > 1:  # shards from other machines: check what they recorded
         for f, h in sums.items():
             if sha256_file(out / f) != h:
                 raise CheckpointError(f"{out / f}: checksum differs from the one its part recorded")
-    converter = {"name": "inkling-quant", "version": __version__, "scheme": opts.scheme,
-                 "weight_only": opts.weight_only}
-    written = write_quant_configs(out, prep.cfg, prep.jobs, opts.weight_only, converter)
+    written = _write_configs(out, prep, opts)
     for p in prep.other_files:
         copy_file_atomic(p, out / p.name)
     _write_checksums(out, sums, written + [p.name for p in prep.other_files])
@@ -135,6 +135,27 @@ def _finalize(out: Path, prep: Prepared, opts: Options) -> dict:
     for m in manifests(out):
         m.unlink()
     return {"output": str(out), "shards": len(prep.jobs), "finalized": True}
+
+
+def quant_config(jobs: list[ShardJob], weight_only: bool) -> dict:
+    """ModelOpt's MIXED_PRECISION config of the planned conversion (inkling_quant.export)."""
+    return quantization(((s.name[: -len(".weight")], FORMATS[u.format]) for j in jobs for u in j.units
+                         for s in u.sources), weight_only)
+
+
+def _write_configs(out: Path, prep: Prepared, opts: Options) -> list[str]:
+    """hf_quant_config.json (with a `converter` entry naming who wrote it), then config.json with
+    `quantization_config`; a conversion that quantizes nothing (scheme `none`) writes config.json
+    as the source has it, as ModelOpt leaves an unquantized model. Returns the names written."""
+    q = quant_config(prep.jobs, opts.weight_only)
+    if not q["quantized_layers"]:
+        write_json_atomic(out / CONFIG_NAME, prep.cfg.raw)
+        return [CONFIG_NAME]
+    converter = {"name": "inkling-quant", "version": __version__, "scheme": opts.scheme,
+                 "weight_only": opts.weight_only}
+    write_json_atomic(out / HF_QUANT_CONFIG, hf_quant_config(q, converter))
+    write_json_atomic(out / CONFIG_NAME, config_with_quantization(prep.cfg.raw, q))
+    return [CONFIG_NAME, HF_QUANT_CONFIG]
 
 
 def _write_checksums(out: Path, shard_sums: dict[str, str], others: list[str]) -> None:

@@ -1,6 +1,6 @@
 """The work on one output shard: read each unit's source tensors, check them, quantize them per
 their format and stream the results into the shard. Runs in the converting process or in a
-worker process of the pool (inkling_quant.convert.run); knows nothing of signals or manifests."""
+worker process of the pool (inkling_quant.convert.runner); knows nothing of signals or manifests."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -14,13 +14,13 @@ import torch
 from .. import hub
 from ..errors import FormatError
 from ..formats import FORMATS
-from ..formats.nvfp4 import GLOBAL_DIV
-from ..formats.nvfp4 import amax as tensor_amax
 from ..io.checkpoint import safe_child
 from ..io.safetensors import DTYPES, ShardReader, ShardWriter, TensorBuffer
-from .plan import ShardJob, SrcTensor, Unit, spec_nbytes
+from .planner import ShardJob, SrcTensor, Unit, spec_nbytes
 
 SHARD_METADATA = {"format": "pt"}
+# the format whose activation-scale rule a source's own input_scale tensors follow (ModelOpt's NVFP4)
+_SCALED = next(f for f in FORMATS.values() if f.static_activation_scale)
 
 
 @dataclass
@@ -62,7 +62,8 @@ def source_input_amax(tensors: list[SrcTensor], root: Path, repo: str | None, re
         try:
             for t in scale_names:
                 module = t.name[: -len(".input_scale")]
-                from_source[module] = float(srcs.get(t.shard).get(t.name).float().reshape(-1)[0]) * GLOBAL_DIV
+                scale = float(srcs.get(t.shard).get(t.name).float().reshape(-1)[0])
+                from_source[module] = _SCALED.activation_amax(scale)
         finally:
             srcs.close()
     return from_source
@@ -119,9 +120,7 @@ def _convert_unit(u: Unit, sources: _Sources, buffers, device: str, counts: dict
         if u.format == "passthrough":  # the quantizers check their own input
             _check_finite(w, where)
         ws.append((src, w if device == "cpu" else w.to(device), where))
-    global_amax = None
-    if u.format == "nvfp4":
-        global_amax = torch.maximum(*[tensor_amax(w) for _, w, _ in ws]) if len(ws) == 2 else None
+    global_amax = fmt.fused_global_amax([w for _, w, _ in ws]) if len(ws) > 1 else None
     outputs = []
     for (src, w, where), ia in zip(ws, u.input_amax):
         try:

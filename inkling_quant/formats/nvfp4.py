@@ -335,6 +335,8 @@ class NVFP4(Format):
     suffixes = ("weight", "weight_scale", "weight_scale_2", "input_scale")
     block_size = BLOCK_SIZE
     kernel = "nvfp4_dequant_gemm"
+    fuses_gate_up = True
+    static_activation_scale = True
     # verify's thresholds for y = x @ W^T vs the BF16 source (docs/formats.md "Error statistics",
     # tools/bench_formats.py --errors): relative error ~0.095 typical, worst 0.125 and cosine
     # >= 0.992 over 1200 Gaussian + outlier weights of the tiny and real expert shapes. ~1.45x

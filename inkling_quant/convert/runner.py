@@ -24,7 +24,7 @@ from ..io.checkpoint import INDEX_NAME, read_json, safe_child, write_json_atomic
 from ..io.files import temps_of
 from ..io.output import OutputLock
 from ..io.safetensors import DTYPES, sha256_file, shard_file_size
-from .plan import Options, Prepared, ShardJob
+from .planner import Options, Prepared, ShardJob
 from .worker import SHARD_METADATA, ShardResult, convert_shard
 
 MANIFEST = ".inkling-quant-convert.json"
@@ -166,9 +166,18 @@ def start_output(out: Path, prep: Prepared, jobs: list[ShardJob], manifest: Path
     for j in jobs:  # unfinished shards (and temporaries) of this part: redo them
         for p in temps_of(out / j.file) + ([out / j.file] if j.file not in done else []):
             p.unlink(missing_ok=True)
+    remove_temps(out, [manifest.name])  # a kill while the manifest was rewritten
     (out / INDEX_NAME).unlink(missing_ok=True)
     _write_manifest(manifest, prep.fingerprint, done)
     return done
+
+
+def remove_temps(out: Path, names) -> None:
+    """Remove the temporaries a killed run left for these files of ours (random names: a rerun
+    does not overwrite them). Only ours: other parts' shards may be in flight in a shared OUT."""
+    for name in names:
+        for p in temps_of(out / name):
+            p.unlink(missing_ok=True)
 
 
 def refuse_symlinks(out: Path) -> None:

@@ -10,8 +10,7 @@ from pathlib import Path
 
 from .. import hub
 from ..errors import CheckpointError, FormatError, InklingQuantError, UsageError, printable
-from ..formats import FORMATS
-from ..formats.nvfp4 import nvfp4_input_scale
+from ..formats import FORMATS, SCALE_SUFFIXES
 from ..io.checkpoint import Checkpoint, read_json, shard_name
 from ..io.safetensors import DTYPE_NAMES, DTYPES, ShardReader
 from ..layout import ModelConfig, TensorName, classify, expected_tensors, source_spec, source_tensor_count
@@ -101,7 +100,7 @@ def validate_source(cfg: ModelConfig, listing: Listing, root: str) -> list[SrcTe
                 spec = source_spec(cfg, name if t.suffix != "input_scale" else f"{t.module}.weight")
             except InklingQuantError as e:
                 raise CheckpointError(f"{root}/{shard}: {e}") from None
-            if t.suffix in ("weight_scale", "weight_scale_2") or DTYPES[dtype] not in FLOAT_SOURCES:
+            if (t.suffix in SCALE_SUFFIXES and t.suffix != "input_scale") or DTYPES[dtype] not in FLOAT_SOURCES:
                 raise CheckpointError(f"{where}: source is already quantized ({dtype}); convert takes "
                                       f"BF16/FP16/FP32 checkpoints (dequantize first)")
             if t.suffix == "input_scale":
@@ -220,13 +219,13 @@ def _units(cfg: ModelConfig, tensors: list[SrcTensor], scheme: Scheme, opts: Opt
                 raise FormatError(f"{root}/{g.shard}: tensor {g.name!r}: {e}") from None
             module = g.name[: -len(".weight")]
             a, o = None, None
-            if fmt == "nvfp4" and not opts.weight_only:
-                a, o = _activation_amax(module, opts, calibrated, from_source)
+            if FORMATS[fmt].static_activation_scale and not opts.weight_only:
+                a, o = _activation_amax(module, fmt, opts, calibrated, from_source)
                 if a is None:
                     missing_amax.append(module)
             amax.append(a)
             origin.append(o)
-        if fmt == "nvfp4" and len(group) == 2 and None not in amax:
+        if len(group) == 2 and None not in amax:
             amax = [max(amax)] * 2  # gate and up read the same activations: one input scale
         units.append(Unit(tuple(group), fmt, tuple(amax), tuple(origin)))
     if missing_amax:
@@ -238,30 +237,32 @@ def _units(cfg: ModelConfig, tensors: list[SrcTensor], scheme: Scheme, opts: Opt
 
 
 def _group(t: SrcTensor, rec: TensorName, fmt: str, by_name: dict[str, SrcTensor]) -> list[SrcTensor]:
-    """The tensors of t's unit: an NVFP4 expert's gate and up (in that order) share one global
-    scale, so they are converted together even when the source put them in different shards."""
-    if fmt == "nvfp4" and rec.projection in ("gate_proj", "up_proj"):
+    """The tensors of t's unit: an expert's gate and up (in that order) share one global scale in
+    a format that fuses them (NVFP4), so they are converted together even when the source put
+    them in different shards."""
+    if FORMATS[fmt].fuses_gate_up and rec.projection in ("gate_proj", "up_proj"):
         partner = "up_proj" if rec.projection == "gate_proj" else "gate_proj"
         p = by_name[f"model.layers.{rec.layer}.mlp.experts.{rec.expert}.{partner}.weight"]
         return [t, p] if rec.projection == "gate_proj" else [p, t]
     return [t]
 
 
-def _activation_amax(module: str, opts: Options, calibrated: dict[str, float],
+def _activation_amax(module: str, fmt: str, opts: Options, calibrated: dict[str, float],
                      from_source: dict[str, float]) -> tuple[float | None, str | None]:
     """(amax, where it came from) by precedence, checked; (None, None) when there is none."""
     for origin, a in (("calibrated", calibrated.get(module)), ("source", from_source.get(module)),
                       ("default", opts.default_activation_amax)):
         if a is not None:
-            _check_activation_amax(a, origin, module, opts)
+            _check_activation_amax(a, origin, module, fmt, opts)
             return a, origin
     return None, None
 
 
-def _check_activation_amax(amax: float, origin: str, module: str, opts: Options) -> None:
-    """The input_scale this amax gives must be finite and > 0: checked before any byte is written."""
+def _check_activation_amax(amax: float, origin: str, module: str, fmt: str, opts: Options) -> None:
+    """The activation scale this amax gives must be finite and > 0 (the format's rule refuses
+    others): asked before any byte is written."""
     try:
-        nvfp4_input_scale(amax, module + ".input_scale")
+        FORMATS[fmt].activation_scale(amax, module + ".input_scale")
     except FormatError as e:
         where = {"calibrated": opts.activation_scales, "source": "the source's input_scale",
                  "default": "--default-activation-amax"}[origin]
