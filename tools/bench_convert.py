@@ -177,12 +177,9 @@ def _child_ours(spec: dict) -> dict:
     """inkling_quant's convert(), exactly as `inkling-quant convert` calls it."""
     c0 = _cpu_s()
     sys.path.insert(0, str(ROOT))
-    from inkling_quant import schemes
-    from inkling_quant.convert import Options, convert
     from inkling_quant.cli_common import parse_size
+    from inkling_quant.convert import Options, convert
 
-    if spec["scheme"] == "copy":  # the I/O floor (_child_copy): a scheme of no rules
-        schemes.SCHEMES["copy"] = schemes.Scheme("copy", "bench only: every tensor passed through", ())
     opts = Options(scheme=spec["scheme"], weight_only=spec["weight_only"],
                    default_activation_amax=spec.get("activation_amax"),
                    max_shard_bytes=parse_size(spec["max_shard_size"]), workers=spec["workers"])
@@ -193,10 +190,10 @@ def _child_ours(spec: dict) -> dict:
 
 
 def _child_copy(spec: dict) -> dict:
-    """The I/O floor: convert() itself with a scheme that has no rules, so every tensor takes the
+    """The I/O floor: convert() itself with the `none` scheme (no rules), so every tensor takes the
     converter's own path (validate, pread, finiteness check, sha256 and write pipelined, finalize)
     and nothing is quantized."""
-    return _child_ours({**spec, "scheme": "copy", "weight_only": False})
+    return _child_ours({**spec, "scheme": "none", "weight_only": False})
 
 
 def _child_modelopt(spec: dict) -> dict:
