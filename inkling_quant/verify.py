@@ -1531,6 +1531,19 @@ def verify(ckpt: str | Path, against: str | Path | None = None, *, scheme: str |
                     write_checksums=write_checksums, progress=progress).run()
 
 
+def check_config_files(ckpt: str | Path, *, scheme: str | None = None, weight_only: bool = False) -> VerifyReport:
+    """The `config` check alone, on config.json and hf_quant_config.json without any tensor:
+    what `verify` checks once the tensors have decided `weight_only` (given here). Returns a
+    report holding that one check."""
+    v = Verifier(ckpt, scheme=scheme)
+    v.weight_only = weight_only
+    v._config()
+    cc = v.report.check("config")
+    if v.cfg is not None and v.scheme is not None and cc.status != ERROR:
+        v._guard(cc, v._config_check, cc)
+    return v.report
+
+
 # ============================================================================ CLI
 EPILOG = """exit codes:
   0  every check passed
