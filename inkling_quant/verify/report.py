@@ -363,7 +363,7 @@ class Recorder:
         try:
             return fn(*args)
         except InklingQuantError as e:
-            c.fail(*_split_error(str(e), str(self.root)))
+            c.fail(*locate(e, str(self.root)))
         except PermissionError as e:
             c.error(getattr(e, "filename", None) or str(self.root), f"cannot read: {e.strerror}")
         except OSError as e:
@@ -379,14 +379,29 @@ class Recorder:
         return None
 
 
+def locate(e: InklingQuantError, default_file: str) -> tuple[str, str | None, str]:
+    """(file, tensor, message) of one of our errors: its `path` and `tensor` fields where the
+    raiser set them, else parsed back out of the message (`_split_error`)."""
+    if e.path is None:
+        file, tensor, msg = _split_error(str(e), default_file)
+    else:
+        msg = str(e).removeprefix(f"{e.path}: ")
+        file, tensor = e.path, _tensor_in(msg)
+    return file, (e.tensor if e.tensor is not None else tensor), msg
+
+
 _TENSOR_IN_MESSAGE = re.compile(r"tensor '([^']*)'")
 
 
+def _tensor_in(msg: str) -> str | None:
+    m = _TENSOR_IN_MESSAGE.search(msg)
+    return m.group(1) if m else None
+
+
 def _split_error(msg: str, default_file: str) -> tuple[str, str | None, str]:
-    """(file, tensor, message) of one of our error messages, which start with the file."""
+    """(file, tensor, message) of an error raised without fields: our messages start with the file."""
     file, rest = default_file, msg
     head, sep, tail = msg.partition(": ")
     if sep and ("/" in head or head.endswith((".json", ".safetensors", ".sha256"))):
         file, rest = head, tail
-    m = _TENSOR_IN_MESSAGE.search(rest)
-    return file, (m.group(1) if m else None), rest
+    return file, _tensor_in(rest), rest
