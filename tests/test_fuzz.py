@@ -571,15 +571,10 @@ _QUANT_KEYS = ["quant_algo", "kv_cache_quant_algo", "exclude_modules", "quantize
 def _verify_config(root: Path):
     """verify's config check (config.json + hf_quant_config.json) with INKLING_QUANT_DEBUG set, so
     an exception its guard would report as an internal error propagates instead."""
-    from inkling_quant.verify import Verifier
+    from inkling_quant.verify import check_config_files
 
-    v = Verifier(root)
     with mock.patch.dict(os.environ, {"INKLING_QUANT_DEBUG": "1"}):
-        v._config()
-        if v.cfg is not None and v.scheme is not None:
-            cc = v.report.check("config")
-            v._guard(cc, v._config_check, cc)
-    return v.report
+        return check_config_files(root)
 
 
 def test_verify_config_base_passes(tmp_path):
@@ -771,23 +766,21 @@ def test_corpus_covers_every_reader():
 def test_verify_malformed_config_json_is_not_an_internal_error(tmp_path, text):
     """Same inputs as corpus verify_config/*, run as a user would (no debug flag): a finding
     naming the file, not 'internal error while checking (RecursionError...)'."""
-    from inkling_quant.verify import Verifier
+    from inkling_quant.verify import check_config_files
 
     (tmp_path / "config.json").write_bytes(text)
-    v = Verifier(tmp_path)
-    v._config()
-    msgs = [p.message for _, p in v.report.problems()]
+    report = check_config_files(tmp_path)
+    msgs = [p.message for _, p in report.problems()]
     assert msgs and not any("internal error" in m for m in msgs), msgs
 
 
 def test_verify_fifo_config_does_not_hang(tmp_path):
-    from inkling_quant.verify import Verifier
+    from inkling_quant.verify import check_config_files
 
     os.mkfifo(tmp_path / "config.json")
     with bounded(seconds=5):
-        v = Verifier(tmp_path)
-        v._config()
-    assert v.report.check("config").status != "pass"
+        report = check_config_files(tmp_path)
+    assert report.check("config").status != "pass"
 
 
 def test_draft_read_checksums_fifo_does_not_hang(tmp_path):

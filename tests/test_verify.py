@@ -487,3 +487,29 @@ def test_write_checksums_for_a_bf16_source(tiny_src, tmp_path):
     assert r.ok and r.scheme == "none" and (src / CHECKSUMS).is_file()
     r = verify(src)
     assert r.ok and r.check("checksums").figures["matched"] == len(list(src.iterdir())) - 1
+
+
+# --------------------------------------------------------------------------- errors' fields
+def test_error_fields_name_the_file_and_tensor(tmp_path):
+    """An error raised with `path`/`tensor` fields is reported with them; one raised without
+    falls back to the file and tensor its message names."""
+    from inkling_quant.verify import Check, VerifyReport
+    from inkling_quant.verify.report import Recorder
+
+    def problem(e: Exception):
+        run = Recorder(VerifyReport(str(tmp_path), None, "default", "cpu"), tmp_path)
+        c = run.new("x", "structure", "")
+
+        def body():
+            raise e
+        run.guard(c, body)
+        assert isinstance(c, Check) and c.status == "fail" and c.problem_count == 1
+        p = c.problems[0]
+        return p.file, p.tensor, p.message
+
+    shard = str(tmp_path / "a.safetensors")
+    assert problem(CheckpointError(f"{shard}: bad offsets", path=shard, tensor="w")) == (shard, "w", "bad offsets")
+    assert problem(CheckpointError("values out of range", path=shard)) == (shard, None, "values out of range")
+    assert problem(CheckpointError(f"{shard}: tensor 'v' is short", path=shard)) == (shard, "v", "tensor 'v' is short")
+    assert problem(CheckpointError(f"{shard}: tensor 'v' is short")) == (shard, "v", "tensor 'v' is short")
+    assert problem(CheckpointError("no file named", tensor="w")) == (str(tmp_path), "w", "no file named")

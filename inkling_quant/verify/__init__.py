@@ -1,0 +1,177 @@
+"""Verify a converted checkpoint: structure, values, integrity and (with --against) numerics.
+
+The check a CI job runs after `inkling-quant convert`. Checks (docs/ci.md has the full list):
+  index        index.json covers every shard and every tensor exactly once; no stray shard
+  header[F]    shard F's safetensors header is well formed (offsets, dtypes, sizes)
+  config       config.json parses; quantization_config / hf_quant_config.json agree with the
+               tensors (algorithm per layer, exclude_modules, group sizes, input_scale presence)
+  layout       every tensor the layout and the scheme require, with its dtype and shape; no other
+  values[F]    no NaN/Inf in shard F; scales finite and positive; e8m0 exponents not 0xFF
+  gate_up      the gate and up projections of each NVFP4 expert share weight_scale_2
+  checksums    checksums.sha256 matches the bytes (hashed in the same single read as `values`)
+  source       (--against) the source opens and has the same config
+  passthrough  (--against) BF16/FP32 pass-through tensors are byte-identical to the source
+  numerics[L]  (--against) sampled experts of layer L through the dequant-GEMM kernels against
+               the BF16 weights: relative error and cosine within the format's thresholds
+
+Exit codes: 0 every check passed; 1 a check failed (the checkpoint is wrong); 2 the input could
+not be read (bad usage, no such directory, an I/O error) so verification is incomplete.
+`--json REPORT` writes every check and figure, `--junit FILE` a JUnit XML (one testcase per check).
+Python: `verify(ckpt, against=...) -> VerifyReport` (`.ok`, `.exit_code`, `.checks`, `.to_dict()`).
+"""
+# The package (docs/ci.md lists the checks):
+#   __init__   verify(): the steps in report order (_run_checks), the CLI
+#   report     Check, Problem, Row, VerifyReport; text, JSON and JUnit; Recorder (add + guard a check)
+#   inventory  what is there (Files, Conf, Source) and what should be (Expected, expect()); read-only
+#   structure  input, index, header[F], source, layout
+#   config     config (load_config: the scheme; check_config: the quantization configs vs the tensors)
+#   stream     the single read of every file: sha256 + per-tensor visitors
+#   values     values[F], gate_up (visitors)
+#   numerics   passthrough (a visitor), numerics[layer L]
+#   integrity  checksums, --write-checksums
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import UsageError
+from ..formats import FORMATS
+from ..io.output import CHECKSUMS, check_paths, write_report
+from ..schemes import get_scheme
+from . import config, integrity, numerics, stream, structure, values
+from .config import QUANT_CONFIG, check_config_files
+from .inventory import DISAGREES, UNQUANTIZED, Inventory
+from .numerics import ACT_ROWS, activations, sample_experts
+from .report import (DEFAULT_SAMPLE, ERROR, FAIL, MAX_PROBLEMS, PASS, SKIP, Check, Problem, Recorder, Row,
+                     Tally, VerifyReport, summary_rows)
+from .stream import CHUNK
+from .structure import CONVERT_MANIFEST
+from .values import SLICE
+
+__all__ = ["verify", "check_config_files", "sample_experts", "activations", "add_arguments", "run",
+           "VerifyReport", "Check", "Problem", "Row", "PASS", "FAIL", "SKIP", "ERROR", "CHECKSUMS",
+           "QUANT_CONFIG", "CONVERT_MANIFEST", "UNQUANTIZED", "DEFAULT_SAMPLE", "MAX_PROBLEMS", "ACT_ROWS",
+           "CHUNK", "SLICE"]
+
+
+# ============================================================================ API
+def verify(ckpt: str | Path, against: str | Path | None = None, *, scheme: str | None = None,
+           sample: int = DEFAULT_SAMPLE, device: str = "cpu", write_checksums: bool = False,
+           progress: bool = False) -> VerifyReport:
+    """Verify checkpoint `ckpt` (and, with `against`, its numerics against the BF16 source).
+    Never raises for a defect of the checkpoint: the report says what failed (`report.ok`,
+    `report.exit_code`, `report.failures()`; `report.raise_for_failure()` to turn it into an
+    exception). Raises UsageError for bad arguments (unknown scheme, no CUDA, negative sample)."""
+    if scheme is not None and scheme != UNQUANTIZED:
+        get_scheme(scheme)
+    if sample < 0:
+        raise UsageError(f"--sample must be >= 0 (0 = every expert), got {sample}")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    opts = _Options(Path(ckpt), Path(against) if against is not None else None, scheme, sample, device,
+                    write_checksums, progress)
+    report = VerifyReport(str(ckpt), str(against) if against is not None else None, scheme or "?", device,
+                          sample=sample)
+    t0 = time.perf_counter()
+    _run_checks(Recorder(report, opts.root), opts)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+@dataclass(frozen=True)
+class _Options:
+    root: Path
+    src_root: Path | None
+    scheme: str | None
+    sample: int
+    device: str
+    write_checksums: bool
+    progress: bool
+
+
+def _run_checks(run: Recorder, o: _Options) -> None:
+    """Every check, in report order. The first steps read the checkpoint (each records the check
+    of what it read) into the inventory; the rest only read the inventory."""
+    readable, src_root = structure.check_input(run, o.root, o.src_root)          # input
+    if not readable:
+        return
+    files = structure.check_index(run, o.root)                                    # index, header[F]
+    conf = config.load_config(run, o.root, o.scheme)                              # config (1/2)
+    source = structure.check_source(run, src_root, conf) if src_root else None    # source
+    expected = structure.check_layout(run, files, conf, source)                   # layout
+    inv = Inventory(o.root, files, conf, source, expected)
+    if expected.status != DISAGREES:
+        config.check_config(run, conf, expected.weight_only)                      # config (2/2)
+    # the single read of every file: sha256 + each tensor's bytes through the visitors
+    tally, scales = Tally(), values.GateUpScales()
+    passthrough = numerics.Passthrough.start(run, inv)                            # passthrough
+    visitors = [tally, values.ValueRules(), scales] + ([passthrough] if passthrough else [])
+    digests = stream.read_all(run, inv, integrity.files_to_hash(inv, o.write_checksums), visitors,
+                              o.progress)                                         # values[F], read
+    values.check_gate_up(run, inv, scales)                                        # gate_up
+    integrity.check_checksums(run, o.root, digests, o.write_checksums)            # checksums
+    numerics.check_numerics(run, inv, o.sample, o.device)                         # numerics[layer L]
+    run.report.rows = summary_rows(tally, run.report.numerics, passthrough.check if passthrough else None)
+    if o.write_checksums:
+        integrity.write_checksums_file(run, o.root, digests)                      # write_checksums
+
+
+# ============================================================================ CLI
+EPILOG = """exit codes:
+  0  every check passed
+  1  a check failed: the checkpoint is wrong (the report names file and tensor)
+  2  the input could not be read (usage error, missing directory, I/O error): verification
+     is incomplete; 2 wins over 1 when both happen
+
+thresholds (numerics, per format, from inkling_quant.formats):
+""" + "".join(f"  {f.name:<6} relative error <= {f.max_rel_error:g}, cosine >= {f.min_cosine:g}\n"
+              for f in FORMATS.values() if f.quant_algo) + """
+docs/ci.md has every check, the report formats and a GitHub Actions workflow."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = EPILOG
+    p.add_argument("ckpt", metavar="CKPT", help="the converted checkpoint directory")
+    p.add_argument("--against", metavar="SRC", help="the BF16 source: run the numerics and byte-identity checks")
+    p.add_argument("--scheme", help="the conversion scheme (default: hf_quant_config.json's converter entry, else "
+                   f"'default'; '{UNQUANTIZED}' for an unquantized checkpoint)")
+    p.add_argument("--sample", type=int, default=DEFAULT_SAMPLE, metavar="N",
+                   help=f"experts per layer checked numerically, chosen deterministically (0 = all; default {DEFAULT_SAMPLE})")
+    p.add_argument("--device", default="cpu", help="cpu (torch reference GEMM) or cuda (the Triton kernels)")
+    p.add_argument("--json", metavar="REPORT", help="write the full report (every check and figure) as JSON ('-': standard output)")
+    p.add_argument("--junit", metavar="FILE", help="write a JUnit XML report (one testcase per check) for CI ('-': standard output)")
+    p.add_argument("--quiet", action="store_true", help="print only failures and the result line")
+    p.add_argument("--write-checksums", action="store_true",
+                   help=f"write {CHECKSUMS} for the checkpoint if every other check passes")
+
+
+def run(args) -> int:
+    check_paths(args.ckpt if args.write_checksums else None, [args.against], reports=[args.json, args.junit])
+    if args.json == "-" and args.junit == "-":
+        raise UsageError("--json - and --junit - would both write to standard output: give one a file")
+    try:
+        report = verify(args.ckpt, args.against, scheme=args.scheme, sample=args.sample, device=args.device,
+                        write_checksums=args.write_checksums, progress=not args.quiet and sys.stderr.isatty())
+    except UsageError as e:  # still write the reports: CI looks for them
+        report = VerifyReport(args.ckpt, args.against, args.scheme or "?", args.device, sample=args.sample)
+        usage = Check("usage", "input", "the command line is valid")
+        usage.error("inkling-quant verify", str(e))
+        report.checks.append(usage)
+    for dest, text in ((args.json, report.to_json), (args.junit, report.to_junit)):
+        if dest:
+            write_report(dest, text())  # an OutputError: exit 2, the message names the file
+    if "-" in (args.json, args.junit):
+        return report.exit_code  # standard output holds the report: no summary mixed into it
+    out = report.format_summary()
+    if args.quiet:
+        out = "\n".join(line for line in out.splitlines()
+                        if line.lstrip().startswith(("FAIL", "ERROR", "result")) or line.startswith("    "))
+    print(out)
+    return report.exit_code

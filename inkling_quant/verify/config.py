@@ -1,0 +1,197 @@
+"""The `config` check: config.json and hf_quant_config.json, read (`load_config`: they decide the
+scheme) and then held against the tensors (`check_config`: algorithm per layer, exclude_modules,
+group sizes, input_scale presence). `check_config_files` runs both on their own."""
+from __future__ import annotations
+
+import fnmatch
+import re
+from pathlib import Path
+from typing import Callable
+
+from ..errors import InklingQuantError
+from ..formats import FORMATS, Format
+from ..layout import ModelConfig
+from ..schemes import SCHEMES
+from .inventory import UNQUANTIZED, Conf, Unquantized, converter_of, load_json
+from .report import ERROR, Check, Recorder, VerifyReport
+
+QUANT_CONFIG = "hf_quant_config.json"
+
+
+# ============================================================================ load
+def load_config(run: Recorder, root: Path, scheme_arg: str | None) -> Conf:
+    """The first half of the `config` check: config.json parses with the layout's keys, and the
+    scheme is known (--scheme, else the converter's record, else default; none if unquantized)."""
+    c = run.new("config", "config", "config.json / hf_quant_config.json agree with the tensors")
+    config = run.guard(c, load_json, root / "config.json", "config.json", c)
+    conf = run.guard(c, _parse, c, root, config, scheme_arg) if config is not None else None
+    conf = conf or Conf(root, config)
+    if conf.scheme is not None:
+        run.report.scheme = conf.scheme.name
+    return conf
+
+
+def _parse(c: Check, root: Path, config: dict, scheme_arg: str | None) -> Conf:
+    path = root / "config.json"
+    try:
+        cfg = ModelConfig.from_dict(config, str(path))
+    except InklingQuantError as e:
+        c.fail(path, None, str(e))
+        return Conf(root, config)
+    qpath = root / QUANT_CONFIG
+    hf_quant = load_json(qpath, QUANT_CONFIG, c) if qpath.exists() else None
+    converter = converter_of(hf_quant)
+    name = scheme_arg
+    if name is None and isinstance(converter, dict) and isinstance(converter.get("scheme"), str):
+        name = converter["scheme"]
+    if name is None:
+        quantized = "quantization_config" in config or hf_quant is not None
+        name = "default" if quantized else UNQUANTIZED
+    scheme = Unquantized() if name == UNQUANTIZED else SCHEMES.get(name)
+    if scheme is None:
+        c.fail(qpath, None, f"converter.scheme {name!r} is not a known scheme ({', '.join(SCHEMES)}); "
+               f"pass --scheme")
+    c.figures["scheme"] = name
+    if isinstance(converter, dict) and scheme_arg and converter.get("scheme") not in (None, scheme_arg):
+        c.figures["converter_scheme"] = converter.get("scheme")
+    return Conf(root, config, cfg, hf_quant, scheme)
+
+
+# ============================================================================ against the tensors
+def check_config(run: Recorder, conf: Conf, weight_only: bool) -> None:
+    """The second half of the `config` check, once the tensors decided `weight_only`: both
+    quantization configs list exactly the modules the scheme quantizes, with their algorithm."""
+    c = run.report.check("config")
+    if conf.usable and c.status != ERROR:
+        run.guard(c, _check, c, conf, weight_only)
+
+
+def _check(c: Check, conf: Conf, weight_only: bool) -> None:
+    path, qpath = conf.root / "config.json", conf.root / QUANT_CONFIG
+    want: dict[str, dict] = {}
+    for s, _, fmt in conf.plan:
+        entry = fmt.layer_config(weight_only)
+        if entry is not None:
+            want[s.name[: -len(".weight")]] = entry
+    qc = conf.config.get("quantization_config")
+    if not want:
+        if qc is not None:
+            c.fail(path, None, "has a quantization_config but the scheme quantizes nothing")
+        return
+    if not isinstance(qc, dict):
+        c.fail(path, None, "missing 'quantization_config' (vLLM would load the checkpoint unquantized)")
+        return
+    if not str(qc.get("quant_method", "")).startswith("modelopt"):
+        c.fail(path, None, f"quantization_config.quant_method is {qc.get('quant_method')!r}, expected 'modelopt'")
+    _check_quant_dict(c, path, "quantization_config", qc, want)
+    hq = conf.hf_quant
+    if hq is None:
+        c.fail(qpath, None, f"{QUANT_CONFIG} missing")
+    elif not isinstance(hq.get("quantization"), dict):
+        c.fail(qpath, None, "missing the 'quantization' object")
+    else:
+        q = hq["quantization"]
+        _check_quant_dict(c, qpath, "quantization", q, want)
+        for k in sorted(set(q) | set(qc) - {"quant_method"}):
+            if k != "quant_method" and q.get(k) != qc.get(k):
+                c.fail(qpath, None, f"quantization.{k} disagrees with config.json quantization_config.{k}")
+        if not isinstance(hq.get("producer"), dict):
+            c.fail(qpath, None, "missing the 'producer' object")
+        conv = hq.get("converter")
+        if isinstance(conv, dict) and "weight_only" in conv and bool(conv["weight_only"]) != weight_only:
+            c.fail(qpath, None, f"converter.weight_only is {conv['weight_only']} but the NVFP4 tensors "
+                   f"{'lack' if weight_only else 'have'} input_scale")
+    c.figures.update(quantized_layers=len(want), weight_only=weight_only)
+
+
+def _check_quant_dict(c: Check, path: Path, key: str, q: dict, want: dict[str, dict]) -> None:
+    """One quantization config (config.json's or hf_quant_config.json's) against `want`."""
+    if q.get("quant_algo") != "MIXED_PRECISION":
+        c.fail(path, None, f"{key}.quant_algo is {q.get('quant_algo')!r}, expected 'MIXED_PRECISION'")
+    if q.get("kv_cache_quant_algo") is not None:
+        c.fail(path, None, f"{key}.kv_cache_quant_algo is {q['kv_cache_quant_algo']!r} but the checkpoint "
+               f"has no KV-cache scales (expected null)")
+    layers = q.get("quantized_layers")
+    if not isinstance(layers, dict) or not layers:
+        c.fail(path, None, f"{key}.quantized_layers must be a non-empty object (vLLM refuses an empty one)")
+        return
+    algos = {f.quant_algo: f for f in FORMATS.values() if f.quant_algo}
+    for module, entry in want.items():
+        _check_layer(c, path, key, module, entry, layers.get(module), algos)
+    for module in layers:
+        if module not in want:
+            c.fail(path, f"{module}.weight", f"{key}.quantized_layers names {module!r}, which the tensors "
+                   f"do not quantize")
+    excl = q.get("exclude_modules", [])
+    if not isinstance(excl, list) or not all(isinstance(p, str) for p in excl):
+        c.fail(path, None, f"{key}.exclude_modules must be a list of strings")
+        return
+    excluded = _exclusion_matcher(excl)
+    hit: set[str] = set()
+    for module in want:
+        pat = excluded(module)
+        if pat is not None and pat not in hit:  # one problem per pattern
+            hit.add(pat)
+            c.fail(path, f"{module}.weight", f"{key}.exclude_modules pattern {pat!r} excludes the "
+                   f"quantized module {module!r} (vLLM would load it as BF16)")
+    if "group_size" in q:
+        nv = [e.get("group_size") for e in want.values() if "NVFP4" in str(e.get("quant_algo"))]
+        if nv and q["group_size"] != nv[0]:
+            c.fail(path, None, f"{key}.group_size is {q['group_size']}, the NVFP4 tensors use {nv[0]}")
+
+
+def _check_layer(c: Check, path: Path, key: str, module: str, entry: dict, got, algos: dict[str, Format]) -> None:
+    """One module's quantized_layers entry `got` against the entry its tensors imply."""
+    if got is None:
+        c.fail(path, f"{module}.weight", f"{key}.quantized_layers lacks {module!r} "
+               f"(the tensors are {entry['quant_algo']}: vLLM would load them as BF16)")
+        return
+    if not isinstance(got, dict):
+        c.fail(path, f"{module}.weight", f"{key}.quantized_layers[{module!r}] must be an object")
+        return
+    if got.get("quant_algo") != entry.get("quant_algo"):
+        c.fail(path, f"{module}.weight", f"{key}.quantized_layers[{module!r}].quant_algo is "
+               f"{got.get('quant_algo')!r}, the tensors are {entry.get('quant_algo')!r}"
+               + (" (input_scale present)" if entry.get("quant_algo") == "NVFP4" else
+                  " (no input_scale)" if "NVFP4" in str(entry.get("quant_algo")) else ""))
+        return
+    gs = got.get("group_size")
+    fmt = algos.get(entry.get("quant_algo"))
+    block = entry.get("group_size", fmt.block_size if fmt else None)
+    if gs is not None and gs != block:
+        c.fail(path, f"{module}.weight", f"{key}.quantized_layers[{module!r}].group_size is {gs}, "
+               f"the tensors use blocks of {block}")
+
+
+def _exclusion_matcher(patterns: list[str]) -> Callable[[str], str | None]:
+    """vLLM's is_layer_excluded, applied to a projection and to its MoE layer prefix
+    (`model.layers.L.mlp.experts`): fnmatch wildcards (a trailing `*` also as `prefix.*`),
+    otherwise exact or (legacy) substring. Returns the first pattern that excludes a module."""
+    compiled = []
+    for pat in patterns:
+        if any(ch in pat for ch in "*?["):
+            pats = [pat] + ([pat[:-1].rstrip(".")] if pat.endswith("*") else [])
+            rx = re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in pats))
+            compiled.append((pat, lambda name, rx=rx: rx.match(name) is not None))
+        elif pat:
+            compiled.append((pat, lambda name, pat=pat: pat in name))
+
+    def match(module: str) -> str | None:
+        names = (module, module.rsplit(".", 2)[0]) if ".experts." in module else (module,)
+        for pat, fn in compiled:
+            if any(fn(n) for n in names):
+                return pat
+        return None
+    return match
+
+
+# ============================================================================ on their own
+def check_config_files(ckpt: str | Path, *, scheme: str | None = None, weight_only: bool = False) -> VerifyReport:
+    """The `config` check alone, on config.json and hf_quant_config.json without any tensor:
+    what `verify` checks once the tensors have decided `weight_only` (given here). Returns a
+    report holding that one check."""
+    root = Path(ckpt)
+    report = VerifyReport(str(ckpt), None, scheme or "?", "cpu")
+    run = Recorder(report, root)
+    check_config(run, load_config(run, root, scheme), weight_only)
+    return report

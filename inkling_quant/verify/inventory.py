@@ -1,0 +1,269 @@
+"""What is in the checkpoint and what should be: the data the checks share.
+
+The first steps of `verify()` read the checkpoint once each and record what they found (and
+their check): `Files` (index + headers), `Conf` (config.json, hf_quant_config.json, the scheme),
+`Source` (--against). The layout step then computes `Expected` from them with `expect()`. The
+four together are the `Inventory`, which no step changes afterwards; every later check reads it.
+Nothing here records a problem except `load_json`, the one reader of the checkpoint's JSON files.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import InklingQuantError
+from ..formats import FORMATS, Format
+from ..io.checkpoint import MAX_JSON_BYTES, safe_child
+from ..io.safetensors import Header, TensorEntry
+from ..layout import ModelConfig, TensorName, TensorSpec, classify, expected_tensors
+from ..schemes import Scheme
+from .report import Check
+
+UNQUANTIZED = "none"       # pseudo-scheme: a checkpoint with no quantization config (a BF16 source)
+
+
+# ============================================================================ what is there
+@dataclass(frozen=True)
+class Located:
+    """Where a tensor is: its shard and its header entry."""
+
+    shard: str
+    entry: TensorEntry
+
+
+@dataclass(frozen=True)
+class Files:
+    """The index and the shards' headers (the well-formed ones)."""
+
+    weight_map: dict[str, str]          # tensor -> shard, as the index says (safe names only)
+    headers: dict[str, Header]          # shard -> header
+    tensors: dict[str, Located]         # tensor -> where, from the headers
+    index_ok: bool                      # the index check passed
+
+    @functools.cached_property
+    def shards(self) -> list[str]:
+        """Shards named by the index, in index order."""
+        return list(dict.fromkeys(self.weight_map.values()))
+
+    @functools.cached_property
+    def readable_shards(self) -> list[str]:
+        """Shards whose header is well formed, in index order."""
+        return [s for s in self.shards if s in self.headers]
+
+
+class Unquantized:
+    """The scheme of a checkpoint without quantization config: every tensor passes through."""
+
+    name = UNQUANTIZED
+
+    def format_for(self, cfg, t) -> Format:
+        return FORMATS["passthrough"]
+
+    def format_name(self, cfg, t) -> str:
+        return "passthrough"
+
+
+def converter_of(hf_quant):
+    """hf_quant_config.json's `converter` entry (what inkling-quant convert recorded), or None."""
+    return hf_quant.get("converter") if isinstance(hf_quant, dict) else None
+
+
+@dataclass(frozen=True)
+class Conf:
+    """config.json, hf_quant_config.json and the scheme. `cfg`/`scheme` None: not usable."""
+
+    root: Path
+    config: dict | None = None
+    cfg: ModelConfig | None = None
+    hf_quant: dict | None = None
+    scheme: Scheme | Unquantized | None = None
+    _formats: dict = field(default_factory=dict, repr=False, compare=False)  # memo of format_for
+    _names: dict = field(default_factory=dict, repr=False, compare=False)    # memo of classify
+
+    @property
+    def usable(self) -> bool:
+        return self.cfg is not None and self.scheme is not None
+
+    @property
+    def converter(self):
+        return converter_of(self.hf_quant)
+
+    def classify(self, name: str) -> TensorName:
+        """layout.classify, memoized for this run (the steps classify the same names)."""
+        t = self._names.get(name)
+        if t is None:
+            t = self._names[name] = classify(name)
+        return t
+
+    def format_for(self, t: TensorName) -> Format:
+        """scheme.format_for, memoized per (part, layer): the scheme's rules are layer ranges."""
+        key = (t.part, t.layer)
+        f = self._formats.get(key)
+        if f is None:
+            f = self._formats[key] = self.scheme.format_for(self.cfg, t)
+        return f
+
+    @functools.cached_property
+    def plan(self) -> list[tuple[TensorSpec, TensorName, Format]]:
+        """Every source tensor config.json implies, with its name classified and its format
+        (computed once: the layout and the config checks both walk it)."""
+        out = []
+        for s in expected_tensors(self.cfg):
+            t = self.classify(s.name)
+            out.append((s, t, self.format_for(t)))
+        return out
+
+
+@dataclass(frozen=True)
+class Source:
+    """The --against checkpoint: its headers, and whether the source check passed."""
+
+    root: Path
+    headers: dict[str, Header]
+    tensors: dict[str, Located]
+    ok: bool
+
+
+# ============================================================================ what should be there
+Shape = tuple[tuple[int, ...], torch.dtype]
+
+
+@dataclass(frozen=True)
+class Want:
+    """The tensors one source tensor becomes under the scheme."""
+
+    spec: TensorSpec
+    t: TensorName
+    fmt: Format
+    src_dtype: torch.dtype
+    tensors: dict[str, Shape]           # output name -> (shape, dtype)
+
+    @property
+    def module(self) -> str | None:
+        """The module whose stored tensors are compared as a set (a weight's), else None."""
+        return self.t.module if self.spec.name.endswith(".weight") else None
+
+
+SKIPPED, DISAGREES, FAILED, CHECKED = "skipped", "disagrees", "failed", "checked"
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the layout and the scheme prescribe, and how far the layout check got (`status`):
+    CHECKED tensor by tensor; SKIPPED (no usable config, or no index); DISAGREES (config.json
+    implies far more tensors than the files hold: the config check is not run either); FAILED
+    (a format cannot hold the config's shapes). Only CHECKED expects any tensor: otherwise
+    later checks know no tensor's format."""
+
+    status: str = SKIPPED
+    weight_only: bool = False           # NVFP4 without input_scale (W4A16), as the tensors say
+    wants: tuple[Want, ...] = ()
+    tensors: dict[str, Shape] = field(default_factory=dict)      # every expected output tensor
+    fmt_of: dict[str, str] = field(default_factory=dict)         # output tensor -> its format
+    module_tensors: dict[str, list[str]] = field(default_factory=dict)  # quantized module -> tensors
+
+
+def expect(files: Files, conf: Conf, source: Source | None) -> Expected:
+    """The expected tensor set: `expected_tensors(config)` through the scheme and each format's
+    `out_specs`. Raises FormatError where a format cannot hold a config's shape."""
+    weight_only = _weight_only(conf.plan, files, conf)
+    wants, tensors, fmt_of, module_tensors = [], {}, {}, {}
+    for s, t, fmt in conf.plan:
+        src_dtype = s.dtype
+        passthrough = fmt.name == "passthrough"
+        if passthrough and source is not None and s.name in source.tensors:
+            src_dtype = source.tensors[s.name].entry.dtype  # pass-through keeps the source dtype
+        elif passthrough and s.name in files.tensors and \
+                files.tensors[s.name].entry.dtype in fmt.source_dtypes:
+            src_dtype = files.tensors[s.name].entry.dtype  # no source to ask: any dtype a source may hold
+        out = fmt.out_specs(s.shape, src_dtype, not weight_only)
+        if passthrough:
+            want = {s.name: (tuple(o.shape), o.dtype) for o in out.values()}
+        else:
+            want = {f"{t.module}.{k}": (tuple(o.shape), o.dtype) for k, o in out.items()}
+            module_tensors[t.module] = list(want)
+        for n, w in want.items():
+            tensors[n] = w
+            fmt_of[n] = fmt.name
+        wants.append(Want(s, t, fmt, src_dtype, want))
+    return Expected(CHECKED, weight_only, tuple(wants), tensors, fmt_of, module_tensors)
+
+
+def _weight_only(plan, files: Files, conf: Conf) -> bool:
+    """W4A16 or W4A4: decided by the NVFP4 tensors themselves (most have input_scale or most do
+    not); config.json is checked against it. Without such tensors: what the converter recorded."""
+    with_scale = without = 0
+    for s, t, fmt in plan:
+        if "input_scale" in fmt.out_specs(s.shape, s.dtype, True) and \
+                "input_scale" not in fmt.out_specs(s.shape, s.dtype, False):
+            if f"{t.module}.input_scale" in files.tensors:
+                with_scale += 1
+            else:
+                without += 1
+    if with_scale or without:
+        return without > with_scale
+    conv = conf.converter or {}
+    return bool(conv.get("weight_only", False)) if isinstance(conv, dict) else False
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """Everything the checks after the layout read; built once, changed by none of them."""
+
+    root: Path
+    files: Files
+    conf: Conf
+    source: Source | None
+    expected: Expected
+
+
+# ============================================================================ JSON files
+def load_json(path: Path, what: str, check: Check) -> dict | None:
+    """A JSON object from one of the checkpoint's files, or None with the defect recorded in
+    `check` (a FIFO, an oversized file, bad JSON, duplicate keys: each a problem naming the file)."""
+    try:
+        safe_child(path.parent, path.name, what)  # a symlink leaving the checkpoint: refused, as for shards
+    except InklingQuantError as e:
+        check.fail(path, None, str(e))
+        return None
+    try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):  # a FIFO or device would block or never end
+            check.fail(path, None, f"{what} is not a regular file")
+            return None
+        if st.st_size > MAX_JSON_BYTES:
+            check.fail(path, None, f"{what} larger than {MAX_JSON_BYTES} bytes")
+            return None
+
+        def no_dupes(pairs):
+            d = {}
+            for k, v in pairs:
+                if k in d:
+                    check.fail(path, k if what == "index" else None, f"{what}: key {k!r} appears more than once")
+                d[k] = v
+            return d
+        obj = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=no_dupes)
+    except FileNotFoundError:
+        check.fail(path, None, f"{what} not found")
+        return None
+    except PermissionError as e:
+        check.error(path, f"cannot read {what}: {e.strerror}")
+        return None
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, int digit limit
+        check.fail(path, None, f"{what} is not valid JSON: {e}")
+        return None
+    except RecursionError:
+        check.fail(path, None, f"{what} is not valid JSON: nested too deeply")
+        return None
+    except OSError as e:
+        check.error(path, f"cannot read {what}: {e.strerror or e}")
+        return None
+    if not isinstance(obj, dict):
+        check.fail(path, None, f"{what} must be a JSON object")
+        return None
+    return obj

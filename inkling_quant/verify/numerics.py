@@ -1,0 +1,262 @@
+"""Checks against the BF16 source (--against): `passthrough` (a stream visitor: pass-through
+tensors byte-identical to the source) and `numerics[layer L]` (sampled experts through the
+dequant-GEMM kernels against the BF16 weights, within the format's thresholds)."""
+from __future__ import annotations
+
+import math
+import os
+import random
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..formats import FORMATS, Format
+from ..io.checkpoint import INDEX_NAME, safe_child
+from ..io.safetensors import DTYPE_NAMES, Header, ShardReader, TensorBuffer
+from ..layout import PROJECTIONS
+from .inventory import SKIPPED, Inventory, Located
+from .report import Check, Recorder
+from .stream import Seen, torch_threads
+
+ACT_ROWS = 32              # rows of the deterministic activations for the numerics check
+
+
+def sample_experts(layer: int, num_experts: int, sample: int) -> list[int]:
+    """Deterministic per layer: the same experts on every run and machine (sample 0 = all)."""
+    if sample <= 0 or sample >= num_experts:
+        return list(range(num_experts))
+    return sorted(random.Random(1_000_003 * (layer + 1)).sample(range(num_experts), sample))
+
+
+def activations(module: str, rows: int, k: int) -> torch.Tensor:
+    """Deterministic bf16 activations [rows, k] for one module: standard Gaussian, seeded by the
+    module's name (so a report is reproducible and independent of the sample's order)."""
+    g = torch.Generator().manual_seed(zlib.crc32(module.encode()))
+    return torch.randn(rows, k, generator=g).to(torch.bfloat16)
+
+
+# ============================================================================ passthrough
+class Passthrough:
+    """The `passthrough` check, as a stream visitor: each pass-through tensor's bytes against the
+    source's, read with pread beside the stream (the source is not streamed)."""
+
+    def __init__(self, run: Recorder, inv: Inventory):
+        self.inv = inv
+        self.check = run.new("passthrough", "numerics", "pass-through tensors are byte-identical to the source")
+        self.check.figures.update(tensors_compared=0, bytes_compared=0)
+        self.fds: dict[str, int] = {}
+        self.buf = TensorBuffer()
+
+    @classmethod
+    def start(cls, run: Recorder, inv: Inventory) -> "Passthrough | None":
+        """The visitor, when there is a source that passed its check and a shard to read."""
+        ok = inv.source is not None and inv.source.ok and inv.files.readable_shards
+        return cls(run, inv) if ok else None
+
+    def visit(self, seen: Seen):
+        if seen.fmt != "passthrough":
+            return None
+        src = self.inv.source.tensors.get(seen.name)
+        e = seen.entry
+        if src is None:
+            self.check.fail(seen.path, seen.name, "pass-through tensor has no counterpart in the source")
+            return None
+        if (src.entry.dtype, src.entry.shape) != (e.dtype, e.shape):
+            self.check.fail(seen.path, seen.name, f"is {DTYPE_NAMES[e.dtype]} {list(e.shape)}, the source has "
+                            f"{DTYPE_NAMES[src.entry.dtype]} {list(src.entry.shape)}")
+            return None
+        return _SameBytes(self, seen, src)
+
+    def fd(self, shard: str) -> int:
+        fd = self.fds.get(shard)
+        if fd is None:
+            fd = self.fds[shard] = os.open(safe_child(self.inv.source.root, shard, "shard"), os.O_RDONLY)
+        return fd
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+class _SameBytes:
+    """One pass-through tensor compared piece by piece until the first differing byte."""
+
+    def __init__(self, pt: Passthrough, seen: Seen, src: Located):
+        self.pt, self.seen, self.src, self.same = pt, seen, src, True
+
+    def feed(self, piece: memoryview, offset: int) -> None:
+        if not self.same:
+            return
+        src, src_root = self.src, self.pt.inv.source.root
+        fd = self.pt.fd(src.shard)
+        mv = self.pt.buf.view(len(piece))
+        got = 0
+        while got < len(piece):
+            n = os.preadv(fd, [mv[got:]], src.entry.begin + offset + got)
+            if n == 0:
+                raise EOFError(f"{src_root / src.shard}: tensor {self.seen.name!r}: source file ended early")
+            got += n
+        a = torch.frombuffer(piece, dtype=torch.uint8)
+        b = torch.frombuffer(mv, dtype=torch.uint8)
+        if torch.equal(a, b):
+            return
+        first = int((a != b).nonzero()[0, 0]) + offset
+        self.pt.check.fail(self.seen.path, self.seen.name, f"differs from the source ({src_root / src.shard}) at "
+                           f"byte {first} of the tensor: pass-through must be bit-exact")
+        self.same = False
+
+    def done(self) -> None:
+        self.pt.check.figures["tensors_compared"] += 1
+        self.pt.check.figures["bytes_compared"] += self.seen.entry.nbytes
+
+
+# ============================================================================ numerics[layer L]
+def check_numerics(run: Recorder, inv: Inventory, sample: int, device: str) -> None:
+    """A `numerics[layer L]` check per quantized layer (--against): for the sampled experts, every
+    projection's y = x @ W^T from the quantized tensors vs the fp32 product with the source."""
+    if inv.source is None:
+        return
+    if not inv.source.ok:
+        run.new("numerics", "numerics", "sampled experts against the source").skip("the source check failed")
+        return
+    if not inv.conf.usable or inv.expected.status == SKIPPED:
+        run.new("numerics", "numerics", "sampled experts against the source").skip("no usable config")
+        return
+    from .. import kernels
+
+    dev = torch.device(device)
+    # cpu: the torch reference. cuda: the Triton kernel, weight-only (dequantize in registers,
+    # bf16 MMA); the sm100 path also quantizes the activations (W4A4/W8A8), an error the
+    # thresholds (weights vs their BF16 source) do not budget for.
+    path = kernels.PATH_REFERENCE if dev.type == "cpu" else kernels.select_path(dev)
+    if path == kernels.PATH_SM100:
+        path = kernels.PATH_BF16_MMA
+    run.report.kernel_path = path
+    cfg = inv.conf.cfg
+    by_layer: dict[int, list[tuple[str, str]]] = {}
+    for i in range(cfg.num_hidden_layers):
+        for e in sample_experts(i, cfg.num_experts, sample):
+            for proj in PROJECTIONS:
+                module = f"model.layers.{i}.mlp.experts.{e}.{proj}"
+                fmt = inv.conf.format_for(inv.conf.classify(module + ".weight")).name
+                if fmt != "passthrough":
+                    by_layer.setdefault(i, []).append((module, fmt))
+    small = cfg.hidden_size * cfg.moe_intermediate_size < (1 << 22)
+    gemm = _Gemm(inv, dev, path)
+    try:
+        with torch_threads(1 if small else torch.get_num_threads()):
+            for layer, modules in by_layer.items():
+                c = run.new(f"numerics[layer {layer}]", "numerics",
+                            f"layer {layer}: sampled experts' dequant-GEMM vs the BF16 source")
+                run.guard(c, _check_layer, run, c, inv, gemm, layer, modules, sample)
+    finally:
+        gemm.close()
+
+
+def _check_layer(run: Recorder, c: Check, inv: Inventory, gemm: "_Gemm", layer: int,
+                 modules: list[tuple[str, str]], sample: int) -> None:
+    worst_err, worst_cos = 0.0, 1.0
+    for module, fmt_name in modules:
+        fmt = FORMATS[fmt_name]
+        names = _quantized_tensors(c, inv, module, fmt_name)
+        if names is None:
+            continue
+        wname = module + ".weight"
+        rel, cos, q = gemm.compare(module, names, fmt)
+        ok = rel <= fmt.max_rel_error and cos >= fmt.min_cosine
+        run.report.numerics.append({"tensor": wname, "format": fmt_name, "layer": layer,
+                                    "rel_error": rel, "cosine": cos, "max_rel_error": fmt.max_rel_error,
+                                    "min_cosine": fmt.min_cosine, "pass": ok,
+                                    "shard": inv.files.tensors[wname].shard if wname in inv.files.tensors else None})
+        worst_err, worst_cos = max(worst_err, rel), min(worst_cos, cos)
+        if not ok:
+            shard = inv.files.tensors[names[0]].shard
+            c.fail(inv.root / shard, f"{module}.weight_scale",
+                   f"{module} ({fmt_name}) y = x @ W^T vs the BF16 source: relative error {rel:.4g} "
+                   f"(max {fmt.max_rel_error:g}), cosine {cos:.6f} (min {fmt.min_cosine:g}): the weight or "
+                   f"its scales ({', '.join(sorted(q))}) do not reproduce the source")
+    c.figures.update(tensors=len(modules), worst_rel_error=worst_err, worst_cosine=worst_cos,
+                     experts=sample_experts(layer, inv.conf.cfg.num_experts, sample))
+
+
+def _quantized_tensors(c: Check, inv: Inventory, module: str, fmt_name: str) -> list[str] | None:
+    """The module's stored tensors of `fmt_name`, or None (the reason recorded in `c`) when the
+    numerics cannot run on them: no source weight, or tensors missing or malformed."""
+    wname = module + ".weight"
+    files, expected = inv.files, inv.expected
+    if wname not in inv.source.tensors:
+        c.fail(inv.source.root / INDEX_NAME, wname, "source lacks this tensor")
+        return None
+    names = [n for n in expected.module_tensors.get(module, []) if expected.fmt_of.get(n) == fmt_name]
+    if not names:
+        c.fail(inv.root / INDEX_NAME, wname, "cannot run the numerics check: not in the layout")
+        return None
+    miss = [n for n in names if n not in files.tensors or files.tensors[n].shard not in files.headers]
+    if miss:
+        c.fail(inv.root / INDEX_NAME, miss[0], "cannot run the numerics check: tensor missing")
+        return None
+    wrong = [n for n in names if (files.tensors[n].entry.shape, files.tensors[n].entry.dtype) != expected.tensors[n]]
+    if wrong:
+        c.fail(inv.root / files.tensors[wrong[0]].shard, wrong[0],
+               "cannot run the numerics check: wrong dtype or shape (see the layout check)")
+        return None
+    return names
+
+
+@dataclass
+class _Gemm:
+    """y = x @ W^T of one module from its quantized tensors (the kernels) and from the source."""
+
+    inv: Inventory
+    dev: torch.device
+    path: str
+
+    def __post_init__(self) -> None:
+        self.readers: dict[tuple[str, str], ShardReader] = {}
+
+    def compare(self, module: str, names: list[str], fmt: Format) -> tuple[float, float, dict]:
+        """(relative error, cosine, the quantized tensors by suffix) of one module."""
+        inv = self.inv
+        q = {n[len(module) + 1:]: self._read(inv.root, inv.files.headers, inv.files.tensors[n], n) for n in names}
+        wname = module + ".weight"
+        w = self._read(inv.source.root, inv.source.headers, inv.source.tensors[wname], wname)
+        x = activations(module, ACT_ROWS, w.shape[-1])
+        ref = x.float() @ w.float().T
+        y = self._quantized(x, q, fmt).float().cpu().double()
+        r64 = ref.double()
+        num, den = float(torch.linalg.vector_norm(y - r64)), float(torch.linalg.vector_norm(r64))
+        rel = num / den if den > 0 else (0.0 if num == 0 else math.inf)
+        ny = float(torch.linalg.vector_norm(y))
+        cos = float((y * r64).sum()) / (ny * den) if ny > 0 and den > 0 else (1.0 if num == 0 else 0.0)
+        if not math.isfinite(rel):
+            rel = math.inf
+        if not math.isfinite(cos):
+            cos = -1.0
+        return rel, cos, q
+
+    def _quantized(self, x: torch.Tensor, q: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
+        from .. import kernels
+
+        dev, xd = self.dev, x.to(self.dev)
+        if fmt.name == "nvfp4":
+            return kernels.nvfp4_dequant_gemm(xd, q["weight"].to(dev), q["weight_scale"].to(dev),
+                                              q["weight_scale_2"].to(dev), out_dtype=torch.float32, path=self.path)
+        if fmt.name == "mxfp8":
+            return kernels.mxfp8_dequant_gemm(xd, q["weight"].to(dev), q["weight_scale"].to(dev),
+                                              out_dtype=torch.float32, path=self.path)
+        # a format without a kernel: its own dequantize (formats/) and a plain matmul
+        return x.float() @ fmt.dequantize(q, torch.float32).T
+
+    def _read(self, root: Path, headers: dict[str, Header], where: Located, name: str) -> torch.Tensor:
+        key = (str(root), where.shard)
+        r = self.readers.get(key)
+        if r is None:
+            r = self.readers[key] = ShardReader(root / where.shard, headers[where.shard])
+        return r.get(name)
+
+    def close(self) -> None:
+        for r in self.readers.values():
+            r.close()

@@ -1,0 +1,305 @@
+"""Structure checks: the input directories, the index and every shard's header (`Files`), the
+--against source (`Source`), and the layout: the exact tensor set the config and the scheme
+prescribe (`Expected`) against the tensors the headers hold."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..errors import InklingQuantError
+from ..formats import FORMATS
+from ..io.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, safe_child
+from ..io.safetensors import DTYPE_NAMES, Header, read_header
+from ..layout import QUANT_SUFFIXES, TensorSpec, classify, natural_key, source_tensor_count
+from .inventory import (DISAGREES, FAILED, SKIPPED, Conf, Expected, Files, Located, Source, Unquantized, Want, expect,
+                        load_json)
+from .report import PASS, Check, Recorder
+
+CONVERT_MANIFEST = ".inkling-quant-convert.json"  # present only while a conversion is unfinished
+
+
+# ============================================================================ input
+def check_input(run: Recorder, root: Path, src_root: Path | None) -> tuple[bool, Path | None]:
+    """(the checkpoint can be read, the source to use). An unreadable source only drops the
+    --against checks (the report still ends in exit 2)."""
+    c = run.new("input", "input", "the checkpoint (and source) directories can be read")
+    ok = True
+    for what, p in (("checkpoint", root), ("source", src_root)):
+        if p is None:
+            continue
+        problem = ("directory does not exist" if not p.exists() else "is not a directory" if not p.is_dir()
+                   else "directory is not readable" if not os.access(p, os.R_OK | os.X_OK) else None)
+        if problem:
+            c.error(str(p), f"{what} {problem}")
+            if what == "checkpoint":
+                ok = False
+            else:
+                src_root = None
+    return ok, src_root
+
+
+# ============================================================================ index + headers
+def check_index(run: Recorder, root: Path) -> Files:
+    """The `index` check (and a `header[F]` check per shard): every shard and every tensor
+    exactly once, no stray shard, no unfinished conversion."""
+    c = run.new("index", "structure", "the index covers every shard and every tensor exactly once")
+    weight_map: dict[str, str] = {}
+    headers: dict[str, Header] = {}
+    tensors: dict[str, Located] = {}
+    run.guard(c, _index_body, run, c, root, weight_map, headers, tensors)
+    return Files(weight_map, headers, tensors, index_ok=c.status == PASS)
+
+
+def _index_body(run: Recorder, c: Check, root: Path, weight_map: dict, headers: dict, tensors: dict) -> None:
+    """Fills weight_map, headers and tensors (as far as they can be read)."""
+    if (root / CONVERT_MANIFEST).exists():
+        c.fail(root / CONVERT_MANIFEST, None, "a conversion into this directory is unfinished "
+               "(resume manifest present): run `inkling-quant convert --resume`")
+    index = root / INDEX_NAME
+    if index.exists():
+        if not _read_index(c, root, index, weight_map):
+            return
+    elif (root / SINGLE_NAME).exists():
+        h = _header(run, root, SINGLE_NAME)
+        for p in sorted(root.glob("*.safetensors")):
+            if p.name != SINGLE_NAME:
+                c.fail(p, None, f"shard beside {SINGLE_NAME} without an index")
+        if h is not None:
+            headers[SINGLE_NAME] = h
+            weight_map.update({n: SINGLE_NAME for n in h.tensors})
+            tensors.update({n: Located(SINGLE_NAME, e) for n, e in h.tensors.items()})
+        return
+    else:
+        c.fail(root, None, f"neither {INDEX_NAME} nor {SINGLE_NAME} found")
+        return
+    shards = list(dict.fromkeys(weight_map.values()))
+    present = []
+    for s in shards:
+        if not (root / s).is_file():
+            bad = [n for n, f in weight_map.items() if f == s]
+            c.fail(index, bad[0], f"shard {s} named in the index does not exist "
+                   f"({len(bad)} tensor(s) point to it)")
+        else:
+            present.append(s)
+    for p in sorted(root.glob("*.safetensors")):
+        if p.name not in shards:
+            c.fail(p, None, "shard is not referenced by the index (a stray or renamed file)")
+    _cross_check(run, c, root, present, weight_map, headers, tensors)
+    data = sum(e.entry.nbytes for e in tensors.values())
+    c.figures.update(shards=len(shards), tensors=len(weight_map), tensor_bytes=data)
+    if c.figures.get("index_total_size") is not None:  # informational: HF does not enforce it
+        c.figures["index_total_size_matches"] = c.figures["index_total_size"] == data
+
+
+def _read_index(c: Check, root: Path, index: Path, weight_map: dict) -> bool:
+    """The index's weight map into `weight_map` (safe shard names only); False if unusable."""
+    obj = load_json(index, "index", c)
+    if obj is None:
+        return False
+    wm = obj.get("weight_map")
+    if not isinstance(wm, dict) or not wm:
+        c.fail(index, None, "'weight_map' must be a non-empty object")
+        return False
+    safe: dict[str, bool] = {}
+    for name, fname in wm.items():
+        if not isinstance(fname, str):
+            c.fail(index, name, f"maps to non-string {fname!r}")
+            continue
+        if fname not in safe:
+            try:
+                safe_child(root, fname, f"shard (for tensor {name!r})")
+                safe[fname] = True
+            except InklingQuantError as e:
+                safe[fname] = False
+                c.fail(index, name, str(e))
+                continue
+        if not safe[fname]:
+            c.fail(index, name, f"maps to the unsafe file name {fname!r}")
+            continue
+        weight_map[name] = fname
+    total = (obj.get("metadata") or {}).get("total_size") if isinstance(obj.get("metadata"), dict) else None
+    c.figures["index_total_size"] = total
+    return True
+
+
+def _cross_check(run: Recorder, c: Check, root: Path, present: list[str], weight_map: dict, headers: dict,
+                 tensors: dict) -> None:
+    """Every present shard's header, and the index against them: each tensor exactly once."""
+    owner: dict[str, str] = {}
+    for s in present:
+        h = _header(run, root, s)
+        if h is None:
+            continue
+        headers[s] = h
+        for name, e in h.tensors.items():
+            if name in owner:
+                c.fail(root / s, name, f"tensor also stored in {owner[name]} (must appear exactly once)")
+                continue
+            owner[name] = s
+            indexed = weight_map.get(name)
+            if indexed is None:
+                c.fail(root / s, name, "tensor is not in the index")
+            elif indexed != s:
+                c.fail(root / s, name, f"tensor is indexed under {indexed}")
+            tensors[name] = Located(s, e)
+    for name, s in weight_map.items():
+        if s in headers and name not in headers[s].tensors:
+            c.fail(root / s, name, "index lists this tensor, the shard lacks it")
+
+
+def _header(run: Recorder, root: Path, shard: str) -> Header | None:
+    hc = run.new(f"header[{shard}]", "structure", f"{shard}: safetensors header well-formed")
+    h = run.guard(hc, read_header, safe_child(root, shard, "shard"))
+    if h is not None:
+        hc.figures.update(tensors=len(h.tensors), bytes=h.file_size)
+    return h
+
+
+# ============================================================================ source
+def check_source(run: Recorder, src_root: Path, conf: Conf) -> Source:
+    """The `source` check (--against): the source opens and has the same config.json."""
+    c = run.new("source", "numerics", "the source checkpoint opens and has the same config")
+    opened = run.guard(c, _open_source, c, src_root)
+    headers, tensors = opened if opened is not None else ({}, {})
+    if opened is not None:
+        run.guard(c, _compare_source_config, c, src_root, conf, len(headers), len(tensors))
+    return Source(src_root, headers, tensors, ok=c.status == PASS)
+
+
+def _open_source(c: Check, root: Path) -> tuple[dict[str, Header], dict[str, Located]] | None:
+    try:
+        hs = Checkpoint.open(root).headers()
+    except InklingQuantError as e:
+        c.error(root, f"source cannot be read: {e}")
+        return None
+    return hs, {n: Located(s, e) for s, h in hs.items() for n, e in h.tensors.items()}
+
+
+def _compare_source_config(c: Check, root: Path, conf: Conf, n_shards: int, n_tensors: int) -> None:
+    probe = Check("source-config", "numerics", "")
+    src_cfg = load_json(root / "config.json", "source config.json", probe)
+    if src_cfg is None:
+        for p in probe.problems:
+            c.error(p.file, p.message)  # the source is an input: unreadable means exit 2
+        return
+    if conf.config is not None:
+        mine = {k: v for k, v in conf.config.items() if k != "quantization_config"}
+        theirs = {k: v for k, v in src_cfg.items() if k != "quantization_config"}
+        for k in sorted(set(mine) | set(theirs)):
+            if mine.get(k) != theirs.get(k):
+                c.fail(conf.root / "config.json", None, f"key {k!r} differs from the source's config.json "
+                       f"({_short(mine.get(k))} vs {_short(theirs.get(k))})")
+    c.figures.update(shards=n_shards, tensors=n_tensors)
+
+
+def _short(v) -> str:
+    """JSON of a config value, cut to 60 characters (the message shows both sides' JSON)."""
+    s = json.dumps(v, default=str)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+# ============================================================================ layout
+def check_layout(run: Recorder, files: Files, conf: Conf, source: Source | None) -> Expected:
+    """The `layout` check: every tensor the layout and the scheme require is present with its
+    dtype and shape, and no other. Returns what it expected (nothing when it could not check)."""
+    c = run.new("layout", "structure",
+                "every tensor the layout and the scheme require is present with its dtype and shape; no other")
+    if not conf.usable:
+        c.skip("config.json could not be used")
+    elif not files.index_ok and not files.tensors:
+        c.skip("the index could not be read")
+    elif not _counts_agree(c, files, conf):
+        return Expected(DISAGREES)
+    else:
+        expected = run.guard(c, expect, files, conf, source)
+        if expected is None:  # a format cannot hold the config's shapes: the problem is recorded
+            return Expected(FAILED)
+        run.guard(c, _compare, c, files, conf, expected)
+        return expected
+    return Expected(SKIPPED)
+
+
+def _counts_agree(c: Check, files: Files, conf: Conf) -> bool:
+    """The layout and config checks list every tensor config.json implies: bound that work
+    by what the files hold. Each source tensor becomes at least one output tensor, so a
+    config implying many more than the checkpoint holds disagrees with it (a 1 MB checkpoint
+    whose config claims 16,384 experts a layer fails here at once, not after minutes)."""
+    implied, held = source_tensor_count(conf.cfg), len(files.weight_map) or len(files.tensors)
+    if implied > 4 * held + 64:
+        c.fail(conf.root / "config.json", None, f"config.json implies {implied} source tensors, the checkpoint "
+               f"holds {held}: they disagree (layer or expert counts?); not checked tensor by tensor")
+        return False
+    return True
+
+
+def _compare(c: Check, files: Files, conf: Conf, expected: Expected) -> None:
+    seen: set[str] = set()
+    unreadable: dict[str, list[str]] = {}
+    for w in expected.wants:
+        seen.update(_compare_one(c, files, conf, w, unreadable))
+    root = conf.root
+    for n in sorted(set(files.tensors) - seen, key=natural_key):
+        try:
+            classify(n)
+            why = "not part of the layout for this config.json (e.g. a layer or expert past its counts)"
+        except InklingQuantError:
+            why = "not a tensor of the Inkling 2 Small layout (docs/layout.md)"
+        if isinstance(conf.scheme, Unquantized) and n.endswith(".input_scale") and \
+                files.tensors[n].entry.nbytes <= 4:
+            continue  # a BF16 source may carry calibrated activation scales
+        c.fail(root / files.tensors[n].shard, n, f"unexpected tensor: {why}")
+    for shard, names in unreadable.items():
+        c.fail(root / shard, names[0], f"{len(names)} tensor(s) the index puts in this shard could "
+               f"not be checked: its header is malformed (see header[{shard}])")
+    c.figures.update(expected=len(expected.tensors), present=len(files.tensors))
+
+
+def _compare_one(c: Check, files: Files, conf: Conf, w: Want, unreadable: dict[str, list[str]]) -> list[str]:
+    """Compare what one source tensor became with what the scheme prescribes; returns the names
+    of the stored tensors it accounts for."""
+    root, want, fmt, module = conf.root, w.tensors, w.fmt, w.module
+    got_names = [n for n in want if n in files.tensors]
+    if module is not None:  # a module may be stored in another format: name that
+        got_names = [f"{module}.{x}" for x in ("weight",) + QUANT_SUFFIXES if f"{module}.{x}" in files.tensors]
+    got = {n: files.tensors[n] for n in got_names}
+    if {n: (e.entry.shape, e.entry.dtype) for n, e in got.items()} == want:
+        return got_names
+    if module is not None and got:
+        other = _detect_format({n[len(module) + 1:]: (e.entry.shape, e.entry.dtype) for n, e in got.items()},
+                               w.spec, w.src_dtype)
+        if other is not None and other != fmt.name:
+            first = got[sorted(got)[0]]
+            c.fail(root / first.shard, got_names[0],
+                   f"module {module!r} is stored as {other}; scheme {conf.scheme.name!r} prescribes "
+                   f"{fmt.name} for {w.t.part} tensors of layer {w.t.layer}")
+            return got_names
+    for n, (shape, dtype) in want.items():
+        if n not in got:
+            shard = files.weight_map.get(n)
+            if shard is not None and shard not in files.headers:
+                unreadable.setdefault(shard, []).append(n)  # its header check failed
+                continue
+            c.fail(root / INDEX_NAME, n, f"missing: {fmt.name} requires it ({DTYPE_NAMES[dtype]} {list(shape)})")
+            continue
+        e = got[n].entry
+        if (e.shape, e.dtype) != (shape, dtype):
+            c.fail(root / got[n].shard, n, f"is {DTYPE_NAMES[e.dtype]} {list(e.shape)}, "
+                   f"{fmt.name} prescribes {DTYPE_NAMES[dtype]} {list(shape)}")
+    for n in got:
+        if n not in want:
+            c.fail(root / got[n].shard, n, f"unexpected: {fmt.name} writes no such tensor")
+    return got_names
+
+
+def _detect_format(got: dict[str, tuple], s: TensorSpec, src_dtype) -> str | None:
+    """The format whose tensors `got` (suffix -> (shape, dtype)) are, if any."""
+    for f in FORMATS.values():
+        for act in (True, False):
+            try:
+                want = {k: (tuple(o.shape), o.dtype) for k, o in f.out_specs(s.shape, src_dtype, act).items()}
+            except Exception:
+                continue
+            if want == got:
+                return f.name
+    return None
