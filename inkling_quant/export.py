@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from .errors import ConfigError, short_repr
-from .formats import Format, format_for_quant_algo
+from .formats import FORMATS, Format, format_for_quant_algo
 from .io.checkpoint import HF_QUANT_CONFIG
 from .layout import natural_key
 
@@ -20,6 +20,7 @@ MIXED_PRECISION = "MIXED_PRECISION"
 QUANT_METHOD = "modelopt"
 PRODUCER_VERSION = "0.47.0"  # the ModelOpt export whose layout we write (docs/formats.md)
 #: what convert leaves unquantized, as ModelOpt names it: everything but the routed experts
+_NVFP4 = FORMATS["nvfp4"]
 EXCLUDE_MODULES = ["lm_head", "model.embed_tokens", "model.layers.*.self_attn*", "model.layers.*.mlp.gate",
                    "model.layers.*.mlp.input_conv", "model.visual*", "dspark*"]
 
@@ -78,6 +79,80 @@ def format_of(q: dict | None, module: str) -> Format | None:
     if isinstance(layers, dict) and isinstance(layers.get(module), dict):
         return format_for_quant_algo(layers[module].get("quant_algo"))
     return None if q.get("quant_algo") == MIXED_PRECISION else format_for_quant_algo(q.get("quant_algo"))
+
+
+def quantization_problems(q: dict, want: dict[str, dict], key: str) -> list[tuple[str | None, str]]:
+    """(tensor or None, message) for every way the quantization config `q` (config.json's
+    `quantization_config` or hf_quant_config.json's `quantization`, named `key` in messages)
+    disagrees with `want` (module -> the `quantized_layers` entry its tensors imply), as vLLM's
+    ModelOpt config classes would resolve it."""
+    out: list[tuple[str | None, str]] = []
+
+    def fail(tensor: str | None, message: str) -> None:
+        out.append((tensor, message))
+    if q.get("quant_algo") != MIXED_PRECISION:
+        fail(None, f"{key}.quant_algo is {q.get('quant_algo')!r}, expected '{MIXED_PRECISION}'")
+    if q.get("kv_cache_quant_algo") is not None:
+        fail(None, f"{key}.kv_cache_quant_algo is {q['kv_cache_quant_algo']!r} but the checkpoint "
+               f"has no KV-cache scales (expected null)")
+    layers = q.get("quantized_layers")
+    if not isinstance(layers, dict) or not layers:
+        fail(None, f"{key}.quantized_layers must be a non-empty object (vLLM refuses an empty one)")
+        return out
+    for module, entry in want.items():
+        _check_layer(fail, key, module, entry, layers.get(module))
+    for module in layers:
+        if module not in want:
+            fail(f"{module}.weight", f"{key}.quantized_layers names {module!r}, which the tensors "
+                   f"do not quantize")
+    excl = q.get("exclude_modules", [])
+    if not isinstance(excl, list) or not all(isinstance(p, str) for p in excl):
+        fail(None, f"{key}.exclude_modules must be a list of strings")
+        return out
+    excluded = exclusion_matcher(excl)
+    hit: set[str] = set()
+    for module in want:
+        pat = excluded(module)
+        if pat is not None and pat not in hit:  # one problem per pattern
+            hit.add(pat)
+            fail(f"{module}.weight", f"{key}.exclude_modules pattern {pat!r} excludes the "
+                   f"quantized module {module!r} (vLLM would load it as BF16)")
+    if "group_size" in q:  # ModelOpt's top-level group_size is the NVFP4 block
+        nv = [e.get("group_size") for e in want.values() if format_for_quant_algo(e.get("quant_algo")) is _NVFP4]
+        if nv and q["group_size"] != nv[0]:
+            fail(None, f"{key}.group_size is {q['group_size']}, the NVFP4 tensors use {nv[0]}")
+    return out
+
+
+def _check_layer(fail: Callable[[str | None, str], None], key: str, module: str, entry: dict, got) -> None:
+    """One module's quantized_layers entry `got` against the entry its tensors imply."""
+    if got is None:
+        fail(f"{module}.weight", f"{key}.quantized_layers lacks {module!r} "
+               f"(the tensors are {entry['quant_algo']}: vLLM would load them as BF16)")
+        return
+    if not isinstance(got, dict):
+        fail(f"{module}.weight", f"{key}.quantized_layers[{module!r}] must be an object")
+        return
+    if got.get("quant_algo") != entry.get("quant_algo"):
+        fail(f"{module}.weight", f"{key}.quantized_layers[{module!r}].quant_algo is "
+               f"{got.get('quant_algo')!r}, the tensors are {entry.get('quant_algo')!r}"
+               + _activation_note(entry.get("quant_algo")))
+        return
+    gs = got.get("group_size")
+    fmt = format_for_quant_algo(entry.get("quant_algo"))
+    block = entry.get("group_size", fmt.block_size if fmt else None)
+    if gs is not None and gs != block:
+        fail(f"{module}.weight", f"{key}.quantized_layers[{module!r}].group_size is {gs}, "
+               f"the tensors use blocks of {block}")
+
+
+def _activation_note(quant_algo) -> str:
+    """Why a format's quant_algo is what it is: with or without a static activation scale."""
+    fmt = format_for_quant_algo(quant_algo)
+    if fmt is None or not fmt.static_activation_scale:
+        return ""
+    return " (input_scale present)" if quant_algo == fmt.quant_algo else " (no input_scale)"
+
 
 
 def exclusion_matcher(patterns: list[str]) -> Callable[[str], str | None]:

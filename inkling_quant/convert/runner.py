@@ -20,14 +20,14 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..errors import Interrupted, OutputError, UnsafePathError, UsageError, WorkerDied
-from ..io.checkpoint import INDEX_NAME, read_json, safe_child, write_json_atomic
+from ..io.checkpoint import INDEX_NAME, RESUME_MANIFEST, read_json, safe_child, write_json_atomic
 from ..io.files import temps_of
 from ..io.output import OutputLock
 from ..io.safetensors import DTYPES, sha256_file, shard_file_size
 from .planner import Options, Prepared, ShardJob
 from .worker import SHARD_METADATA, ShardResult, convert_shard
 
-MANIFEST = ".inkling-quant-convert.json"
+MANIFEST = RESUME_MANIFEST
 MANIFEST_GLOB = ".inkling-quant-convert*.json"
 
 

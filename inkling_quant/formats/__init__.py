@@ -14,6 +14,11 @@ SCALE_SUFFIXES: tuple[str, ...] = tuple(dict.fromkeys(s for f in FORMATS.values(
 VALUE_RULES = {"positive": "finite and positive (a scale)", "e8m0": "e8m0 exponent in range (not 0xFF)"}
 
 
+def value_rules(suffix: str) -> set[str]:
+    """The value rules (VALUE_RULES' keys) some format puts on tensors named `*.{suffix}`."""
+    return {r for f in FORMATS.values() if (r := f.value_rule(suffix)) is not None}
+
+
 def format_for_quant_algo(quant_algo) -> Format | None:
     """The format a ModelOpt `quant_algo` string names (NVFP4, W4A16_NVFP4, MXFP8), or None."""
     return next((f for f in FORMATS.values() if quant_algo in f.quant_algos), None)
@@ -33,4 +38,4 @@ def get_format(name: str) -> Format:
 
 
 __all__ = ["FORMATS", "Format", "OutSpec", "Passthrough", "NVFP4", "MXFP8", "SCALE_SUFFIXES", "VALUE_RULES",
-           "detect", "format_for_quant_algo", "get_format"]
+           "detect", "format_for_quant_algo", "get_format", "value_rules"]

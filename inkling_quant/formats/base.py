@@ -33,6 +33,7 @@ class Format:
     suffixes: tuple[str, ...] = ("weight",)  # every tensor-name suffix it may write for a module
     block_size: int = 1        # elements per scale along the input (last) dim
     kernel: str | None = None  # the inkling_quant.kernels entry point computing x @ dequant(W)^T
+    kernel_inputs: tuple[str, ...] = ()  # the tensors (suffixes) it takes after x, in order
     fuses_gate_up: bool = False        # an expert's gate and up share a scale (`fused_global_amax`)
     static_activation_scale: bool = False  # writes an activation scale from a calibrated amax
     # verify's numerics thresholds for y = x @ W^T against the BF16 source weight

@@ -138,6 +138,7 @@ class MXFP8(Format):
     suffixes = ("weight", "weight_scale")
     block_size = BLOCK_SIZE
     kernel = "mxfp8_dequant_gemm"
+    kernel_inputs = ("weight", "weight_scale")
     # verify's thresholds for y = x @ W^T vs the BF16 source (docs/formats.md "Error statistics",
     # tools/bench_formats.py --errors): relative error ~0.027 typical, worst 0.053 and cosine
     # >= 0.9993 over 1200 Gaussian + outlier weights (an e4m3 element is off by <= 2^-4 relative).

@@ -335,6 +335,7 @@ class NVFP4(Format):
     suffixes = ("weight", "weight_scale", "weight_scale_2", "input_scale")
     block_size = BLOCK_SIZE
     kernel = "nvfp4_dequant_gemm"
+    kernel_inputs = ("weight", "weight_scale", "weight_scale_2")
     fuses_gate_up = True
     static_activation_scale = True
     # verify's thresholds for y = x @ W^T vs the BF16 source (docs/formats.md "Error statistics",

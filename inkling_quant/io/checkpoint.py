@@ -19,6 +19,7 @@ SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's export record (export.py reads and writes it)
 CHECKSUMS = "checksums.sha256"
+RESUME_MANIFEST = ".inkling-quant-convert.json"  # convert's, present only while a conversion is unfinished
 MAX_JSON_BYTES = 64 << 20
 
 

@@ -67,7 +67,7 @@ def verify(ckpt: str | Path, against: str | Path | None = None, *, scheme: str |
     Never raises for a defect of the checkpoint: the report says what failed (`report.ok`,
     `report.exit_code`, `report.failures()`; `report.raise_for_failure()` to turn it into an
     exception). Raises UsageError for bad arguments (unknown scheme, no CUDA, negative sample)."""
-    if scheme is not None and scheme != UNQUANTIZED:
+    if scheme is not None:
         get_scheme(scheme)
     if sample < 0:
         raise UsageError(f"--sample must be >= 0 (0 = every expert), got {sample}")

@@ -3,19 +3,15 @@ scheme) and then held against the tensors (`check_config`: algorithm per layer, 
 group sizes, input_scale presence). `check_config_files` runs both on their own."""
 from __future__ import annotations
 
-import fnmatch
-import re
 from pathlib import Path
-from typing import Callable
 
 from ..errors import InklingQuantError
-from ..formats import FORMATS, Format
+from ..export import quantization_problems
+from ..io.checkpoint import HF_QUANT_CONFIG as QUANT_CONFIG
 from ..layout import ModelConfig
 from ..schemes import SCHEMES
-from .inventory import UNQUANTIZED, Conf, Unquantized, converter_of, load_json
+from .inventory import UNQUANTIZED, Conf, converter_of, load_json
 from .report import ERROR, Check, Recorder, VerifyReport
-
-QUANT_CONFIG = "hf_quant_config.json"
 
 
 # ============================================================================ load
@@ -47,7 +43,7 @@ def _parse(c: Check, root: Path, config: dict, scheme_arg: str | None) -> Conf:
     if name is None:
         quantized = "quantization_config" in config or hf_quant is not None
         name = "default" if quantized else UNQUANTIZED
-    scheme = Unquantized() if name == UNQUANTIZED else SCHEMES.get(name)
+    scheme = SCHEMES.get(name)
     if scheme is None:
         c.fail(qpath, None, f"converter.scheme {name!r} is not a known scheme ({', '.join(SCHEMES)}); "
                f"pass --scheme")
@@ -106,83 +102,8 @@ def _check(c: Check, conf: Conf, weight_only: bool) -> None:
 
 def _check_quant_dict(c: Check, path: Path, key: str, q: dict, want: dict[str, dict]) -> None:
     """One quantization config (config.json's or hf_quant_config.json's) against `want`."""
-    if q.get("quant_algo") != "MIXED_PRECISION":
-        c.fail(path, None, f"{key}.quant_algo is {q.get('quant_algo')!r}, expected 'MIXED_PRECISION'")
-    if q.get("kv_cache_quant_algo") is not None:
-        c.fail(path, None, f"{key}.kv_cache_quant_algo is {q['kv_cache_quant_algo']!r} but the checkpoint "
-               f"has no KV-cache scales (expected null)")
-    layers = q.get("quantized_layers")
-    if not isinstance(layers, dict) or not layers:
-        c.fail(path, None, f"{key}.quantized_layers must be a non-empty object (vLLM refuses an empty one)")
-        return
-    algos = {f.quant_algo: f for f in FORMATS.values() if f.quant_algo}
-    for module, entry in want.items():
-        _check_layer(c, path, key, module, entry, layers.get(module), algos)
-    for module in layers:
-        if module not in want:
-            c.fail(path, f"{module}.weight", f"{key}.quantized_layers names {module!r}, which the tensors "
-                   f"do not quantize")
-    excl = q.get("exclude_modules", [])
-    if not isinstance(excl, list) or not all(isinstance(p, str) for p in excl):
-        c.fail(path, None, f"{key}.exclude_modules must be a list of strings")
-        return
-    excluded = _exclusion_matcher(excl)
-    hit: set[str] = set()
-    for module in want:
-        pat = excluded(module)
-        if pat is not None and pat not in hit:  # one problem per pattern
-            hit.add(pat)
-            c.fail(path, f"{module}.weight", f"{key}.exclude_modules pattern {pat!r} excludes the "
-                   f"quantized module {module!r} (vLLM would load it as BF16)")
-    if "group_size" in q:
-        nv = [e.get("group_size") for e in want.values() if "NVFP4" in str(e.get("quant_algo"))]
-        if nv and q["group_size"] != nv[0]:
-            c.fail(path, None, f"{key}.group_size is {q['group_size']}, the NVFP4 tensors use {nv[0]}")
-
-
-def _check_layer(c: Check, path: Path, key: str, module: str, entry: dict, got, algos: dict[str, Format]) -> None:
-    """One module's quantized_layers entry `got` against the entry its tensors imply."""
-    if got is None:
-        c.fail(path, f"{module}.weight", f"{key}.quantized_layers lacks {module!r} "
-               f"(the tensors are {entry['quant_algo']}: vLLM would load them as BF16)")
-        return
-    if not isinstance(got, dict):
-        c.fail(path, f"{module}.weight", f"{key}.quantized_layers[{module!r}] must be an object")
-        return
-    if got.get("quant_algo") != entry.get("quant_algo"):
-        c.fail(path, f"{module}.weight", f"{key}.quantized_layers[{module!r}].quant_algo is "
-               f"{got.get('quant_algo')!r}, the tensors are {entry.get('quant_algo')!r}"
-               + (" (input_scale present)" if entry.get("quant_algo") == "NVFP4" else
-                  " (no input_scale)" if "NVFP4" in str(entry.get("quant_algo")) else ""))
-        return
-    gs = got.get("group_size")
-    fmt = algos.get(entry.get("quant_algo"))
-    block = entry.get("group_size", fmt.block_size if fmt else None)
-    if gs is not None and gs != block:
-        c.fail(path, f"{module}.weight", f"{key}.quantized_layers[{module!r}].group_size is {gs}, "
-               f"the tensors use blocks of {block}")
-
-
-def _exclusion_matcher(patterns: list[str]) -> Callable[[str], str | None]:
-    """vLLM's is_layer_excluded, applied to a projection and to its MoE layer prefix
-    (`model.layers.L.mlp.experts`): fnmatch wildcards (a trailing `*` also as `prefix.*`),
-    otherwise exact or (legacy) substring. Returns the first pattern that excludes a module."""
-    compiled = []
-    for pat in patterns:
-        if any(ch in pat for ch in "*?["):
-            pats = [pat] + ([pat[:-1].rstrip(".")] if pat.endswith("*") else [])
-            rx = re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in pats))
-            compiled.append((pat, lambda name, rx=rx: rx.match(name) is not None))
-        elif pat:
-            compiled.append((pat, lambda name, pat=pat: pat in name))
-
-    def match(module: str) -> str | None:
-        names = (module, module.rsplit(".", 2)[0]) if ".experts." in module else (module,)
-        for pat, fn in compiled:
-            if any(fn(n) for n in names):
-                return pat
-        return None
-    return match
+    for tensor, message in quantization_problems(q, want, key):
+        c.fail(path, tensor, message)
 
 
 # ============================================================================ on their own

@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 
 from ..errors import InklingQuantError
-from ..formats import FORMATS, Format
+from ..formats import Format
 from ..io.checkpoint import MAX_JSON_BYTES, safe_child
 from ..io.safetensors import Header, TensorEntry
 from ..layout import ModelConfig, TensorName, TensorSpec, classify, expected_tensors
 from ..schemes import Scheme
 from .report import Check
 
-UNQUANTIZED = "none"       # pseudo-scheme: a checkpoint with no quantization config (a BF16 source)
+UNQUANTIZED = "none"       # the scheme of a checkpoint with no quantization config (a BF16 source)
 
 
 # ============================================================================ what is there
@@ -56,18 +56,6 @@ class Files:
         return [s for s in self.shards if s in self.headers]
 
 
-class Unquantized:
-    """The scheme of a checkpoint without quantization config: every tensor passes through."""
-
-    name = UNQUANTIZED
-
-    def format_for(self, cfg, t) -> Format:
-        return FORMATS["passthrough"]
-
-    def format_name(self, cfg, t) -> str:
-        return "passthrough"
-
-
 def converter_of(hf_quant):
     """hf_quant_config.json's `converter` entry (what inkling-quant convert recorded), or None."""
     return hf_quant.get("converter") if isinstance(hf_quant, dict) else None
@@ -81,7 +69,7 @@ class Conf:
     config: dict | None = None
     cfg: ModelConfig | None = None
     hf_quant: dict | None = None
-    scheme: Scheme | Unquantized | None = None
+    scheme: Scheme | None = None
     _formats: dict = field(default_factory=dict, repr=False, compare=False)  # memo of format_for
     _names: dict = field(default_factory=dict, repr=False, compare=False)    # memo of classify
 

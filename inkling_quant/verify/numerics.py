@@ -240,13 +240,10 @@ class _Gemm:
     def _quantized(self, x: torch.Tensor, q: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
         from .. import kernels
 
-        dev, xd = self.dev, x.to(self.dev)
-        if fmt.name == "nvfp4":
-            return kernels.nvfp4_dequant_gemm(xd, q["weight"].to(dev), q["weight_scale"].to(dev),
-                                              q["weight_scale_2"].to(dev), out_dtype=torch.float32, path=self.path)
-        if fmt.name == "mxfp8":
-            return kernels.mxfp8_dequant_gemm(xd, q["weight"].to(dev), q["weight_scale"].to(dev),
-                                              out_dtype=torch.float32, path=self.path)
+        if fmt.kernel is not None:  # the kernel the format names, on the tensors it names
+            gemm = getattr(kernels, fmt.kernel)
+            return gemm(x.to(self.dev), *(q[s].to(self.dev) for s in fmt.kernel_inputs), out_dtype=torch.float32,
+                        path=self.path)
         # a format without a kernel: its own dequantize (formats/) and a plain matmul
         return x.float() @ fmt.dequantize(q, torch.float32).T
 

@@ -14,6 +14,7 @@ from typing import Iterator
 from xml.etree import ElementTree as ET
 
 from .. import __version__
+from ..cli_common import human_bytes
 from ..errors import InklingQuantError, printable
 from ..formats import FORMATS
 
@@ -227,7 +228,7 @@ def render_text(r: VerifyReport) -> str:
         elif c.status == SKIP and c.id not in ("source", "passthrough"):
             lines.append(f"  skip {c.id}: {c.message}")
     if r.bytes_read:
-        lines.append(f"  read {_human(r.bytes_read)} in {r.files_read} files once (hash + values) in "
+        lines.append(f"  read {human_bytes(r.bytes_read)} in {r.files_read} files once (hash + values) in "
                      f"{r.stream_seconds:.2f} s: {r.throughput_mb_s:.0f} MB/s; total {r.seconds:.2f} s")
     if r.checksums_written:
         lines.append(f"  wrote {r.checksums_written}")
@@ -247,7 +248,7 @@ def _table(rows: list[Row]) -> list[str]:
             err, cos, thr = f"{'0 (bytes)':>13}", f"{'1':>10}", "byte-identical"
         else:
             err, cos, thr = f"{'-':>13}", f"{'-':>10}", "-"
-        lines.append(f"  {r.part:<8} {r.layers:<7} {r.format:<12} {r.tensors:>7} {_human(r.bytes):>10} "
+        lines.append(f"  {r.part:<8} {r.layers:<7} {r.format:<12} {r.tensors:>7} {human_bytes(r.bytes):>10} "
                      f"{r.checked:>7}  {err} {cos}  {thr}")
     return lines
 
@@ -268,14 +269,6 @@ _XML_BAD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 def _xml_safe(s: str) -> str:
     return _XML_BAD.sub("?", s)
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
 
 
 # ============================================================================ summary rows

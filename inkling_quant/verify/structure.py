@@ -8,15 +8,15 @@ import os
 from pathlib import Path
 
 from ..errors import InklingQuantError
-from ..formats import FORMATS
-from ..io.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, safe_child
+from ..formats import detect
+from ..io.checkpoint import INDEX_NAME, RESUME_MANIFEST, SINGLE_NAME, Checkpoint, safe_child
 from ..io.safetensors import DTYPE_NAMES, Header, read_header
-from ..layout import QUANT_SUFFIXES, TensorSpec, classify, natural_key, source_tensor_count
-from .inventory import (DISAGREES, FAILED, SKIPPED, Conf, Expected, Files, Located, Source, Unquantized, Want, expect,
+from ..layout import QUANT_SUFFIXES, classify, natural_key, source_tensor_count
+from .inventory import (DISAGREES, FAILED, SKIPPED, Conf, Expected, Files, Located, Source, Want, expect,
                         load_json)
 from .report import PASS, Check, Recorder
 
-CONVERT_MANIFEST = ".inkling-quant-convert.json"  # present only while a conversion is unfinished
+CONVERT_MANIFEST = RESUME_MANIFEST
 
 
 # ============================================================================ input
@@ -245,7 +245,7 @@ def _compare(c: Check, files: Files, conf: Conf, expected: Expected) -> None:
             why = "not part of the layout for this config.json (e.g. a layer or expert past its counts)"
         except InklingQuantError:
             why = "not a tensor of the Inkling 2 Small layout (docs/layout.md)"
-        if isinstance(conf.scheme, Unquantized) and n.endswith(".input_scale") and \
+        if not conf.scheme.rules and n.endswith(".input_scale") and \
                 files.tensors[n].entry.nbytes <= 4:
             continue  # a BF16 source may carry calibrated activation scales
         c.fail(root / files.tensors[n].shard, n, f"unexpected tensor: {why}")
@@ -266,12 +266,12 @@ def _compare_one(c: Check, files: Files, conf: Conf, w: Want, unreadable: dict[s
     if {n: (e.entry.shape, e.entry.dtype) for n, e in got.items()} == want:
         return got_names
     if module is not None and got:
-        other = _detect_format({n[len(module) + 1:]: (e.entry.shape, e.entry.dtype) for n, e in got.items()},
-                               w.spec, w.src_dtype)
-        if other is not None and other != fmt.name:
+        other = detect({n[len(module) + 1:]: (e.entry.shape, e.entry.dtype) for n, e in got.items()},
+                       w.spec.shape, w.src_dtype)
+        if other is not None and other.name != fmt.name:
             first = got[sorted(got)[0]]
             c.fail(root / first.shard, got_names[0],
-                   f"module {module!r} is stored as {other}; scheme {conf.scheme.name!r} prescribes "
+                   f"module {module!r} is stored as {other.name}; scheme {conf.scheme.name!r} prescribes "
                    f"{fmt.name} for {w.t.part} tensors of layer {w.t.layer}")
             return got_names
     for n, (shape, dtype) in want.items():
@@ -290,16 +290,3 @@ def _compare_one(c: Check, files: Files, conf: Conf, w: Want, unreadable: dict[s
         if n not in want:
             c.fail(root / got[n].shard, n, f"unexpected: {fmt.name} writes no such tensor")
     return got_names
-
-
-def _detect_format(got: dict[str, tuple], s: TensorSpec, src_dtype) -> str | None:
-    """The format whose tensors `got` (suffix -> (shape, dtype)) are, if any."""
-    for f in FORMATS.values():
-        for act in (True, False):
-            try:
-                want = {k: (tuple(o.shape), o.dtype) for k, o in f.out_specs(s.shape, src_dtype, act).items()}
-            except Exception:
-                continue
-            if want == got:
-                return f.name
-    return None

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 
+from ..formats import VALUE_RULES, value_rules
 from ..io.checkpoint import INDEX_NAME
 from ..io.safetensors import TensorEntry
 from ..layout import TensorName
@@ -32,7 +33,7 @@ class ValueRules:
 class _RuleSink:
     """Reports the first offending element of one tensor, then stops looking."""
 
-    def __init__(self, seen: Seen, rule: tuple[str, Callable[[memoryview], bool]]):
+    def __init__(self, seen: Seen, rule: Rule):
         self.seen, self.rule, self.bad = seen, rule, False
         self.scalars = seen.entry.dtype == torch.float32
 
@@ -42,56 +43,62 @@ class _RuleSink:
         item = self.seen.entry.dtype.itemsize
         if self.scalars and len(piece) <= 64:
             vals = piece.cast("f")  # scalars (global and input scales): no torch op per value
-            positive = "positive" in self.rule[0]
+            positive = self.rule.key == "positive"
             for i, v in enumerate(vals):
                 if not math.isfinite(v) or (positive and v <= 0):
                     self._fail(f"{offset // item + i} is {v}")
                     return
             return
         for lo in range(0, len(piece), SLICE):
-            if self.rule[1](piece[lo:lo + SLICE]):
+            if self.rule.bad(piece[lo:lo + SLICE]):
                 idx, val = _first_bad(torch.frombuffer(piece[lo:lo + SLICE], dtype=self.seen.entry.dtype),
-                                      self.rule[0])
+                                      self.rule.key)
                 self._fail(f"{(offset + lo) // item + idx} is {val}")
                 return
 
     def _fail(self, element: str) -> None:
         s, t = self.seen, self.seen.t
         where = f" ({t.suffix} of {t.module})" if t is not None and t.suffix != "weight" else ""
-        s.check.fail(s.path, s.name, f"must be {self.rule[0]}{where}: element {element}")
+        s.check.fail(s.path, s.name, f"must be {self.rule.what}{where}: element {element}")
         self.bad = True
 
     def done(self) -> None:
         pass
 
 
-def _value_rule(t: TensorName | None, entry: TensorEntry) -> tuple[str, Callable[[memoryview], bool]] | None:
-    """(what is checked, bad(bytes of whole elements) -> bool) for one tensor. Driven by dtype and
-    name suffix: block and global scales must be finite and positive, e8m0 exponents must not be
-    0xFF (NaN), every float tensor must be finite. Each test is one or two passes over the bytes
-    with no per-element Python (min/max propagate NaN and show Inf), ~1.5-3 GB/s on one core."""
-    suffix = t.suffix if t is not None else ""
-    is_scale = suffix in ("weight_scale", "weight_scale_2", "input_scale")
+class Rule(NamedTuple):
+    key: str                                # "positive", "e8m0" (formats.VALUE_RULES) or "finite"
+    what: str                               # what is checked, in words
+    bad: Callable[[memoryview], bool]       # bad(bytes of whole elements)
+
+
+def _value_rule(t: TensorName | None, entry: TensorEntry) -> Rule | None:
+    """The rule one tensor's bytes are held to: what the formats say of its name suffix (scales
+    finite and positive, e8m0 exponents not 0xFF), and for every float tensor no NaN/Inf, read
+    on the dtype's bits. Each test is one or two passes over the bytes with no per-element
+    Python (min/max propagate NaN and show Inf), ~1.5-3 GB/s on one core."""
+    rules = value_rules(t.suffix) if t is not None else set()
     dt = entry.dtype
     if dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-        if is_scale:
+        if "positive" in rules:
             def bad_scale(b, dt=dt):
                 mn, mx = torch.aminmax(torch.frombuffer(b, dtype=dt))
                 return not (float(mn) > 0 and math.isfinite(float(mx)))
-            return "finite and positive", bad_scale
+            return Rule("positive", "finite and positive", bad_scale)
 
         def bad_float(b, dt=dt):
             mn, mx = torch.aminmax(torch.frombuffer(b, dtype=dt))
             return not (math.isfinite(float(mn)) and math.isfinite(float(mx)))
-        return "finite (no NaN/Inf)", bad_float
+        return Rule("finite", "finite (no NaN/Inf)", bad_float)
     if dt == torch.float8_e4m3fn:
-        if is_scale:  # positive finite e4m3 <=> byte in [0x01, 0x7E]; (b - 1) wraps 0 to 255
-            return "finite and positive (e4m3 scale)", lambda b: int(_u8_op(b, np.subtract, 1).max()) > 0x7D
-        return "finite (no e4m3 NaN)", lambda b: int(_u8_op(b, np.bitwise_and, 0x7F).max()) == 0x7F
+        if "positive" in rules:  # positive finite e4m3 <=> byte in [0x01, 0x7E]; (b - 1) wraps 0 to 255
+            return Rule("positive", "finite and positive (e4m3 scale)",
+                        lambda b: int(_u8_op(b, np.subtract, 1).max()) > 0x7D)
+        return Rule("finite", "finite (no e4m3 NaN)", lambda b: int(_u8_op(b, np.bitwise_and, 0x7F).max()) == 0x7F)
     if dt == torch.float8_e5m2:
-        return "finite (no NaN/Inf)", lambda b: int(_u8_op(b, np.bitwise_and, 0x7C).max()) == 0x7C
-    if (dt == torch.uint8 or dt == torch.float8_e8m0fnu) and suffix == "weight_scale":
-        return "e8m0 exponent in range (not 0xFF)", lambda b: int(np.frombuffer(b, np.uint8).max()) == 0xFF
+        return Rule("finite", "finite (no NaN/Inf)", lambda b: int(_u8_op(b, np.bitwise_and, 0x7C).max()) == 0x7C)
+    if (dt == torch.uint8 or dt == torch.float8_e8m0fnu) and "e8m0" in rules:
+        return Rule("e8m0", VALUE_RULES["e8m0"], lambda b: int(np.frombuffer(b, np.uint8).max()) == 0xFF)
     return None
 
 
@@ -108,17 +115,17 @@ def _u8_op(b: memoryview, op, value: int) -> np.ndarray:
 
 
 def _first_bad(x: torch.Tensor, rule: str) -> tuple[int, str]:
-    """Index and value of the first offending element (only on the failure path)."""
-    if x.dtype == torch.uint8 or "e8m0" in rule:
+    """Index and value of the first offending element of a Rule `rule` (only on the failure path)."""
+    if x.dtype == torch.uint8 or rule == "e8m0":
         b = x.view(torch.uint8).reshape(-1)
         bad = (b == 0xFF)
     elif x.dtype == torch.float8_e4m3fn:
         b = x.view(torch.uint8).reshape(-1)
-        bad = ((b - 1) > 0x7D) if "positive" in rule else ((b & 0x7F) == 0x7F)
+        bad = ((b - 1) > 0x7D) if rule == "positive" else ((b & 0x7F) == 0x7F)
     else:
         f = x.reshape(-1).float()
         bad = ~torch.isfinite(f)
-        if "positive" in rule:
+        if rule == "positive":
             bad |= f <= 0
     idx = int(bad.nonzero()[0, 0]) if bool(bad.any()) else 0
     v = x.reshape(-1)[idx]
