@@ -13,6 +13,7 @@ from ..errors import CheckpointError, FormatError, InklingQuantError, UsageError
 from ..formats import FORMATS, SCALE_SUFFIXES
 from ..io.checkpoint import Checkpoint, read_json, shard_name
 from ..io.safetensors import DTYPE_NAMES, DTYPES, ShardReader
+from ..io.shards import plan_shards
 from ..layout import ModelConfig, TensorName, classify, expected_tensors, source_spec, source_tensor_count
 from ..schemes import Scheme
 
@@ -271,16 +272,9 @@ def _check_activation_amax(amax: float, origin: str, module: str, fmt: str, opts
 
 def _pack(units: list[Unit], opts: Options) -> list[ShardJob]:
     """Units in order into shards of at most --max-shard-size of output (a larger unit alone)."""
-    shards: list[list[Unit]] = [[]]
-    size = 0
-    for u in units:
-        out_b = sum(spec_nbytes(s) for s in _unit_specs(u, opts.weight_only))
-        if shards[-1] and size + out_b > opts.max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(u)
-        size += out_b
-    shards = [s for s in shards if s]
+    shards = plan_shards(units, opts.max_shard_bytes,
+                         size=lambda u: sum(spec_nbytes(s) for s in _unit_specs(u, opts.weight_only)))
+    shards = [s for s in shards if s]  # no units, no shard
     return [_job(i, len(shards), s, opts.weight_only) for i, s in enumerate(shards)]
 
 
