@@ -873,6 +873,24 @@ _PACED = ("import sys, time, tqdm.std as t\n"
           "sys.exit(main(sys.argv[3:]))\n")
 
 
+def test_write_checksums_takes_the_output_lock(converted, tmp_path):
+    """Class 8: verify --write-checksums writes into a checkpoint, so it takes the lock every writer
+    takes: with a live writer holding it, nothing is written and the check says why."""
+    import socket
+
+    out = copy_src(converted, tmp_path / "out")
+    (out / CHECKSUMS).unlink()
+    lock = out.parent / f".{out.name}.inkling-quant.lock"
+    lock.write_text(f"{socket.gethostname()} {os.getpid()}\n")  # this test process: alive
+    r = call("verify", out, "--write-checksums")
+    stderr_is_clean(r)
+    assert r.rc == 1 and "another conversion" in r.out, r.out
+    assert not (out / CHECKSUMS).exists()
+    lock.unlink()
+    assert call("verify", out, "--write-checksums", "--quiet").rc == 0
+    assert (out / CHECKSUMS).is_file()
+
+
 def test_two_writers_into_one_out(src, adapter, tmp_path):
     """Class 8: two `lora merge` into the same OUT at the same time (the second starting while the
     first is mid-way): at most one exits 0, neither with a traceback, and OUT, when a run reports

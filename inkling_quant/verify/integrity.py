@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..errors import InklingQuantError
 from ..io.checkpoint import safe_child
-from ..io.output import CHECKSUMS, read_checksums, write_checksums
+from ..io.output import CHECKSUMS, OutputLock, read_checksums, write_checksums
 from .inventory import Inventory
 from .report import ERROR, FAIL, Check, Recorder
 
@@ -98,7 +98,8 @@ def write_checksums_file(run: Recorder, root: Path, digests: dict[str, str]) -> 
         return
     path = root / CHECKSUMS
     try:
-        write_checksums(path, {n: digests[n] for n in files})
+        with OutputLock(root):  # the lock every writer of a checkpoint takes
+            write_checksums(path, {n: digests[n] for n in files})
     except InklingQuantError as e:  # a name that would forge a line, a symlink where the file goes
         c.fail(path, None, str(e))
         return
