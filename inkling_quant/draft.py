@@ -17,10 +17,10 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
 from tqdm import tqdm
 
 from .errors import CheckpointError, ConfigError, InklingQuantError, UnknownTensorError, UsageError
+from .formats import FORMATS
 from .io.checkpoint import HF_QUANT_CONFIG, INDEX_NAME, Checkpoint, read_json, safe_child, shard_name, write_json_atomic
 from .io.derive import carry_checksums, copy_other_files, rewrite_shard, source_checksums
 from .io.output import CHECKSUMS, check_paths, link_or_copy, staged_output, write_checksums, write_report
@@ -34,7 +34,7 @@ DRAFT_MODEL_TYPE = "dspark"
 QUANT_CONFIG = HF_QUANT_CONFIG
 STRIPPED_KEY = "dspark_stripped"          # the note strip leaves in config.json
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9       # HF's default "5GB": the reference draft fits one shard
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FLOAT_DTYPES = FORMATS["passthrough"].source_dtypes  # the draft is passed through, never quantized
 
 
 def is_draft(name: str) -> bool:

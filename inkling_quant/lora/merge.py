@@ -14,14 +14,14 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..errors import CheckpointError, ConfigError, UsageError
-from ..formats import SCALE_SUFFIXES
+from ..formats import FORMATS, SCALE_SUFFIXES
 from ..io.checkpoint import HF_QUANT_CONFIG, INDEX_NAME, Checkpoint, read_json, safe_child, write_json_atomic
 from ..io.derive import carry_checksums, copy_other_files, rewrite_shard, source_checksums
 from ..io.output import link_or_copy, staged_output
 from ..io.safetensors import DTYPE_NAMES, Header, ShardReader, TensorEntry
 from ..io.shards import ShardReaders
 from ..layout import ModelConfig, TensorName
-from .peft import (ADAPTER_CONFIG, FLOAT_DTYPES, MERGEABLE, MERGEABLE_PARTS, PEFT_PREFIX, Adapter, classify_module,
+from .peft import (ADAPTER_CONFIG, MERGEABLE, MERGEABLE_PARTS, PEFT_PREFIX, Adapter, classify_module,
                    open_adapter, read_lora)
 
 QUANT_CONFIG = HF_QUANT_CONFIG
@@ -91,7 +91,7 @@ def _quantized_format(plan_cfg: dict, ckpt: Checkpoint, headers: dict[str, Heade
     shard = ckpt.weight_map.get(module + ".weight")
     if shard is not None:
         e = headers[shard].tensors.get(module + ".weight")
-        if e is not None and e.dtype not in FLOAT_DTYPES:
+        if e is not None and e.dtype not in FORMATS["passthrough"].source_dtypes:  # not an unquantized weight
             return DTYPE_NAMES[e.dtype]
     return None
 

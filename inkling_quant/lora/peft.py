@@ -29,7 +29,7 @@ from ..layout import ATTENTION_PROJECTIONS, TensorName, classify
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # LoRA factors; unquantized weights
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what LoRA factors may be stored as
 
 # The parts of the model (layout.classify) LoRA merges into, and the phrase that says so.
 MERGEABLE_PARTS = ("attention", "expert")
