@@ -289,11 +289,8 @@ def _unit_specs(u: Unit, weight_only: bool) -> list[tuple[str, str, tuple[int, .
 
 
 def _out_names(src: SrcTensor, fmt_name: str, weight_only: bool) -> list[tuple[str, str, tuple[int, ...]]]:
-    fmt = FORMATS[fmt_name]
-    specs = fmt.out_specs(src.shape, DTYPES[src.dtype], activation_scale=not weight_only)
-    module = src.name[: -len(".weight")] if fmt_name != "passthrough" else None
-    return [(src.name if module is None else f"{module}.{suffix}", DTYPE_NAMES[s.dtype], tuple(s.shape))
-            for suffix, s in specs.items()]
+    out = FORMATS[fmt_name].out_tensors(src.name, src.shape, DTYPES[src.dtype], activation_scale=not weight_only)
+    return [(name, DTYPE_NAMES[o.dtype], tuple(o.shape)) for name, o in out.items()]
 
 
 def spec_nbytes(spec: tuple[str, str, tuple[int, ...]]) -> int:

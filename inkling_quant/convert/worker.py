@@ -127,10 +127,8 @@ def _convert_unit(u: Unit, sources: _Sources, buffers, device: str, counts: dict
             out = fmt.quantize(w, global_amax=global_amax, input_amax=ia)
         except FormatError as e:
             raise FormatError(f"{where}: {e}") from None
-        module = src.name[: -len(".weight")]
         for suffix, t in out.items():
-            name = src.name if u.format == "passthrough" else f"{module}.{suffix}"
-            outputs.append((name, t.cpu() if device != "cpu" else t))
+            outputs.append((fmt.tensor_name(src.name, suffix), t.cpu() if device != "cpu" else t))
         counts[u.format] = counts.get(u.format, 0) + 1
         if progress is not None:
             progress(spec_nbytes((src.name, src.dtype, src.shape)))

@@ -45,6 +45,16 @@ class Format:
         """suffix -> OutSpec of every tensor written for a source weight of `shape`/`dtype`."""
         raise NotImplementedError
 
+    def tensor_name(self, weight_name: str, suffix: str) -> str:
+        """The checkpoint name of the tensor `suffix` written for the source tensor `weight_name`
+        (`<module>.weight`): ModelOpt's `<module>.<suffix>`."""
+        return f"{weight_name[: -len('.weight')]}.{suffix}"
+
+    def out_tensors(self, weight_name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                    activation_scale: bool = True) -> dict[str, OutSpec]:
+        """`out_specs` keyed by checkpoint name (`tensor_name`)."""
+        return {self.tensor_name(weight_name, k): o for k, o in self.out_specs(shape, dtype, activation_scale).items()}
+
     def nbytes(self, shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16,
                activation_scale: bool = True) -> int:
         return sum(s.nbytes for s in self.out_specs(shape, dtype, activation_scale).values())
@@ -105,6 +115,9 @@ class Passthrough(Format):
 
     def out_specs(self, shape, dtype, activation_scale=True):
         return {"weight": OutSpec(tuple(shape), dtype)}
+
+    def tensor_name(self, weight_name, suffix):
+        return weight_name  # every tensor keeps its own name (a bias, a sink, a norm's weight)
 
     def quantize(self, weight, *, global_amax=None, input_amax=None, name=""):
         return {"weight": weight}

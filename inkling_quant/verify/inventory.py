@@ -169,11 +169,9 @@ def expect(files: Files, conf: Conf, source: Source | None) -> Expected:
         elif passthrough and s.name in files.tensors and \
                 files.tensors[s.name].entry.dtype in fmt.source_dtypes:
             src_dtype = files.tensors[s.name].entry.dtype  # no source to ask: any dtype a source may hold
-        out = fmt.out_specs(s.shape, src_dtype, not weight_only)
-        if passthrough:
-            want = {s.name: (tuple(o.shape), o.dtype) for o in out.values()}
-        else:
-            want = {f"{t.module}.{k}": (tuple(o.shape), o.dtype) for k, o in out.items()}
+        want = {n: (tuple(o.shape), o.dtype) for n, o in fmt.out_tensors(s.name, s.shape, src_dtype,
+                                                                           not weight_only).items()}
+        if not passthrough:
             module_tensors[t.module] = list(want)
         for n, w in want.items():
             tensors[n] = w
