@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 
 from .errors import ConfigError, short_repr
 from .formats import FORMATS, Format, format_for_quant_algo
-from .io.checkpoint import HF_QUANT_CONFIG
+from .io.checkpoint import HF_QUANT_CONFIG, read_json, safe_child
 from .layout import natural_key
 
 MIXED_PRECISION = "MIXED_PRECISION"
@@ -46,8 +46,6 @@ def hf_quant_config(q: dict, converter: dict) -> dict:
 def read_quantization(root: Path, config: dict) -> dict | None:
     """The quantization a checkpoint declares: config.json's `quantization_config`, else
     `hf_quant_config.json`'s `quantization`; None when it declares none. Types are checked."""
-    from .io.checkpoint import read_json, safe_child
-
     q = config.get("quantization_config")
     where = f"{root / 'config.json'}: quantization_config"
     if q is None:

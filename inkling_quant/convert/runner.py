@@ -27,8 +27,8 @@ from ..io.safetensors import DTYPES, sha256_file, shard_file_size
 from .planner import Options, Prepared, ShardJob
 from .worker import SHARD_METADATA, ShardResult, convert_shard
 
-MANIFEST = RESUME_MANIFEST
-MANIFEST_GLOB = ".inkling-quant-convert*.json"
+MANIFEST = RESUME_MANIFEST  # a part's: the same name with its part tag before ".json"
+MANIFEST_GLOB = MANIFEST.removesuffix(".json") + "*.json"
 
 
 # --------------------------------------------------------------------------- parts and manifests
@@ -42,7 +42,7 @@ def part_jobs(jobs: list[ShardJob], part: tuple[int, int] | None) -> list[ShardJ
 
 
 def manifest_path(out: Path, part: tuple[int, int] | None) -> Path:
-    return out / f".inkling-quant-convert{part_tag(part)}.json"
+    return out / f"{MANIFEST.removesuffix('.json')}{part_tag(part)}.json"
 
 
 def manifests(out: Path) -> list[Path]:
