@@ -89,11 +89,6 @@ def _source_of(cfg: ModelConfig, t: TensorName, module: str, observed: dict[str,
     return shape, dtype
 
 
-def _quant_algo(root: Path, cfg: ModelConfig) -> str | None:
-    q = read_quantization(root, cfg.raw)
-    return q["quant_algo"] if q else None
-
-
 def summarize(root: str | Path) -> Summary:
     """Read the index, config.json and every shard header (never tensor data) and summarize."""
     root = Path(root)
@@ -101,8 +96,9 @@ def summarize(root: str | Path) -> Summary:
     cfg = ModelConfig.load(root)
     headers = ckpt.headers()
     entries = [e for h in headers.values() for e in h.tensors.values()]
+    q = read_quantization(root, cfg.raw)
     s = Summary(str(root), len(headers), sum(h.file_size for h in headers.values()), len(entries),
-                _quant_algo(root, cfg))
+                q["quant_algo"] if q else None)
 
     # group the weight-family tensors of each module; everything else stands alone
     modules: dict[str, dict[str, TensorEntry]] = defaultdict(dict)

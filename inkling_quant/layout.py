@@ -23,6 +23,7 @@ from .formats import SCALE_SUFFIXES
 REFERENCE_CONFIG = Path(__file__).parent / "configs" / "inkling-2-small.json"
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+FUSED_PROJECTIONS = ("gate_proj", "up_proj")  # an expert's pair vLLM fuses into one w13, in w13's order
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "g_proj")
 QUANT_SUFFIXES = SCALE_SUFFIXES  # what a quantized checkpoint adds beside `weight`: the formats' vocabulary
 

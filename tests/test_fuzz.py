@@ -722,10 +722,10 @@ def _replay_draft_config(p: Path):
 
 
 def _replay_hf_quant_config(p: Path, tmp: Path):
-    from inkling_quant.inspect_cmd import _quant_algo
+    from inkling_quant.export import read_quantization
 
     shutil.copyfile(p, tmp / "hf_quant_config.json")
-    return _quant_algo(tmp, ModelConfig.reference())
+    return read_quantization(tmp, ModelConfig.reference().raw)
 
 
 REPLAY = {

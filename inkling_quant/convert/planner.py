@@ -14,7 +14,7 @@ from ..formats import FORMATS, SCALE_SUFFIXES
 from ..io.checkpoint import Checkpoint, read_json, shard_name
 from ..io.safetensors import DTYPE_NAMES, DTYPES, ShardReader
 from ..io.shards import plan_shards
-from ..layout import ModelConfig, TensorName, classify, expected_tensors, source_spec, source_tensor_count
+from ..layout import FUSED_PROJECTIONS, ModelConfig, TensorName, classify, expected_tensors, source_spec, source_tensor_count
 from ..schemes import Scheme
 
 FLOAT_SOURCES = FORMATS["passthrough"].source_dtypes
@@ -241,10 +241,9 @@ def _group(t: SrcTensor, rec: TensorName, fmt: str, by_name: dict[str, SrcTensor
     """The tensors of t's unit: an expert's gate and up (in that order) share one global scale in
     a format that fuses them (NVFP4), so they are converted together even when the source put
     them in different shards."""
-    if FORMATS[fmt].fuses_gate_up and rec.projection in ("gate_proj", "up_proj"):
-        partner = "up_proj" if rec.projection == "gate_proj" else "gate_proj"
-        p = by_name[f"model.layers.{rec.layer}.mlp.experts.{rec.expert}.{partner}.weight"]
-        return [t, p] if rec.projection == "gate_proj" else [p, t]
+    if FORMATS[fmt].fuses_gate_up and rec.projection in FUSED_PROJECTIONS:
+        return [t if p == rec.projection else by_name[t.name.replace(f".{rec.projection}.", f".{p}.")]
+                for p in FUSED_PROJECTIONS]
     return [t]
 
 

@@ -14,8 +14,8 @@ import torch
 from .. import hub
 from ..errors import FormatError
 from ..formats import FORMATS
-from ..io.checkpoint import safe_child
-from ..io.safetensors import DTYPES, ShardReader, ShardWriter, TensorBuffer
+from ..io.safetensors import DTYPES, ShardWriter, TensorBuffer
+from ..io.shards import ShardReaders
 from .planner import ShardJob, SrcTensor, Unit, spec_nbytes
 
 SHARD_METADATA = {"format": "pt"}
@@ -33,23 +33,10 @@ class ShardResult:
     seconds: float = 0.0
 
 
-class _Sources:
-    """Open source shards on demand (downloading hub shards when first needed)."""
-
-    def __init__(self, root: Path, repo: str | None, revision: str | None):
-        self.root, self.repo, self.revision = root, repo, revision
-        self.readers: dict[str, ShardReader] = {}
-
-    def get(self, shard: str) -> ShardReader:
-        r = self.readers.get(shard)
-        if r is None:
-            path = hub.fetch_shard(self.repo, self.revision, shard) if self.repo else safe_child(self.root, shard, "shard")
-            r = self.readers[shard] = ShardReader(path)
-        return r
-
-    def close(self):
-        for r in self.readers.values():
-            r.close()
+def _sources(root: Path, repo: str | None, revision: str | None) -> ShardReaders:
+    """Readers of the source's shards, kept open for the job (downloading a hub shard when first needed)."""
+    fetch = (lambda shard: hub.fetch_shard(repo, revision, shard)) if repo else None
+    return ShardReaders(root, fetch=fetch, keep_open=True)
 
 
 def source_input_amax(tensors: list[SrcTensor], root: Path, repo: str | None, revision: str | None) -> dict[str, float]:
@@ -58,7 +45,7 @@ def source_input_amax(tensors: list[SrcTensor], root: Path, repo: str | None, re
     from_source: dict[str, float] = {}
     scale_names = [t for t in tensors if t.name.endswith(".input_scale")]
     if scale_names:
-        srcs = _Sources(root, repo, revision)
+        srcs = _sources(root, repo, revision)
         try:
             for t in scale_names:
                 module = t.name[: -len(".input_scale")]
@@ -78,7 +65,7 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
     of unit k has finished before unit k+2 reads into its set. `stop` is called before each unit
     (it raises to stop the shard: a signal in the converting process)."""
     start = time.perf_counter()
-    sources = _Sources(Path(src_root), repo, revision)
+    sources = _sources(Path(src_root), repo, revision)
     buffer_sets = ((TensorBuffer(), TensorBuffer()), (TensorBuffer(), TensorBuffer()))
     counts: dict[str, int] = {}
     writer = ShardWriter(Path(out_dir) / job.file, [(n, DTYPES[d], s) for n, d, s in job.specs], SHARD_METADATA,
@@ -108,7 +95,7 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
     return ShardResult(job.file, sha, job.out_bytes, job.src_bytes, counts, time.perf_counter() - start)
 
 
-def _convert_unit(u: Unit, sources: _Sources, buffers, device: str, counts: dict[str, int],
+def _convert_unit(u: Unit, sources: ShardReaders, buffers, device: str, counts: dict[str, int],
                   progress) -> list[tuple[str, torch.Tensor]]:
     """Read and quantize one unit (a tensor, or a fused gate/up pair); return (name, tensor) to write."""
     fmt = FORMATS[u.format]

@@ -35,6 +35,7 @@ class Format:
     kernel: str | None = None  # the inkling_quant.kernels entry point computing x @ dequant(W)^T
     kernel_inputs: tuple[str, ...] = ()  # the tensors (suffixes) it takes after x, in order
     fuses_gate_up: bool = False        # an expert's gate and up share a scale (`fused_global_amax`)
+    global_scale: str | None = None    # the suffix of that shared per-tensor scale
     static_activation_scale: bool = False  # writes an activation scale from a calibrated amax
     # verify's numerics thresholds for y = x @ W^T against the BF16 source weight
     max_rel_error: float = 0.0

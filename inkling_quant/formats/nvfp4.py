@@ -337,6 +337,7 @@ class NVFP4(Format):
     kernel = "nvfp4_dequant_gemm"
     kernel_inputs = ("weight", "weight_scale", "weight_scale_2")
     fuses_gate_up = True
+    global_scale = "weight_scale_2"
     static_activation_scale = True
     # verify's thresholds for y = x @ W^T vs the BF16 source (docs/formats.md "Error statistics",
     # tools/bench_formats.py --errors): relative error ~0.095 typical, worst 0.125 and cosine

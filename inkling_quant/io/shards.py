@@ -1,6 +1,6 @@
 """Shards of a checkpoint being written or read in order: the shard packer (consecutive
-tensors, in order, into shards of at most N bytes) and the shard-reader cache (one open
-`ShardReader` at a time). Used by `synth`, `draft` and `lora`."""
+tensors, in order, into shards of at most N bytes) and the shard-reader cache. Used by
+`convert`, `synth`, `draft` and `lora`."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,26 +33,30 @@ def plan_shards(items: Sequence[T], max_bytes: int, size: Callable[[T], int] = _
 
 
 class ShardReaders:
-    """Readers for the shards of the checkpoint at `root`, opened on demand, one at a time:
-    asking for another shard closes the previous one (the commands read shards in order). A
-    context manager; `close()` closes the open one."""
+    """Readers for the shards of the checkpoint at `root`, opened on demand. By default one at a
+    time: asking for another shard closes the previous one (draft, lora and synth read shards in
+    order). `keep_open=True` keeps every reader open until `close()` (a conversion job's units
+    may alternate between shards). `fetch(shard) -> Path` locates a shard elsewhere (a hub
+    download); `headers`, when given, saves re-reading them. A context manager."""
 
-    def __init__(self, root: Path, headers: dict[str, Header]):
-        self.root, self.headers = Path(root), headers
-        self.name: str | None = None
-        self.reader: ShardReader | None = None
+    def __init__(self, root: Path, headers: dict[str, Header] | None = None, *,
+                 fetch: Callable[[str], Path] | None = None, keep_open: bool = False):
+        self.root, self.headers, self.fetch, self.keep_open = Path(root), headers or {}, fetch, keep_open
+        self.readers: dict[str, ShardReader] = {}
 
     def get(self, shard: str) -> ShardReader:
-        if shard != self.name:
-            self.close()
-            self.reader = ShardReader(safe_child(self.root, shard, "shard"), self.headers[shard])
-            self.name = shard
-        return self.reader
+        r = self.readers.get(shard)
+        if r is None:
+            if not self.keep_open:
+                self.close()
+            path = self.fetch(shard) if self.fetch is not None else safe_child(self.root, shard, "shard")
+            r = self.readers[shard] = ShardReader(path, self.headers.get(shard))
+        return r
 
     def close(self) -> None:
-        if self.reader is not None:
-            self.reader.close()
-        self.name, self.reader = None, None
+        readers, self.readers = self.readers, {}
+        for r in readers.values():
+            r.close()
 
     def __enter__(self) -> "ShardReaders":
         return self

@@ -53,10 +53,13 @@ PATH_REFERENCE = "torch-reference"
 PATHS = (PATH_INTERPRETER, PATH_BF16_MMA, PATH_SM100, PATH_REFERENCE)
 _MODE = {PATH_INTERPRETER: 0, PATH_BF16_MMA: 1, PATH_SM100: 2}
 
-NVFP4_BLOCK = nvfp4.BLOCK_SIZE  # the formats own these; the jitted bodies below spell them as
-MXFP8_BLOCK = mxfp8.BLOCK_SIZE  # literals (Triton constexpr); the interpreter tests hold them to the formats
+# The formats own block sizes and maxima; the launchers pass them to the jitted bodies as
+# constexpr arguments (SB: elements per scale, VMAX: largest element, SMAX/SMIN: block-scale range).
+NVFP4_BLOCK = nvfp4.BLOCK_SIZE
+MXFP8_BLOCK = mxfp8.BLOCK_SIZE
 E2M1_MAX = nvfp4.E2M1_MAX
 E4M3_MAX = nvfp4.E4M3_MAX
+NVFP4_MIN_SCALE = nvfp4.MIN_BLOCK_SCALE
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,6 +156,7 @@ if triton is not None:
         stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         MODE: tl.constexpr, GROUPED: tl.constexpr,
+        SB: tl.constexpr, VMAX: tl.constexpr, SMAX: tl.constexpr, SMIN: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -174,16 +178,16 @@ if triton is not None:
                 x = tl.load(x_base + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
                 offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
                 wq = tl.load(w_base + offs_kb[None, :], mask=n_mask[:, None] & (offs_kb < K // 2)[None, :], other=0)
-                offs_ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-                ws = tl.load(s_base + offs_ks[None, :], mask=n_mask[:, None] & (offs_ks < K // 16)[None, :], other=0)
+                offs_ks = k0 // SB + tl.arange(0, BLOCK_K // SB)
+                ws = tl.load(s_base + offs_ks[None, :], mask=n_mask[:, None] & (offs_ks < K // SB)[None, :], other=0)
                 if MODE == 2:
                     # W4A4: quantize the activation tile to NVFP4 (per-16 e4m3 scales under the
                     # per-tensor activation scale a_s2), then one block-scaled MMA.
-                    xb = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // 16, 16))
+                    xb = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // SB, SB))
                     amax = tl.max(tl.abs(xb), axis=2)
-                    bs = tl.math.div_rn(amax, 6.0 * a_s2)
+                    bs = tl.math.div_rn(amax, VMAX * a_s2)
                     bs = tl.where(bs == 0.0, 1.0, bs)
-                    bs = tl.minimum(tl.maximum(bs, 0.001953125), 448.0)
+                    bs = tl.minimum(tl.maximum(bs, SMIN), SMAX)
                     bs8 = _round_e4m3(bs).to(tl.float8e4nv)
                     denom = bs8.to(tl.float32) * a_s2
                     xq = tl.math.div_rn(xb, denom[:, :, None])
@@ -195,7 +199,7 @@ if triton is not None:
                 else:
                     codes = tl.reshape(tl.join((wq & 0xF).to(tl.int32), (wq >> 4).to(tl.int32)),
                                        (BLOCK_N, BLOCK_K))
-                    wv = tl.reshape(_e2m1_decode(codes), (BLOCK_N, BLOCK_K // 16, 16))
+                    wv = tl.reshape(_e2m1_decode(codes), (BLOCK_N, BLOCK_K // SB, SB))
                     wv = wv * _e4m3_decode(ws)[:, :, None]
                     w = tl.reshape(wv, (BLOCK_N, BLOCK_K))
                     if MODE == 0:
@@ -215,6 +219,7 @@ if triton is not None:
         stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         MODE: tl.constexpr, GROUPED: tl.constexpr,
+        SB: tl.constexpr, VMAX: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -234,23 +239,23 @@ if triton is not None:
                 k_mask = (offs_k < K)[None, :]
                 x = tl.load(x_base + offs_k[None, :], mask=m_mask[:, None] & k_mask, other=0.0)
                 w8 = tl.load(w_base + offs_k[None, :], mask=n_mask[:, None] & k_mask, other=0)  # e4m3 bits
-                offs_ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-                ws = tl.load(s_base + offs_ks[None, :], mask=n_mask[:, None] & (offs_ks < K // 32)[None, :], other=0)
+                offs_ks = k0 // SB + tl.arange(0, BLOCK_K // SB)
+                ws = tl.load(s_base + offs_ks[None, :], mask=n_mask[:, None] & (offs_ks < K // SB)[None, :], other=0)
                 if MODE == 2:
                     # W8A8: quantize the activation tile to MXFP8 with ModelOpt's scale rule
-                    # E = ceil(log2(amax/448)) (taken exactly from the fp32 bits), then one
+                    # E = ceil(log2(amax/VMAX)) (taken exactly from the fp32 bits), then one
                     # block-scaled MMA on e4m3 x e4m3 with e8m0 scales.
-                    xb = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // 32, 32))
+                    xb = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // SB, SB))
                     amax = tl.max(tl.abs(xb), axis=2)
-                    bits = tl.math.div_rn(amax, 448.0).to(tl.int32, bitcast=True)
+                    bits = tl.math.div_rn(amax, VMAX).to(tl.int32, bitcast=True)
                     ef = (bits >> 23) & 0xFF
                     mant = bits & 0x7FFFFF
                     ex = ef - 127 + (mant != 0).to(tl.int32)
-                    ex = tl.where(ef == 0, tl.where(mant > 0x400000, -126, -127), ex)  # subnormal amax/448
+                    ex = tl.where(ef == 0, tl.where(mant > 0x400000, -126, -127), ex)  # subnormal amax/VMAX
                     ex = tl.where(amax == 0.0, -127, ex)
                     ex = tl.minimum(tl.maximum(ex, -127), 127)
                     inv = ((127 - ex) << 23).to(tl.float32, bitcast=True)  # 2^-ex, ex <= 120 for finite x
-                    xs = tl.minimum(tl.maximum(xb * inv[:, :, None], -448.0), 448.0)
+                    xs = tl.minimum(tl.maximum(xb * inv[:, :, None], -VMAX), VMAX)
                     x8 = tl.reshape(_round_e4m3(xs), (BLOCK_M, BLOCK_K)).to(tl.float8e4nv)
                     xe = (ex + 127).to(tl.uint8)
                     acc = tl.dot_scaled(x8, xe, "e4m3", tl.trans(w8.to(tl.float8e4nv, bitcast=True)), ws,
@@ -258,7 +263,7 @@ if triton is not None:
                 else:
                     sb = ws.to(tl.int32) << 23
                     sf = tl.where(sb == 0, 0x00400000, sb).to(tl.float32, bitcast=True)  # 2^(E-127)
-                    wv = tl.reshape(_e4m3_decode(w8), (BLOCK_N, BLOCK_K // 32, 32)) * sf[:, :, None]
+                    wv = tl.reshape(_e4m3_decode(w8), (BLOCK_N, BLOCK_K // SB, SB)) * sf[:, :, None]
                     w = tl.reshape(wv, (BLOCK_N, BLOCK_K))
                     if MODE == 0:
                         acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
@@ -469,6 +474,7 @@ def _nvfp4_launch(x, w_packed, w_scale, w_scale_2, input_scale, out_dtype, path,
         M, N, K,
         x.stride(0), sw(w_packed), w_packed.stride(-2), sw(w_scale), w_scale.stride(-2), y.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], MODE=mode, GROUPED=grouped,
+        SB=NVFP4_BLOCK, VMAX=E2M1_MAX, SMAX=E4M3_MAX, SMIN=NVFP4_MIN_SCALE,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y
@@ -504,6 +510,7 @@ def _mxfp8_launch(x, w, w_scale, out_dtype, path, grouped, expert_offsets):
         M, N, K,
         x.stride(0), sw(w), w.stride(-2), sw(w_scale), w_scale.stride(-2), y.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], MODE=_MODE[path], GROUPED=grouped,
+        SB=MXFP8_BLOCK, VMAX=E4M3_MAX,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y

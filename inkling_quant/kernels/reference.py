@@ -73,7 +73,7 @@ def mxfp8_grouped_gemm(x, w, w_scale, expert_offsets) -> torch.Tensor:
 # --- activation quantization (model of the sm100 path) -------------------------------------------
 def nvfp4_activation_amax(x: torch.Tensor, input_scale=None) -> torch.Tensor:
     """The amax an NVFP4 activation scale is derived from (fp32 0-d): amax(x) (dynamic), or
-    ``input_scale * 6 * 448`` for a checkpoint's static input_scale."""
+    ``input_scale * GLOBAL_DIV`` (the format's e2m1 max x e4m3 max) for a static input_scale."""
     if input_scale is None:
         return x.detach().abs().amax().float()
     # the inverse of the format's input_scale rule (Format.activation_amax), kept on the device
@@ -81,7 +81,7 @@ def nvfp4_activation_amax(x: torch.Tensor, input_scale=None) -> torch.Tensor:
 
 
 def nvfp4_activation_scale(x: torch.Tensor, input_scale=None) -> torch.Tensor:
-    """Per-tensor NVFP4 activation scale the sm100 kernel uses, fp32 0-d: amax / (6*448), the
+    """Per-tensor NVFP4 activation scale the sm100 kernel uses, fp32 0-d: amax / GLOBAL_DIV, the
     same expression inkling_quant.formats' NVFP4 uses for weight_scale_2 (a test checks they are
     bit-equal), 1.0 for an all-zero x. No host sync."""
     amax = nvfp4_activation_amax(x, input_scale)

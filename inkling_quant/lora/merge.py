@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..errors import CheckpointError, ConfigError, UsageError
+from ..export import format_of, read_quantization
 from ..formats import FORMATS, SCALE_SUFFIXES
 from ..io.checkpoint import HF_QUANT_CONFIG, INDEX_NAME, Checkpoint, read_json, safe_child, write_json_atomic
 from ..io.derive import carry_checksums, copy_other_files, rewrite_shard, source_checksums
@@ -60,6 +61,7 @@ class Plan:
     targets: list[Target]
     user_scale: float
     warnings: list[str]
+    quantization: dict | None = None  # what the checkpoint declares (export.read_quantization)
 
     @property
     def rewrite(self) -> list[str]:
@@ -79,20 +81,20 @@ class Plan:
         }
 
 
-def _quantized_format(plan_cfg: dict, ckpt: Checkpoint, headers: dict[str, Header], module: str) -> str | None:
-    """The number format of `module` when the checkpoint holds it quantized, else None."""
-    layers = ((plan_cfg.get("quantization_config") or {}).get("quantized_layers") or {})
-    entry = layers.get(module)
-    if isinstance(entry, dict) and entry.get("quant_algo"):
-        return str(entry["quant_algo"])
-    for suffix in SCALE_SUFFIXES:
-        if f"{module}.{suffix}" in ckpt.weight_map:
-            return "quantized"
+def _quantized_format(plan: "Plan", module: str) -> str | None:
+    """The quant_algo of `module` when the checkpoint holds it quantized, else None: what its
+    quantization config declares (export.format_of), else what its tensors show (a scale
+    tensor, or a weight in no unquantized dtype)."""
+    declared = format_of(plan.quantization, module)
+    if declared is not None:
+        return declared.quant_algo
+    ckpt = plan.ckpt
+    if any(f"{module}.{suffix}" in ckpt.weight_map for suffix in SCALE_SUFFIXES):
+        return "quantized"
     shard = ckpt.weight_map.get(module + ".weight")
-    if shard is not None:
-        e = headers[shard].tensors.get(module + ".weight")
-        if e is not None and e.dtype not in FORMATS["passthrough"].source_dtypes:  # not an unquantized weight
-            return DTYPE_NAMES[e.dtype]
+    e = plan.headers[shard].tensors.get(module + ".weight") if shard is not None else None
+    if e is not None and e.dtype not in FORMATS["passthrough"].source_dtypes:
+        return DTYPE_NAMES[e.dtype]
     return None
 
 
@@ -143,7 +145,7 @@ def _mergeable(plan: Plan, module: str, where: str) -> TensorName:
         raise ConfigError(f"{where} has LoRA weights, but the adapter config's target_modules="
                           f"{json.dumps(plan.adapter.config.target_modules)} does not select it: adapter files do "
                           f"not match")
-    fmt = _quantized_format(plan.config, plan.ckpt, plan.headers, module)
+    fmt = _quantized_format(plan, module)
     if fmt is not None:
         if t.part == "expert":
             raise ConfigError(
@@ -212,7 +214,7 @@ def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0,
     cfg = ModelConfig.from_dict(config, str(config_path))
     adapter = open_adapter(adapter_spec)
     acfg = adapter.config
-    plan = Plan(ckpt, headers, config, cfg, adapter, [], float(scale), [])
+    plan = Plan(ckpt, headers, config, cfg, adapter, [], float(scale), [], read_quantization(ckpt.root, config))
     if acfg.fan_in_fan_out:
         plan.warnings.append("fan_in_fan_out=true ignored, as PEFT does for nn.Linear layers: the projections are "
                              "stored [out, in], so the delta is B @ A")

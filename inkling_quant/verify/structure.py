@@ -3,11 +3,10 @@
 prescribe (`Expected`) against the tensors the headers hold."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from ..errors import InklingQuantError
+from ..errors import InklingQuantError, short_repr
 from ..formats import detect
 from ..io.checkpoint import INDEX_NAME, RESUME_MANIFEST, SINGLE_NAME, Checkpoint, safe_child
 from ..io.safetensors import DTYPE_NAMES, Header, read_header
@@ -189,14 +188,8 @@ def _compare_source_config(c: Check, root: Path, conf: Conf, n_shards: int, n_te
         for k in sorted(set(mine) | set(theirs)):
             if mine.get(k) != theirs.get(k):
                 c.fail(conf.root / "config.json", None, f"key {k!r} differs from the source's config.json "
-                       f"({_short(mine.get(k))} vs {_short(theirs.get(k))})")
+                       f"({short_repr(mine.get(k), 60)} vs {short_repr(theirs.get(k), 60)})")
     c.figures.update(shards=n_shards, tensors=n_tensors)
-
-
-def _short(v) -> str:
-    """JSON of a config value, cut to 60 characters (the message shows both sides' JSON)."""
-    s = json.dumps(v, default=str)
-    return s if len(s) <= 60 else s[:57] + "..."
 
 
 # ============================================================================ layout

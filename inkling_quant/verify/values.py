@@ -10,10 +10,10 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from ..formats import VALUE_RULES, value_rules
+from ..formats import FORMATS, VALUE_RULES, value_rules
 from ..io.checkpoint import INDEX_NAME
 from ..io.safetensors import TensorEntry
-from ..layout import TensorName
+from ..layout import FUSED_PROJECTIONS, TensorName
 from .inventory import Inventory
 from .report import Recorder
 from .stream import Seen
@@ -137,16 +137,22 @@ def _first_bad(x: torch.Tensor, rule: str) -> tuple[int, str]:
 
 
 # ============================================================================ gate_up
+# the per-tensor scales that formats fusing gate and up (NVFP4's weight_scale_2) share
+_SHARED_SCALES = {f.global_scale for f in FORMATS.values() if f.fuses_gate_up}
+
+
 class GateUpScales:
-    """Collects each NVFP4 expert's gate and up weight_scale_2 (fp32 scalars) in the read."""
+    """Collects each expert's shared global scales (fp32 scalars) of gate and up in the read."""
 
     def __init__(self) -> None:
         self.scale2: dict[tuple[int, int], dict[str, float]] = {}
+        self.seen: dict[tuple[int, int, str], str] = {}  # (layer, expert, projection) -> tensor name
 
     def visit(self, seen: Seen):
         t, e = seen.t, seen.entry
-        if t is not None and t.is_expert and t.suffix == "weight_scale_2" and e.dtype == torch.float32 \
-                and e.nbytes == 4 and t.projection in ("gate_proj", "up_proj"):
+        if t is not None and t.is_expert and t.suffix in _SHARED_SCALES and e.dtype == torch.float32 \
+                and e.nbytes == 4 and t.projection in FUSED_PROJECTIONS:
+            self.seen[t.layer, t.expert, t.projection] = seen.name
             return _ScaleSink(self.scale2.setdefault((t.layer, t.expert), {}), t.projection)
         return None
 
@@ -165,18 +171,19 @@ class _ScaleSink:
 def check_gate_up(run: Recorder, inv: Inventory, scales: GateUpScales) -> None:
     """The `gate_up` check (when the layout expects NVFP4 experts): vLLM fuses gate and up (w13)
     under one weight_scale_2, the gate's."""
-    if not any(n.endswith(".weight_scale_2") for n in inv.expected.fmt_of):
+    if not any(n.rsplit(".", 1)[-1] in _SHARED_SCALES for n in inv.expected.fmt_of):
         return
     c = run.new("gate_up", "values", "gate and up of each NVFP4 expert share weight_scale_2")
     n = 0
+    first, second = FUSED_PROJECTIONS
     for (layer, expert), d in sorted(scales.scale2.items()):
-        if "gate_proj" in d and "up_proj" in d:
+        if first in d and second in d:
             n += 1
-            g, u = d["gate_proj"], d["up_proj"]
+            g, u = d[first], d[second]
             if not (g == u or (math.isnan(g) and math.isnan(u))):
-                name = f"model.layers.{layer}.mlp.experts.{expert}.up_proj.weight_scale_2"
+                name = scales.seen[layer, expert, second]
                 where = inv.files.tensors.get(name)
                 c.fail(inv.root / (where.shard if where else INDEX_NAME), name,
-                       f"{u!r} differs from gate_proj's {g!r}: vLLM fuses gate and up (w13) under one "
-                       f"weight_scale_2 and would use gate's for both")
+                       f"{u!r} differs from {first}'s {g!r}: vLLM fuses gate and up (w13) under one "
+                       f"global scale and would use {first}'s for both")
     c.figures["experts"] = n
