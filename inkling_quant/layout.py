@@ -20,7 +20,8 @@ from .errors import ConfigError, UnknownTensorError
 from .errors import short_repr as _short
 from .formats import SCALE_SUFFIXES
 
-REFERENCE_CONFIG = Path(__file__).parent / "configs" / "inkling-2-small.json"
+# the invented layout the commands still use until they move to inkling2 (issue 14)
+REFERENCE_CONFIG = Path(__file__).parent / "configs" / "inkling-2-small-legacy.json"
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 FUSED_PROJECTIONS = ("gate_proj", "up_proj")  # an expert's pair vLLM fuses into one w13, in w13's order

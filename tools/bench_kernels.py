@@ -13,7 +13,7 @@ activations + output, each once) and the kernel's speed-up over both baselines. 
 (one launch over several experts, m tokens each) follows, against torch.bmm on BF16 weights.
 
 Shapes come from inkling_quant/configs/inkling-2-small.json (hidden_size,
-moe_intermediate_size, num_experts, num_experts_per_tok). Without a CUDA GPU it says so and
+moe_intermediate_size, n_routed_experts, num_experts_per_tok of text_config: 4608 x 2304). Without a CUDA GPU it says so and
 exits 0 (``--smoke`` instead runs tiny shapes through whatever backend exists, to check the
 script itself). Budget: well under 5 minutes on one GPU.
 """
@@ -34,10 +34,9 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 def load_shapes(path: Path = CONFIG) -> dict:
-    cfg = json.loads(path.read_text())
-    cfg = cfg.get("text_config", cfg)
-    return {k: int(cfg[k]) for k in ("hidden_size", "moe_intermediate_size", "num_experts",
-                                     "num_experts_per_tok")}
+    t = json.loads(path.read_text())["text_config"]  # the published Inkling2Config
+    return {"hidden_size": t["hidden_size"], "moe_intermediate_size": t["moe_intermediate_size"],
+            "num_experts": t["n_routed_experts"], "num_experts_per_tok": t["num_experts_per_tok"]}
 
 
 def _timer(device):

@@ -1,0 +1,334 @@
+"""The published Inkling 2 model: its config and the tensors its checkpoints hold on disk.
+
+The source of truth is transformers >= 5.24 (line numbers below: 5.25.0), `models/inkling2/`
+(configuration_inkling2.py, modeling_inkling2.py) and `conversion_mapping.py` (entries "inkling2" / "inkling2_text", which
+map the original on-disk names to transformers' names; `save_pretrained` writes the original
+names back). `Inkling2Config` reads a config.json as those classes write it (`text_config` and
+`vision_config` nested); `checkpoint_tensors(cfg)` lists every tensor, with shape and dtype, that
+`Inkling2ForConditionalGeneration(cfg).save_pretrained` writes (tests/test_inkling2.py compares
+them). docs/layout.md cites the file and line each rule follows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .errors import ConfigError
+from .errors import short_repr as _short
+
+REFERENCE_CONFIG = Path(__file__).parent / "configs" / "inkling-2-small.json"
+
+FULL = "hybrid"              # full-attention layers (configuration_inkling2.py: layer_types)
+SLIDING = "hybrid_sliding"   # sliding-window layers
+TEXT_PREFIX = "model.llm."   # conversion_mapping.py "inkling2": model.llm. <-> model.language_model.
+VISION_PREFIX = "model.visual."
+BF16, FP32 = torch.bfloat16, torch.float32
+
+# Bounds on config values: a config is untrusted input, and shapes and loops come from it.
+_MAX_DIM = 1 << 24
+_MAX_LAYERS = 1 << 12
+_MAX_EXPERT_MODULES = 1 << 20
+_LIMITS = {"num_hidden_layers": _MAX_LAYERS, "n_routed_experts": 1 << 16, "max_position_embeddings": 1 << 40,
+           "sliding_window_size": 1 << 40, "rel_extent": 1 << 40}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One tensor of a checkpoint: name, shape, dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class _Reader:
+    """Typed, bounded reads of one (untrusted) config object; every defect names the key."""
+
+    def __init__(self, obj, where: str, source: str):
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{source}: {where or 'config'} must be a JSON object, got {_short(obj)}")
+        self.obj, self.where, self.source = obj, where, source
+
+    def need(self, key: str):
+        if key not in self.obj:
+            raise ConfigError(f"{self.source}: missing key {self.where}{key!r}")
+        return self.obj[key]
+
+    def int(self, key: str, default=None, lo: int = 1) -> int:
+        v = self.obj.get(key, default) if default is not None else self.need(key)
+        hi = _LIMITS.get(key, _MAX_DIM)
+        if type(v) is not int:  # not bool, not 4096.0, not "4096"
+            raise ConfigError(f"{self.source}: {self.where}{key} must be an integer, got {_short(v)}")
+        if not lo <= v <= hi:
+            raise ConfigError(f"{self.source}: {self.where}{key} must be between {lo} and {hi}, got {_short(v)}")
+        return v
+
+    def bool(self, key: str, default: bool) -> bool:
+        v = self.obj.get(key, default)
+        if not isinstance(v, bool):
+            raise ConfigError(f"{self.source}: {self.where}{key} must be true or false, got {_short(v)}")
+        return v
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """Inkling2TextConfig's dimensions (configuration_inkling2.py:83-121)."""
+
+    vocab_size: int                 # rows of embed and of the padded unembed on disk
+    unpadded_vocab_size: int        # rows of transformers' lm_head (Inkling2UnpadVocab)
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]    # FULL or SLIDING per layer
+    num_attention_heads: int        # full-attention ("hybrid") layers
+    num_key_value_heads: int
+    head_dim: int
+    swa_num_attention_heads: int    # sliding ("hybrid_sliding") layers
+    swa_num_key_value_heads: int
+    swa_head_dim: int
+    sliding_window_size: int
+    rel_extent: int                 # relative-bias extent of full layers (sliding: the window)
+    d_rel: int
+    conv_kernel_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_layers_per_attn_res_block: int
+    max_position_embeddings: int
+
+    def is_full(self, layer: int) -> bool:
+        return self.layer_types[layer] == FULL
+
+    def attention_dims(self, layer: int) -> tuple[int, int, int]:
+        """(heads, kv heads, head_dim) of `layer` (modeling_inkling2.py:599-601)."""
+        if self.is_full(layer):
+            return self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        return self.swa_num_attention_heads, self.swa_num_key_value_heads, self.swa_head_dim
+
+    def layer_rel_extent(self, layer: int) -> int:
+        return self.rel_extent if self.is_full(layer) else self.sliding_window_size
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """Inkling2VisionConfig's dimensions (configuration_inkling2.py:150-169)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_channels: int
+    patch_size: int
+    spatial_merge_size: int
+    posemb_grid_size: int
+    projection_hidden_dim: int
+    projector_bias: bool
+    text_hidden_size: int
+
+
+@dataclass(frozen=True)
+class Inkling2Config:
+    """A config.json of Inkling2ForConditionalGeneration, validated (every dimension an integer
+    in a sane range, so no shape derived from it is negative or absurd)."""
+
+    text: TextConfig
+    vision: VisionConfig | None
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config.json") -> "Inkling2Config":
+        top = _Reader(d, "", source)
+        t = _Reader(top.need("text_config"), "text_config.", source)
+        n = t.int("num_hidden_layers")
+        types = t.need("layer_types")
+        if not isinstance(types, list) or not all(isinstance(x, str) for x in types):
+            raise ConfigError(f"{source}: text_config.layer_types must be a list of strings, got {_short(types)}")
+        if len(types) != n:
+            raise ConfigError(f"{source}: text_config.layer_types has {len(types)} entries, "
+                              f"num_hidden_layers is {n}")
+        if bad := sorted(set(types) - {FULL, SLIDING}):
+            raise ConfigError(f"{source}: text_config.layer_types: unknown {_short(bad)} (expected "
+                              f"{FULL!r} or {SLIDING!r})")
+        dims = {k: t.int(k) for k in TextConfig.__dataclass_fields__
+                if k not in ("num_hidden_layers", "layer_types")}
+        text = TextConfig(num_hidden_layers=n, layer_types=tuple(types), **dims)
+        if text.unpadded_vocab_size > text.vocab_size:
+            raise ConfigError(f"{source}: text_config.unpadded_vocab_size ({text.unpadded_vocab_size}) exceeds "
+                              f"vocab_size ({text.vocab_size})")
+        if text.num_experts_per_tok > text.n_routed_experts:
+            raise ConfigError(f"{source}: text_config.num_experts_per_tok ({text.num_experts_per_tok}) exceeds "
+                              f"n_routed_experts ({text.n_routed_experts})")
+        if n * text.n_routed_experts > _MAX_EXPERT_MODULES:
+            raise ConfigError(f"{source}: {n} layers x {text.n_routed_experts} experts is more than "
+                              f"{_MAX_EXPERT_MODULES} expert modules")
+        vision = None
+        if d.get("vision_config") is not None:
+            v = _Reader(d["vision_config"], "vision_config.", source)
+            vd = {k: v.int(k) for k in VisionConfig.__dataclass_fields__ if k != "projector_bias"}
+            vision = VisionConfig(projector_bias=v.bool("projector_bias", False), **vd)
+            if vision.text_hidden_size != text.hidden_size:  # Inkling2Config.validate_architecture
+                raise ConfigError(f"{source}: vision_config.text_hidden_size ({vision.text_hidden_size}) must "
+                                  f"match text_config.hidden_size ({text.hidden_size})")
+        return cls(text, vision, dict(d))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Inkling2Config":
+        from .io.checkpoint import CONFIG_NAME, read_json, safe_child
+
+        path = Path(path)
+        if path.is_dir():
+            path = safe_child(path, CONFIG_NAME)
+        return cls.from_dict(read_json(path, CONFIG_NAME, ConfigError), str(path))
+
+    @classmethod
+    def reference(cls) -> "Inkling2Config":
+        """The published defaults (Inkling2Config() of transformers, documented against
+        thinkingmachines/Inkling-2-Small-MXFP8), as configs/inkling-2-small.json holds them."""
+        return cls.load(REFERENCE_CONFIG)
+
+
+# --------------------------------------------------------------------------- tensors on disk
+def _layer(t: TextConfig, i: int) -> Iterator[Spec]:
+    """Decoder layer `i` under its original names (conversion_mapping.py:429-480 renames them
+    to transformers'; modeling_inkling2.py:905-980 defines them)."""
+    H, k, E, inter = t.hidden_size, t.conv_kernel_size, t.n_routed_experts, t.moe_intermediate_size
+    nh, nkv, hd = t.attention_dims(i)
+    q, kv = nh * hd, nkv * hd
+    p = f"{TEXT_PREFIX}layers.{i}."
+    yield Spec(p + "attn.wq_du.weight", (q, H), BF16)
+    yield Spec(p + "attn.q_l2_clip.scale", (nh, hd), BF16)
+    for kind in ("k", "v"):
+        yield Spec(p + f"attn.w{kind}_dv.weight", (kv, H), BF16)
+        if t.is_full(i):  # Inkling2DynamicShortConvolution: static taps + per-token projected taps
+            yield Spec(p + f"attn.{kind}_sconv.static_w", (k, kv), BF16)
+            yield Spec(p + f"attn.{kind}_sconv.weight_proj", (nkv * k, H), BF16)
+        else:             # Inkling2ShortConvolution, kept in fp32 (_keep_in_fp32_modules_strict "sconv.conv1d")
+            yield Spec(p + f"attn.{kind}_sconv.weight", (kv, 1, k), FP32)
+    yield Spec(p + "attn.gate_attn.weight", (q, H), BF16)
+    yield Spec(p + "attn.wo_ud.weight", (H, q), BF16)
+    yield Spec(p + "attn.attn_sink_proj.weight", (nh, H), BF16)
+    yield Spec(p + "attn.wr_du.weight", (nh * t.d_rel, H), BF16)
+    yield Spec(p + "attn.rel_l2_clip.scale", (nh, t.d_rel), BF16)
+    yield Spec(p + "attn.rel_logits_proj.proj", (t.d_rel, t.layer_rel_extent(i)), BF16)
+    if t.is_full(i):
+        for kind in ("q", "k", "v"):
+            yield Spec(p + f"{kind}_input_norm.weight", (H,), BF16)
+    else:
+        yield Spec(p + "attn_norm.weight", (H,), BF16)
+    yield Spec(p + "mlp_norm.weight", (H,), BF16)
+    yield Spec(p + "attn_sconv.weight", (H, 1, k), FP32)
+    yield Spec(p + "mlp_sconv.weight", (H, 1, k), FP32)
+    yield Spec(p + "mlp.gate.weight", (E, H), FP32)
+    yield Spec(p + "mlp.gate.bias", (E,), FP32)  # e_score_correction_bias
+    # stacked experts: w13 rows interleave gate and up (row 2j = gate_j, 2j+1 = up_j:
+    # core_model_loading.py Interleave); w2 is down_proj as is
+    yield Spec(p + "mlp.experts.w13_weight", (E, 2 * inter, H), BF16)
+    yield Spec(p + "mlp.experts.w2_weight", (E, H, inter), BF16)
+
+
+def text_tensors(t: TextConfig, include_experts: bool = True) -> Iterator[Spec]:
+    H = t.hidden_size
+    yield Spec(TEXT_PREFIX + "embed.weight", (t.vocab_size, H), BF16)
+    yield Spec(TEXT_PREFIX + "embed_norm.weight", (H,), BF16)
+    for i in range(t.num_hidden_layers):
+        # block attention residual queries (fp32): one before each sublayer; the attention's of
+        # a full layer has 3 queries (q, k, v inputs), layer 0 has none (modeling_inkling2.py:877-881)
+        if i > 0:
+            yield Spec(TEXT_PREFIX + f"attn_res.attn_queries.{i - 1}", (3, H) if t.is_full(i) else (H,), FP32)
+        yield Spec(TEXT_PREFIX + f"attn_res.mlp_queries.{i}", (H,), FP32)
+        for s in _layer(t, i):
+            if include_experts or ".mlp.experts." not in s.name:
+                yield s
+    yield Spec(TEXT_PREFIX + "attn_res.output_query", (H,), FP32)
+    yield Spec(TEXT_PREFIX + "norm.weight", (H,), BF16)
+    # unembed is stored padded to vocab_size; transformers' lm_head drops the padding rows
+    yield Spec(TEXT_PREFIX + "unembed.weight", (t.vocab_size, H), BF16)
+
+
+def vision_tensors(v: VisionConfig) -> Iterator[Spec]:
+    """The ViT and its projector (conversion_mapping.py:385-425; modeling_inkling2.py:1104-1304)."""
+    Hv, Iv, p = v.hidden_size, v.intermediate_size, VISION_PREFIX
+    b = p + "backbone."
+    yield Spec(b + "embeddings.class_embedding", (Hv,), BF16)
+    yield Spec(b + "embeddings.cls_position_embedding", (Hv,), BF16)
+    yield Spec(b + "embeddings.patch_embedding.weight", (Hv, v.num_channels * v.patch_size ** 2), BF16)
+    yield Spec(b + "embeddings.position_embedding", (v.posemb_grid_size ** 2, Hv), BF16)
+    yield Spec(b + "ln_pre.weight", (Hv,), BF16)
+    yield Spec(b + "ln_pre.bias", (Hv,), BF16)
+    for j in range(v.num_hidden_layers):
+        lp = f"{b}layers.{j}."
+        for name, shape in (("ln_1.weight", (Hv,)), ("ln_1.bias", (Hv,)), ("ln_2.weight", (Hv,)),
+                            ("ln_2.bias", (Hv,)), ("ls_1.gamma", (Hv,)), ("ls_2.gamma", (Hv,)),
+                            ("mlp.c_fc.weight", (Iv, Hv)), ("mlp.c_fc.bias", (Iv,)),
+                            ("mlp.c_proj.weight", (Hv, Iv)), ("mlp.c_proj.bias", (Hv,))):
+            yield Spec(lp + name, shape, BF16)
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            yield Spec(lp + f"self_attn.{proj}.weight", (Hv, Hv), BF16)
+            yield Spec(lp + f"self_attn.{proj}.bias", (Hv,), BF16)
+    merged = v.spatial_merge_size ** 2 * Hv
+    for name, (out, inp) in (("proj_in", (v.projection_hidden_dim, merged)),
+                             ("proj_out", (v.text_hidden_size, v.projection_hidden_dim))):
+        yield Spec(p + f"{name}.weight", (out, inp), BF16)
+        if v.projector_bias:
+            yield Spec(p + f"{name}.bias", (out,), BF16)
+
+
+def checkpoint_tensors(cfg: Inkling2Config, include_experts: bool = True) -> Iterator[Spec]:
+    """Every tensor of a BF16 checkpoint in the original layout, text model then vision tower."""
+    yield from text_tensors(cfg.text, include_experts)
+    if cfg.vision is not None:
+        yield from vision_tensors(cfg.vision)
+
+
+# --------------------------------------------------------------------------- parameter counts
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters as the modeling code counts them (`model.parameters()`: lm_head unpadded, the
+    router's correction bias a buffer), by part."""
+
+    routed_experts: int
+    embed: int           # embed table (padded vocab, as stored)
+    lm_head: int         # unpadded_vocab_size x hidden
+    text_other: int      # attention, norms, convs, routers, attention-residual queries
+    vision: int
+    active_experts: int  # num_experts_per_tok of n_routed_experts, every layer
+
+    @property
+    def total(self) -> int:
+        return self.routed_experts + self.embed + self.lm_head + self.text_other + self.vision
+
+    @property
+    def active(self) -> int:
+        """Per token in the text model, without the embedding tables (the recipe's 17B)."""
+        return self.active_experts + self.text_other
+
+
+def param_counts(cfg: Inkling2Config) -> ParamCounts:
+    t = cfg.text
+    per_expert = 3 * t.hidden_size * t.moe_intermediate_size
+    tables = {TEXT_PREFIX + "embed.weight", TEXT_PREFIX + "unembed.weight"}
+    # mlp.gate.bias (e_score_correction_bias) is a registered buffer there, not a parameter
+    other = sum(s.numel for s in text_tensors(t, include_experts=False)
+                if s.name not in tables and not s.name.endswith(".mlp.gate.bias"))
+    vision = sum(s.numel for s in vision_tensors(cfg.vision)) if cfg.vision is not None else 0
+    return ParamCounts(
+        routed_experts=t.num_hidden_layers * t.n_routed_experts * per_expert, embed=t.vocab_size * t.hidden_size,
+        lm_head=t.unpadded_vocab_size * t.hidden_size, text_other=other, vision=vision,
+        active_experts=t.num_hidden_layers * t.num_experts_per_tok * per_expert)

@@ -1,0 +1,101 @@
+"""inkling_quant.inkling2 against transformers' own Inkling 2 (config, save_pretrained, parameters)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from inkling_quant.errors import ConfigError
+from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors, param_counts
+from inkling_quant.io.checkpoint import Checkpoint
+
+ref = pytest.importorskip("inkling2_reference")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return ref.save_tiny(tmp_path_factory.mktemp("inkling2") / "ckpt")
+
+
+def on_disk(root) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {n: (tuple(e.shape), e.dtype) for h in Checkpoint.open(root).headers().values()
+            for n, e in h.tensors.items()}
+
+
+def test_layout_equals_what_save_pretrained_writes(saved):
+    cfg = Inkling2Config.load(saved)
+    ours = {s.name: (s.shape, s.dtype) for s in checkpoint_tensors(cfg)}
+    theirs = on_disk(saved)
+    assert sorted(set(ours) - set(theirs)) == [] and sorted(set(theirs) - set(ours)) == []
+    assert {n: v for n, v in ours.items() if theirs[n] != v} == {}
+    assert any(n.endswith("mlp.experts.w13_weight") for n in ours)  # stacked experts, original names
+
+
+def test_w13_rows_interleave_gate_and_up(saved):
+    """Row 2j of w13_weight is expert gate row j, row 2j+1 up row j: transformers' Interleave op
+    loads it into gate_up_proj with gate as the first half."""
+    from safetensors.torch import load_file
+    from transformers.models.inkling2 import Inkling2ForConditionalGeneration
+
+    model = Inkling2ForConditionalGeneration.from_pretrained(saved, dtype=torch.bfloat16)
+    w13 = {k: v for f in saved.glob("*.safetensors") for k, v in load_file(f).items()}[
+        "model.llm.layers.1.mlp.experts.w13_weight"]
+    gate_up = model.model.language_model.layers[1].mlp.experts.gate_up_proj.detach()
+    inter = gate_up.shape[1] // 2
+    assert torch.equal(w13[:, 0::2], gate_up[:, :inter]) and torch.equal(w13[:, 1::2], gate_up[:, inter:])
+
+
+def test_reference_config_is_transformers_default():
+    """configs/inkling-2-small.json holds Inkling2Config()'s defaults: the published model."""
+    from transformers.models.inkling2 import Inkling2Config as HF
+
+    ours = Inkling2Config.reference().raw
+    theirs = HF().to_dict()
+    for key in ("text_config", "vision_config"):
+        for k, v in ours[key].items():
+            if k not in ("dtype", "transformers_version"):
+                assert theirs[key][k] == v, (key, k)
+
+
+def test_parameter_counts_match_the_modeling_code():
+    """594.05 B total and 17.03 B active (text, 8 of 384 experts, no embedding tables), as
+    transformers' model counts them at the published defaults (on the meta device)."""
+    from transformers.models.inkling2 import Inkling2Config as HF, Inkling2ForConditionalGeneration
+
+    with torch.device("meta"):
+        model = Inkling2ForConditionalGeneration(HF())
+    total = sum(p.numel() for p in model.parameters())
+    p = param_counts(Inkling2Config.reference())
+    assert p.total == total == 594_046_172_160
+    text = model.model.language_model
+    experts = sum(layer.mlp.experts.gate_up_proj.numel() + layer.mlp.experts.down_proj.numel()
+                  for layer in text.layers)
+    no_tables = sum(q.numel() for q in text.parameters()) - text.embed_tokens.weight.numel()
+    assert p.active == no_tables - experts + experts * 8 // 384 == 17_032_541_184
+
+
+def test_tiny_parameter_counts(saved):
+    from transformers.models.inkling2 import Inkling2ForConditionalGeneration
+
+    model = Inkling2ForConditionalGeneration.from_pretrained(saved)
+    assert param_counts(Inkling2Config.load(saved)).total == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d.pop("text_config"), "missing key 'text_config'"),
+    (lambda d: d["text_config"].update(layer_types=["hybrid"]), "layer_types has 1 entries"),
+    (lambda d: d["text_config"].update(layer_types=["full_attention"] * 48), "unknown"),
+    (lambda d: d["text_config"].update(hidden_size=4608.0), "hidden_size must be an integer"),
+    (lambda d: d["text_config"].update(n_routed_experts=1 << 17), "n_routed_experts must be between"),
+    (lambda d: d["text_config"].update(unpadded_vocab_size=10**6), "exceeds vocab_size"),
+    (lambda d: d["vision_config"].update(text_hidden_size=64), "must match text_config.hidden_size"),
+    (lambda d: d["vision_config"].update(projector_bias="no"), "projector_bias must be true or false"),
+])
+def test_bad_configs_name_the_key(tmp_path, edit, match):
+    d = json.loads(json.dumps(Inkling2Config.reference().raw))
+    edit(d)
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match=match):
+        Inkling2Config.load(p)
