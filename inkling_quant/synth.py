@@ -1,5 +1,10 @@
 """Write a synthetic Inkling-2-Small-shaped BF16 checkpoint from the layout spec.
 
+Two layouts: `original` is the published model (inkling_quant.inkling2: the names, shapes and
+dtypes `Inkling2ForConditionalGeneration.save_pretrained` writes, stacked experts); `legacy` is
+the layout this project invented before the model was published, which the other commands
+still read until they move to the published one (issue 14).
+
 Presets: `tiny` keeps all 48 layers with toy dimensions (seconds to make, for tests and the
 demo); `bench` keeps the reference config's real expert and attention shapes with fewer layers
 and experts (and a small vocabulary and vision/draft depth, since those pass through), so
@@ -23,7 +28,8 @@ from .io.checkpoint import INDEX_NAME, copy_file_atomic, shard_name, write_json_
 from .io.output import check_paths, staged_output, write_report
 from .io.safetensors import ShardWriter
 from .io.shards import plan_shards
-from .layout import REFERENCE_CONFIG, ModelConfig, TensorSpec, classify, expected_tensors
+from . import inkling2
+from .layout import REFERENCE_CONFIG, ModelConfig, TensorSpec, expected_tensors
 
 FILES = Path(__file__).parent / "configs" / "files"  # tokenizer, chat template, ... (tiny stand-ins)
 
@@ -49,6 +55,49 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# The published model's presets: overrides of text_config / vision_config of the reference.
+ORIGINAL_PRESETS: dict[str, dict] = {
+    "tiny": {
+        "text_config": {"vocab_size": 512, "unpadded_vocab_size": 500, "hidden_size": 64,
+                        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                        "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16,
+                        "sliding_window_size": 128, "rel_extent": 128, "d_rel": 8, "n_routed_experts": 4,
+                        "num_experts_per_tok": 2, "moe_intermediate_size": 96, "max_position_embeddings": 4096,
+                        "eos_token_id": 498},
+        "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                          "num_attention_heads": 2, "patch_size": 4, "posemb_grid_size": 4,
+                          "projection_hidden_dim": 64, "text_hidden_size": 64},
+        "image_token_id": 499,
+    },
+    "bench": {  # real expert (4608 x 2304) and attention shapes
+        "text_config": {"num_hidden_layers": 6, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                        "vocab_size": 16384, "unpadded_vocab_size": 16000, "eos_token_id": 15998},
+        "vision_config": {"num_hidden_layers": 1},
+        "image_token_id": 15999,
+    },
+}
+LAYOUTS = ("legacy", "original")
+
+
+def make_original_config(preset: str, layers: int | None = None, experts: int | None = None) -> dict:
+    """config.json of the published model (Inkling2Config's keys) for a preset."""
+    if preset not in ORIGINAL_PRESETS:
+        raise UsageError(f"unknown preset {preset!r}; known: {', '.join(ORIGINAL_PRESETS)}")
+    cfg = json.loads(inkling2.REFERENCE_CONFIG.read_text())
+    for k, v in ORIGINAL_PRESETS[preset].items():
+        cfg[k] = {**cfg[k], **v} if isinstance(v, dict) else v
+    text = cfg["text_config"]
+    if layers is not None:
+        text["num_hidden_layers"] = layers
+    if experts is not None:
+        text["n_routed_experts"] = experts
+        text["num_experts_per_tok"] = min(text["num_experts_per_tok"], experts)
+    # Inkling2TextConfig's default rule (configuration_inkling2.py:123-128): every 6th layer full
+    text["layer_types"] = [inkling2.FULL if (i + 1) % 6 == 0 else inkling2.SLIDING
+                           for i in range(text["num_hidden_layers"])]
+    return cfg
+
+
 def make_config(preset: str, layers: int | None = None, experts: int | None = None) -> dict:
     if preset not in PRESETS:
         raise UsageError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
@@ -72,23 +121,31 @@ def make_config(preset: str, layers: int | None = None, experts: int | None = No
     return cfg
 
 
+# norm modules, whose values sit around 1: the legacy layout's (weight and bias alike, as it
+# always generated them) and the published layout's (weights; LayerNorm biases stay near 0)
+_NORMS = {"norm", "norm1", "norm2", "ln_q", "input_layernorm", "post_attention_layernorm"}
+_ORIGINAL_NORMS = {"embed_norm", "attn_norm", "mlp_norm", "q_input_norm", "k_input_norm", "v_input_norm",
+                   "ln_1", "ln_2", "ln_pre"}
+
+
 def synth_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
     """Deterministic realistic values for one tensor, independent of generation order."""
     g = torch.Generator().manual_seed((zlib.crc32(spec.name.encode()) << 16) ^ seed)
-    t = classify(spec.name)
-    if t.part == "norm" or t.projection in ("norm1", "norm2", "merger.ln_q", "input_layernorm",
-                                            "post_attention_layernorm", "norm"):
+    stacked = ".mlp.experts.w" in spec.name  # [E, out, in]: each expert's rows are matrix rows
+    module, _, leaf = spec.name.rpartition(".")
+    last = module.rpartition(".")[2]
+    if last in _NORMS or (last in _ORIGINAL_NORMS and leaf == "weight"):
         x = 1.0 + 0.05 * torch.randn(spec.shape, generator=g)
     elif len(spec.shape) == 1:
         x = 0.02 * torch.randn(spec.shape, generator=g)
     else:
         fan_in = 1
-        for s in spec.shape[1:]:
+        for s in (spec.shape[-1:] if stacked else spec.shape[1:]):
             fan_in *= s
         x = torch.randn(spec.shape, generator=g).mul_(fan_in ** -0.5)
-        rows = x.reshape(spec.shape[0], -1)
-        n_out_rows = max(1, spec.shape[0] // 100)  # ~1% outlier rows, x8
-        idx = torch.randint(0, spec.shape[0], (n_out_rows,), generator=g)
+        rows = x.reshape(-1, spec.shape[-1]) if stacked else x.reshape(spec.shape[0], -1)
+        n_out_rows = max(1, rows.shape[0] // 100)  # ~1% outlier rows, x8
+        idx = torch.randint(0, rows.shape[0], (n_out_rows,), generator=g)
         rows[idx] *= 8.0
         n_spikes = max(1, rows.numel() // 50_000)  # rare single-element spikes, x40
         flat = rows.reshape(-1)
@@ -101,15 +158,20 @@ SEED_MAX = 2**32 - 1
 
 def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, layers: int | None = None,
                      experts: int | None = None, max_shard_bytes: int | None = None,
-                     progress: bool = False, overwrite: bool = False) -> Path:
+                     progress: bool = False, overwrite: bool = False, layout: str = "legacy") -> Path:
     """Built in OUT.partial and renamed at the end (`staged_output`): a killed synth leaves
     nothing that looks complete."""
     out = Path(out)
     if not 0 <= seed <= SEED_MAX:
         raise UsageError(f"--seed must be between 0 and {SEED_MAX}, got {seed}")
-    cfg_dict = make_config(preset, layers, experts)
-    cfg = ModelConfig.from_dict(cfg_dict, f"preset {preset}")
-    specs = list(expected_tensors(cfg))
+    if layout == "original":
+        cfg_dict = make_original_config(preset, layers, experts)
+        specs = list(inkling2.checkpoint_tensors(inkling2.Inkling2Config.from_dict(cfg_dict, f"preset {preset}")))
+    elif layout == "legacy":
+        cfg_dict = make_config(preset, layers, experts)
+        specs = list(expected_tensors(ModelConfig.from_dict(cfg_dict, f"preset {preset}")))
+    else:
+        raise UsageError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
     shards = plan_shards(specs, max_shard_bytes or PRESETS[preset]["max_shard_bytes"])
     weight_map = {}
     total = sum(s.nbytes for s in specs)
@@ -133,6 +195,9 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, layer
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output directory")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--layout", default="legacy", choices=LAYOUTS,
+                   help="original: the published Inkling 2 layout (stacked experts, model.llm.* names); "
+                        "legacy: the invented layout the other commands still read (default, for now)")
     p.add_argument("--layers", type=int_range(1, 4096), help="number of decoder layers (default: the preset's)")
     p.add_argument("--experts", type=int_range(1, 65536), help="routed experts per layer (default: the preset's)")
     p.add_argument("--seed", type=int_range(0, SEED_MAX), default=0)
@@ -146,8 +211,9 @@ def run(args) -> int:
     check_paths(args.out, reports=[args.json])
     quiet = args.quiet or args.json == "-"
     out = write_checkpoint(args.out, args.preset, args.seed, args.layers, args.experts,
-                           args.max_shard_size, progress=not quiet, overwrite=args.overwrite)
-    write_report(args.json, json.dumps({"output": str(out), "preset": args.preset, "seed": args.seed}, indent=2) + "\n")
+                           args.max_shard_size, progress=not quiet, overwrite=args.overwrite, layout=args.layout)
+    write_report(args.json, json.dumps({"output": str(out), "preset": args.preset, "layout": args.layout,
+                                        "seed": args.seed}, indent=2) + "\n")
     if not quiet:
         print(f"wrote {out}")
     return 0

@@ -99,3 +99,39 @@ def test_bad_configs_name_the_key(tmp_path, edit, match):
     p.write_text(json.dumps(d))
     with pytest.raises(ConfigError, match=match):
         Inkling2Config.load(p)
+
+
+def _transformers_layout(cfg_dict: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """What save_pretrained writes for `cfg_dict`, without data: the model built on the meta
+    device in bf16 (its fp32 modules stay fp32), names mapped back by transformers' own
+    revert_weight_conversion (the step save_pretrained runs)."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.models.inkling2 import Inkling2Config as HF, Inkling2ForConditionalGeneration
+
+    with torch.device("meta"):
+        model = Inkling2ForConditionalGeneration._from_config(HF.from_dict(cfg_dict), dtype=torch.bfloat16)
+    state = revert_weight_conversion(model, dict(model.state_dict()))
+    return {n: (tuple(t.shape), t.dtype) for n, t in state.items()}
+
+
+@pytest.mark.parametrize("preset", ["tiny", "bench"])
+def test_synth_original_layout_equals_transformers(tmp_path, preset):
+    """synth --layout original: the names, shapes and dtypes transformers writes for the same
+    config (tiny: the files themselves; bench, too big to write here: the specs)."""
+    from inkling_quant.synth import make_original_config, write_checkpoint
+
+    cfg_dict = make_original_config(preset)
+    theirs = _transformers_layout(cfg_dict)
+    if preset == "tiny":
+        ours = on_disk(write_checkpoint(tmp_path / "s", preset, layout="original"))
+    else:
+        ours = {s.name: (s.shape, s.dtype) for s in checkpoint_tensors(Inkling2Config.from_dict(cfg_dict))}
+        t = Inkling2Config.from_dict(cfg_dict).text
+        assert (t.hidden_size, t.moe_intermediate_size) == (4608, 2304)  # the real expert shapes
+    assert ours == theirs
+
+
+def test_meta_layout_helper_agrees_with_save_pretrained(saved):
+    """The meta-device route above gives exactly what save_pretrained wrote."""
+    cfg = json.loads((saved / "config.json").read_text())
+    assert _transformers_layout(cfg) == on_disk(saved)

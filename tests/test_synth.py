@@ -40,3 +40,18 @@ def test_values_deterministic_and_realistic(tmp_path):
     row_max = x.abs().amax(dim=1)
     assert row_max.max() > 4 * row_max.median()  # outlier rows/elements exist
     assert torch.isfinite(x).all()
+
+
+def test_original_layout_stacked_expert_values(tmp_path):
+    """Stacked experts [E, 2I, H] get the per-row statistics of a 2-D weight: scaled by the
+    input width H (not 2I*H), with outlier rows."""
+    from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors
+    from inkling_quant.synth import make_original_config
+
+    cfg = Inkling2Config.from_dict(make_original_config("tiny"))
+    spec = next(s for s in checkpoint_tensors(cfg) if s.name.endswith("layers.0.mlp.experts.w13_weight"))
+    x = synth_tensor(spec, 0).float()
+    assert x.shape == (4, 2 * 96, 64) and torch.equal(x, synth_tensor(spec, 0).float())
+    assert 0.5 < x.std().item() * 64 ** 0.5 < 4  # about 1/sqrt(H) (outliers raise it a little)
+    row_max = x.reshape(-1, 64).abs().amax(dim=1)
+    assert row_max.max() > 4 * row_max.median()
