@@ -249,7 +249,7 @@ def text_tensors(t: TextConfig, include_experts: bool = True) -> Iterator[Spec]:
     yield Spec(TEXT_PREFIX + "embed_norm.weight", (H,), BF16)
     for i in range(t.num_hidden_layers):
         # block attention residual queries (fp32): one before each sublayer; the attention's of
-        # a full layer has 3 queries (q, k, v inputs), layer 0 has none (modeling_inkling2.py:877-881)
+        # a full layer has 3 queries (q, k, v inputs), layer 0 has none (modeling_inkling2.py:877-881, 911, 968)
         if i > 0:
             yield Spec(TEXT_PREFIX + f"attn_res.attn_queries.{i - 1}", (3, H) if t.is_full(i) else (H,), FP32)
         yield Spec(TEXT_PREFIX + f"attn_res.mlp_queries.{i}", (H,), FP32)
