@@ -10,13 +10,14 @@ them). docs/layout.md cites the file and line each rule follows.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, UnknownTensorError
 from .errors import short_repr as _short
 
 REFERENCE_CONFIG = Path(__file__).parent / "configs" / "inkling-2-small.json"
@@ -332,3 +333,97 @@ def param_counts(cfg: Inkling2Config) -> ParamCounts:
         routed_experts=t.num_hidden_layers * t.n_routed_experts * per_expert, embed=t.vocab_size * t.hidden_size,
         lm_head=t.unpadded_vocab_size * t.hidden_size, text_other=other, vision=vision,
         active_experts=t.num_hidden_layers * t.num_experts_per_tok * per_expert)
+
+
+# --------------------------------------------------------------------------- transformers' names
+# (original, transformers) per tensor, from conversion_mapping.py's "inkling2" (377-428) and
+# "inkling2_text" (429-491) renames. {L}: decoder layer, {J}: vision layer. Two entries change
+# values, not only names: w13_weight <-> gate_up_proj (rows interleaved <-> [gate; up], the
+# Interleave op) and unembed <-> lm_head (padded <-> unpadded rows, Inkling2UnpadVocab).
+_LAYER_NAMES = [
+    ("attn.wq_du.weight", "self_attn.q_proj.linear.weight"),
+    ("attn.q_l2_clip.scale", "self_attn.q_proj.norm.scale"),
+    ("attn.wk_dv.weight", "self_attn.k_proj.linear.weight"),
+    ("attn.wv_dv.weight", "self_attn.v_proj.linear.weight"),
+    ("attn.k_sconv.weight", "self_attn.k_proj.sconv.conv1d.weight"),
+    ("attn.v_sconv.weight", "self_attn.v_proj.sconv.conv1d.weight"),
+    ("attn.k_sconv.static_w", "self_attn.k_proj.sconv.static_weight"),
+    ("attn.v_sconv.static_w", "self_attn.v_proj.sconv.static_weight"),
+    ("attn.k_sconv.weight_proj", "self_attn.k_proj.sconv.weight_proj.weight"),
+    ("attn.v_sconv.weight_proj", "self_attn.v_proj.sconv.weight_proj.weight"),
+    ("attn.gate_attn.weight", "self_attn.o_proj.gate_proj.weight"),
+    ("attn.wo_ud.weight", "self_attn.o_proj.linear.weight"),
+    ("attn.attn_sink_proj.weight", "self_attn.sink_proj.weight"),
+    ("attn.wr_du.weight", "self_attn.relative_position_bias.linear.weight"),
+    ("attn.rel_l2_clip.scale", "self_attn.relative_position_bias.norm.scale"),
+    ("attn.rel_logits_proj.proj", "self_attn.relative_position_bias.proj"),
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("q_input_norm.weight", "q_input_layernorm.weight"),
+    ("k_input_norm.weight", "k_input_layernorm.weight"),
+    ("v_input_norm.weight", "v_input_layernorm.weight"),
+    ("mlp_norm.weight", "post_attention_layernorm.weight"),
+    ("attn_sconv.weight", "post_attention_convolution.conv1d.weight"),
+    ("mlp_sconv.weight", "post_mlp_convolution.conv1d.weight"),
+    ("mlp.gate.weight", "mlp.gate.weight"),
+    ("mlp.gate.bias", "mlp.gate.e_score_correction_bias"),
+    ("mlp.experts.w13_weight", "mlp.experts.gate_up_proj"),
+    ("mlp.experts.w2_weight", "mlp.experts.down_proj"),
+]
+_VISION_LAYER_NAMES = [
+    ("ln_1.", "layernorm_before."), ("ln_2.", "layernorm_after."), ("ls_1.gamma", "lambda_1"),
+    ("ls_2.gamma", "lambda_2"), ("mlp.c_fc.", "mlp.fc1."), ("mlp.c_proj.", "mlp.fc2."), ("self_attn.", "self_attn."),
+]
+_NAME_PAIRS = [
+    ("model.llm.embed.weight", "model.language_model.embed_tokens.weight"),
+    ("model.llm.embed_norm.weight", "model.language_model.embed_tokens.embed_norm.weight"),
+    ("model.llm.norm.weight", "model.language_model.norm.weight"),
+    ("model.llm.unembed.weight", "lm_head.weight"),
+    ("model.llm.attn_res.mlp_queries.{L}", "model.language_model.layers.{L}.mlp_input.query"),
+    ("model.llm.attn_res.output_query", "model.language_model.final_input.query"),
+    *((f"model.llm.layers.{{L}}.{o}", f"model.language_model.layers.{{L}}.{t}") for o, t in _LAYER_NAMES),
+    ("model.visual.backbone.embeddings.position_embedding", "model.vision_tower.embeddings.position_embedding.weight"),
+    ("model.visual.backbone.embeddings.{R}", "model.vision_tower.embeddings.{R}"),
+    ("model.visual.backbone.ln_pre.{R}", "model.vision_tower.pre_layernorm.{R}"),
+    *((f"model.visual.backbone.layers.{{J}}.{o}{{R}}", f"model.vision_tower.layers.{{J}}.{t}{{R}}")
+      for o, t in _VISION_LAYER_NAMES),
+    ("model.visual.proj_in.{R}", "model.vision_tower.merger.linear_1.{R}"),
+    ("model.visual.proj_out.{R}", "model.vision_tower.merger.linear_2.{R}"),
+]
+
+
+def _compile(template: str) -> re.Pattern:
+    rx = re.escape(template).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{J\}", r"(?P<J>\d+)")
+    return re.compile(rx.replace(r"\{R\}", r"(?P<R>[A-Za-z0-9_.]*)"))
+
+
+_TO_HF = [(_compile(o), t) for o, t in _NAME_PAIRS]
+_TO_ORIGINAL = [(_compile(t), o) for o, t in _NAME_PAIRS]
+_ATTN_QUERY_ORIGINAL = re.compile(r"model\.llm\.attn_res\.attn_queries\.(\d+)")
+_ATTN_QUERY_HF = re.compile(r"model\.language_model\.layers\.(\d+)\.attention_input\.query")
+
+
+def _rename(name: str, rules) -> str | None:
+    for rx, template in rules:
+        if m := rx.fullmatch(name):
+            return template.format(**m.groupdict())
+    return None
+
+
+def transformers_name(original: str) -> str:
+    """transformers' name for a tensor of the original layout (what `from_pretrained` calls it);
+    UnknownTensorError for a name outside the layout."""
+    if m := _ATTN_QUERY_ORIGINAL.fullmatch(original):  # attn_queries.i is layer i+1's
+        return f"model.language_model.layers.{int(m.group(1)) + 1}.attention_input.query"
+    if (hf := _rename(original, _TO_HF)) is not None:
+        return hf
+    raise UnknownTensorError(f"tensor {original!r} is not a tensor of the Inkling 2 layout (docs/layout.md)")
+
+
+def original_name(hf: str) -> str:
+    """The original on-disk name of a tensor transformers names `hf` (the inverse)."""
+    if m := _ATTN_QUERY_HF.fullmatch(hf):
+        if int(m.group(1)) > 0:
+            return f"model.llm.attn_res.attn_queries.{int(m.group(1)) - 1}"
+    elif (o := _rename(hf, _TO_ORIGINAL)) is not None:
+        return o
+    raise UnknownTensorError(f"tensor {hf!r} is not a transformers tensor of Inkling 2 (docs/layout.md)")

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from inkling_quant.errors import ConfigError
+from inkling_quant.errors import ConfigError, UnknownTensorError
 from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors, param_counts
 from inkling_quant.io.checkpoint import Checkpoint
 
@@ -135,3 +135,30 @@ def test_meta_layout_helper_agrees_with_save_pretrained(saved):
     """The meta-device route above gives exactly what save_pretrained wrote."""
     cfg = json.loads((saved / "config.json").read_text())
     assert _transformers_layout(cfg) == on_disk(saved)
+
+
+def test_names_map_both_ways_as_transformers_does():
+    """transformers_name/original_name agree with transformers' own revert_weight_conversion
+    (the renames save_pretrained applies), tensor by tensor: pairs found by storage identity, the
+    two value-changing entries (w13 interleave, unembed padding) by name."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from inkling_quant.inkling2 import original_name, transformers_name
+
+    model = ref.inkling2.Inkling2ForConditionalGeneration._from_config(ref.tiny_config(), dtype=torch.bfloat16)
+    state = dict(model.state_dict())
+    by_storage = {(t.data_ptr(), tuple(t.shape)): n for n, t in state.items()}
+    reverted = revert_weight_conversion(model, dict(state))
+    pairs = {o: by_storage.get((t.data_ptr(), tuple(t.shape))) for o, t in reverted.items()}
+    changed = {o for o, hf in pairs.items() if hf is None}
+    assert {o.rsplit(".", 1)[-1] if "unembed" not in o else "unembed" for o in changed} == {"w13_weight", "unembed"}
+    for o, hf in pairs.items():
+        if hf is None:
+            hf = "lm_head.weight" if "unembed" in o else o.replace("model.llm.", "model.language_model.").replace(
+                "w13_weight", "gate_up_proj")
+            assert hf in state
+        assert transformers_name(o) == hf and original_name(hf) == o
+    assert set(map(transformers_name, reverted)) == set(state)
+    for bad in ("model.llm.layers.0.attn.wz.weight", "model.language_model.layers.0.attention_input.query"):
+        with pytest.raises(UnknownTensorError, match="not a"):
+            (transformers_name if bad.startswith("model.llm") else original_name)(bad)
