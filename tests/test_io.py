@@ -252,3 +252,48 @@ def test_atomic_small_files_leave_nothing_behind_when_interrupted(tmp_path, monk
         with pytest.raises(exc):
             write()
         assert target.read_text() == "old" and not list(tmp_path.glob("*.partial"))
+
+
+def test_stacked_tensor_written_in_pieces_and_read_by_slice(tmp_path):
+    """A stacked [E, R, C] tensor written expert by expert (write_part) is the same file as one
+    write(); get_slice(name, e) reads exactly tensor[e] (and only its bytes)."""
+    from safetensors.torch import load_file
+
+    w = torch.randn(5, 6, 8).to(torch.bfloat16)
+    s = torch.arange(5 * 6, dtype=torch.uint8).reshape(5, 6, 1)
+    specs = [("w", torch.bfloat16, (5, 6, 8)), ("s", torch.uint8, (5, 6, 1))]
+    with st.ShardWriter(tmp_path / "whole.safetensors", specs) as wr:
+        wr.write("w", w)
+        wr.write("s", s)
+        whole = wr.commit()
+    with st.ShardWriter(tmp_path / "parts.safetensors", specs) as wr:
+        for e in range(5):
+            wr.write_part("w", w[e])
+        wr.write_part("s", s[:2])
+        wr.write_part("s", s[2:])
+        parts = wr.commit()
+    assert parts == whole and (tmp_path / "parts.safetensors").read_bytes() == (tmp_path / "whole.safetensors").read_bytes()
+    assert torch.equal(load_file(tmp_path / "parts.safetensors")["w"], w)
+    with st.ShardReader(tmp_path / "parts.safetensors") as r:
+        buf = st.TensorBuffer()
+        for e in range(5):
+            assert torch.equal(r.get_slice("w", e, buf), w[e]) and torch.equal(r.get_slice("s", e), s[e])
+        with pytest.raises(CheckpointError, match=r"has no slice 5"):
+            r.get_slice("w", 5)
+
+
+def test_write_part_refuses_what_was_not_declared(tmp_path):
+    specs = [("w", torch.bfloat16, (2, 4))]
+    with st.ShardWriter(tmp_path / "a.safetensors", specs) as wr:
+        with pytest.raises(CheckpointError, match="piece of 'x'"):
+            wr.write_part("x", torch.zeros(4, dtype=torch.bfloat16))
+        with pytest.raises(CheckpointError, match="bytes left"):
+            wr.write_part("w", torch.zeros(3, 4, dtype=torch.bfloat16))  # more than declared
+        wr.write_part("w", torch.zeros(4, dtype=torch.bfloat16))
+        with pytest.raises(CheckpointError, match="got 'w'"):
+            wr.write("w", torch.zeros(2, 4, dtype=torch.bfloat16))  # half written: no whole write
+    with pytest.raises(CheckpointError, match="closed before tensor 'w'"):
+        with st.ShardWriter(tmp_path / "b.safetensors", specs) as wr:
+            wr.write_part("w", torch.zeros(4, dtype=torch.bfloat16))
+            wr.commit()  # pieces stopped short: refused, and the temporary removed
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("b.")] == []

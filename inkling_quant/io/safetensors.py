@@ -238,11 +238,14 @@ class ShardReader:
     def __exit__(self, *exc):
         self.close()
 
-    def read_bytes(self, entry: TensorEntry, out: memoryview | None = None) -> memoryview:
-        buf = out if out is not None else memoryview(bytearray(entry.nbytes))
-        got, want = 0, entry.nbytes
+    def read_bytes(self, entry: TensorEntry, out: memoryview | None = None, *, start: int = 0,
+                   nbytes: int | None = None) -> memoryview:
+        """`nbytes` bytes of `entry` from byte `start` of its data (default: all of it)."""
+        want = entry.nbytes - start if nbytes is None else nbytes
+        buf = out if out is not None else memoryview(bytearray(want))
+        got = 0
         while got < want:
-            n = os.preadv(self._fd, [buf[got:want]], entry.begin + got)
+            n = os.preadv(self._fd, [buf[got:want]], entry.begin + start + got)
             if n == 0:
                 raise CheckpointError(f"{self.path}: tensor {entry.name!r}: file ended while reading "
                                       f"(truncated after the header was read?)")
@@ -259,6 +262,21 @@ class ShardReader:
             return torch.empty(entry.shape, dtype=entry.dtype)
         mv = self.read_bytes(entry, buffer.view(entry.nbytes) if buffer is not None else None)
         return torch.frombuffer(mv, dtype=entry.dtype).reshape(entry.shape)
+
+    def get_slice(self, name: str, index: int, buffer: "TensorBuffer | None" = None) -> torch.Tensor:
+        """`tensor[index]` along the first dimension, reading only its bytes: one expert of a
+        stacked [E, ...] expert tensor, so memory is bounded by an expert, not the stack."""
+        entry = self.header.tensors.get(name)
+        if entry is None:
+            raise CheckpointError(f"{self.path}: no tensor {name!r} in this shard")
+        if not entry.shape or not 0 <= index < entry.shape[0]:
+            raise CheckpointError(f"{self.path}: tensor {name!r} {list(entry.shape)} has no slice {index}")
+        shape = entry.shape[1:]
+        step = math.prod(shape) * entry.dtype.itemsize
+        if step == 0:
+            return torch.empty(shape, dtype=entry.dtype)
+        mv = self.read_bytes(entry, buffer.view(step) if buffer is not None else None, start=index * step, nbytes=step)
+        return torch.frombuffer(mv, dtype=entry.dtype).reshape(shape)
 
 
 class TensorBuffer:
@@ -317,6 +335,7 @@ class ShardWriter:
         self.path = Path(path)
         head, self._order, self.data_bytes = _header_bytes(specs, metadata)
         self._next = 0
+        self._part = 0  # bytes of tensor _next written so far by write_part
         self._hash = hashlib.sha256()
         self._hasher: ThreadPoolExecutor | None = None
         self._fd, self.tmp, self.direct = _open_for_write(self.path, direct)
@@ -384,7 +403,7 @@ class ShardWriter:
         if self._next >= len(self._order):
             raise CheckpointError(f"{self.path}: tensor {name!r} was not declared")
         want, dtype, shape, nbytes = self._order[self._next]
-        if name != want or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+        if name != want or tensor.dtype != dtype or tuple(tensor.shape) != shape or self._part:
             raise CheckpointError(f"{self.path}: got {name!r} {tensor.dtype} {tuple(tensor.shape)}, "
                                   f"declared {want!r} {dtype} {shape}")
         t = tensor.contiguous()
@@ -392,10 +411,27 @@ class ShardWriter:
             self._write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         self._next += 1
 
+    def write_part(self, name: str, piece: torch.Tensor) -> None:
+        """The next consecutive piece of the declared tensor `name` (e.g. one expert's slice of a
+        stacked [E, ...] tensor), so a tensor is written without ever being whole in memory; the
+        tensor is complete when its pieces add up to its declared size."""
+        if self._next >= len(self._order):
+            raise CheckpointError(f"{self.path}: tensor {name!r} was not declared")
+        want, dtype, shape, nbytes = self._order[self._next]
+        n = piece.numel() * piece.element_size()
+        if name != want or piece.dtype != dtype or self._part + n > nbytes:
+            raise CheckpointError(f"{self.path}: got a {n}-byte {piece.dtype} piece of {name!r}, declared "
+                                  f"{want!r} {dtype} {shape} with {nbytes - self._part} bytes left")
+        if n:
+            self._write(memoryview(piece.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        self._part += n
+        if self._part == nbytes:
+            self._next, self._part = self._next + 1, 0
+
     def commit(self, durable: bool = True) -> str:
         """Finish, fsync (unless the caller syncs later, see `fsync_files`), rename into place;
         return the file's sha256 hex digest."""
-        if self._next != len(self._order):
+        if self._next != len(self._order):  # also a tensor whose pieces stopped short
             missing = self._order[self._next][0]
             raise CheckpointError(f"{self.path}: closed before tensor {missing!r} was written")
         self._stop_hasher()
