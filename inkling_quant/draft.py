@@ -58,13 +58,13 @@ def open_source(src: str | Path) -> Source:
     draft = [(s, e) for s in ckpt.shards for e in headers[s].tensors.values() if is_draft(e.name)]
     if cfg.draft is None:
         if draft:
-            raise ConfigError(f"{config_path}: missing key 'dspark_config', but the checkpoint has "
-                              f"{len(draft)} {DRAFT_PREFIX}* tensors (e.g. {draft[0][1].name!r} in {draft[0][0]})")
-        raise CheckpointError(f"{ckpt.root}: no DSpark draft: config.json has no 'dspark_config' and no "
-                              f"tensor name starts with {DRAFT_PREFIX!r} (already stripped?)")
+            raise ConfigError(f"missing key 'dspark_config', but the checkpoint has {len(draft)} {DRAFT_PREFIX}* "
+                              f"tensors (e.g. {draft[0][1].name!r} in {draft[0][0]})", path=config_path)
+        raise CheckpointError(f"no DSpark draft: config.json has no 'dspark_config' and no "
+                              f"tensor name starts with {DRAFT_PREFIX!r} (already stripped?)", path=ckpt.root)
     if not draft:
-        raise CheckpointError(f"{ckpt.root}: no DSpark draft tensors: config.json has a 'dspark_config' "
-                              f"but no tensor name starts with {DRAFT_PREFIX!r}")
+        raise CheckpointError(f"no DSpark draft tensors: config.json has a 'dspark_config' "
+                              f"but no tensor name starts with {DRAFT_PREFIX!r}", path=ckpt.root)
     _check_draft(ckpt.root, cfg, draft)
     return Source(ckpt=ckpt, headers=headers, config=config, cfg=cfg, draft=draft)
 
@@ -73,24 +73,25 @@ def _check_draft(root: Path, cfg: ModelConfig, draft: list[tuple[str, TensorEntr
     """Every draft tensor is one dspark_config implies, with its shape, unquantized; none missing."""
     expected = {s.name: s for s in draft_tensors(cfg)}
     for shard, e in draft:
-        where = f"{root / shard}: tensor {e.name!r}"
+        path, where = root / shard, f"tensor {e.name!r}"
         try:
             classify(e.name)
         except UnknownTensorError as err:
-            raise UnknownTensorError(f"{root / shard}: {err} (the draft is never quantized)") from None
+            raise UnknownTensorError(f"{err} (the draft is never quantized)", path=path, tensor=err.tensor) from None
         spec = expected.get(e.name)
         if spec is None:
             raise UnknownTensorError(f"{where} does not exist in a draft with this dspark_config "
-                                     f"(num_hidden_layers={cfg.draft.num_hidden_layers})")
+                                     f"(num_hidden_layers={cfg.draft.num_hidden_layers})", path=path, tensor=e.name)
         if tuple(e.shape) != spec.shape:
-            raise CheckpointError(f"{where}: shape {list(e.shape)}, dspark_config implies {list(spec.shape)}")
+            raise CheckpointError(f"{where}: shape {list(e.shape)}, dspark_config implies {list(spec.shape)}",
+                                  path=path, tensor=e.name)
         if e.dtype not in _FLOAT_DTYPES:
             raise CheckpointError(f"{where}: dtype {DTYPE_NAMES[e.dtype]} is not a float type "
-                                  f"(a quantized draft? the draft is never quantized)")
+                                  f"(a quantized draft? the draft is never quantized)", path=path, tensor=e.name)
     missing = sorted(set(expected) - {e.name for _, e in draft})
     if missing:
-        raise CheckpointError(f"{root}: draft incomplete: {len(missing)} tensor(s) of dspark_config missing, "
-                              f"e.g. {missing[0]!r}")
+        raise CheckpointError(f"draft incomplete: {len(missing)} tensor(s) of dspark_config missing, "
+                              f"e.g. {missing[0]!r}", path=root)
 
 
 def shared_tensor_names(cfg: ModelConfig) -> dict[str, str]:
@@ -124,7 +125,7 @@ def draft_specs(dc: dict, source: str = "draft config.json") -> list[TensorSpec]
     def dim(obj, key: str, limit: int = 1 << 24) -> int:
         v = obj[key]
         if type(v) is not int or not 0 < v <= limit:  # untrusted: true, 64.0, "64", -64, 10**12 refused
-            raise ConfigError(f"{source}: {key!r} must be an integer in 1..{limit}, got {v!r}")
+            raise ConfigError(f"{key!r} must be an integer in 1..{limit}, got {v!r}", path=source)
         return v
 
     try:
@@ -135,9 +136,9 @@ def draft_specs(dc: dict, source: str = "draft config.json") -> list[TensorSpec]
         view = SimpleNamespace(draft=draft, hidden_size=dim(dc, "target_hidden_size"),
                                vocab_size=dim(dc["target_model"], "vocab_size"))
     except KeyError as e:
-        raise ConfigError(f"{source}: missing key {e.args[0]!r}") from None
+        raise ConfigError(f"missing key {e.args[0]!r}", path=source) from None
     except TypeError as e:
-        raise ConfigError(f"{source}: malformed value: {e}") from None
+        raise ConfigError(f"malformed value: {e}", path=source) from None
     return list(draft_tensors(view))
 
 
@@ -153,7 +154,7 @@ def extract(src: str | Path, out: str | Path, *, overwrite: bool = False, progre
     for role, name in shared_tensor_names(source.cfg).items():
         shard = source.ckpt.weight_map.get(name)
         if shard is None:
-            raise CheckpointError(f"{root}: the drafter shares the target's {name!r}, which the checkpoint lacks")
+            raise CheckpointError(f"the drafter shares the target's {name!r}, which the checkpoint lacks", path=root)
         e = headers[shard].tensors[name]
         shared[role] = {"name": name, "shape": list(e.shape), "dtype": DTYPE_NAMES[e.dtype]}
     dconf = draft_config(source.config, source.cfg, shared)
@@ -205,7 +206,7 @@ def _plan_strip(source: Source) -> tuple[list[tuple[str, str]], dict[str, str], 
         actions.append((s, kind))
     kept = [(s, k) for s, k in actions if k != "drop"]
     if not kept:
-        raise CheckpointError(f"{source.ckpt.root}: every shard holds only draft tensors: nothing would be left")
+        raise CheckpointError("every shard holds only draft tensors: nothing would be left", path=source.ckpt.root)
     renumber = (source.ckpt.root / INDEX_NAME).exists() and len(kept) != len(actions)
     out_names = {s: (shard_name(i, len(kept)) if renumber else s) for i, (s, _) in enumerate(kept)}
     return kept, out_names, len(actions) - len(kept)

@@ -21,14 +21,24 @@ def printable(s: str) -> str:
 class InklingQuantError(Exception):
     """Base class: the CLI prints the message and exits non-zero, without a traceback.
     `path` and `tensor`, where the raiser knows them, name the file and tensor as data (a
-    report lists them without parsing the message)."""
+    report lists them without parsing the message). The text is "<path>: <message>" given a
+    path, else the message; `message` keeps the text without the path."""
 
     exit_code = 2
 
     def __init__(self, message: str = "", *, path=None, tensor: str | None = None):
-        super().__init__(message)
+        self.message = message
         self.path = None if path is None else str(path)
         self.tensor = tensor
+        super().__init__(message if self.path is None else f"{self.path}: {message}")
+
+
+def prefixed(prefix: str, e: InklingQuantError, cls: type[InklingQuantError] | None = None) -> InklingQuantError:
+    """`e` as a `cls` (default: its own type) whose text is `prefix` + e's text: its path and
+    tensor fields are kept, its `message` is the whole text (which no longer starts with the path)."""
+    out = (cls or type(e))(f"{prefix}{e}")
+    out.path, out.tensor = e.path, e.tensor
+    return out
 
 
 class ConfigError(InklingQuantError):

@@ -47,22 +47,22 @@ def read_quantization(root: Path, config: dict) -> dict | None:
     """The quantization a checkpoint declares: config.json's `quantization_config`, else
     `hf_quant_config.json`'s `quantization`; None when it declares none. Types are checked."""
     q = config.get("quantization_config")
-    where = f"{root / 'config.json'}: quantization_config"
+    file, where = root / "config.json", "quantization_config"
     if q is None:
         path = root / HF_QUANT_CONFIG
         if not path.is_file():
             return None
         q = read_json(safe_child(root, HF_QUANT_CONFIG), HF_QUANT_CONFIG).get("quantization")
-        where = f"{path}: quantization"
+        file, where = path, "quantization"
         if q is None:
             return None
     if not isinstance(q, dict):
-        raise ConfigError(f"{where} must be an object, got {short_repr(q)}")
+        raise ConfigError(f"{where} must be an object, got {short_repr(q)}", path=file)
     inner = q.get("quantization")  # some writers nest hf_quant_config's form inside config.json
     algo = q.get("quant_algo") or (inner.get("quant_algo") if isinstance(inner, dict) else None) \
         or q.get("quant_method")
     if algo is not None and not isinstance(algo, str):
-        raise ConfigError(f"{where}.quant_algo must be a string, got {short_repr(algo)}")
+        raise ConfigError(f"{where}.quant_algo must be a string, got {short_repr(algo)}", path=file)
     return {**q, "quant_algo": algo}
 
 

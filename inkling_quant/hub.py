@@ -21,7 +21,7 @@ def resolve(src: str) -> tuple[Path, str | None, str | None]:
     if not is_repo_id(src):
         p = Path(src)
         if not p.exists():
-            raise UsageError(f"{src}: no such directory (and not a hub repo id org/name[@revision])")
+            raise UsageError("no such directory (and not a hub repo id org/name[@revision])", path=src)
         return p, None, None
     repo, _, rev = src.partition("@")
     from huggingface_hub import snapshot_download  # lazy: only hub sources need it

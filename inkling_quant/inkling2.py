@@ -61,27 +61,27 @@ class _Reader:
 
     def __init__(self, obj, where: str, source: str):
         if not isinstance(obj, dict):
-            raise ConfigError(f"{source}: {where or 'config'} must be a JSON object, got {_short(obj)}")
+            raise ConfigError(f"{where or 'config'} must be a JSON object, got {_short(obj)}", path=source)
         self.obj, self.where, self.source = obj, where, source
 
     def need(self, key: str):
         if key not in self.obj:
-            raise ConfigError(f"{self.source}: missing key {self.where}{key!r}")
+            raise ConfigError(f"missing key {self.where}{key!r}", path=self.source)
         return self.obj[key]
 
     def int(self, key: str, default=None, lo: int = 1) -> int:
         v = self.obj.get(key, default) if default is not None else self.need(key)
         hi = _LIMITS.get(key, _MAX_DIM)
         if type(v) is not int:  # not bool, not 4096.0, not "4096"
-            raise ConfigError(f"{self.source}: {self.where}{key} must be an integer, got {_short(v)}")
+            raise ConfigError(f"{self.where}{key} must be an integer, got {_short(v)}", path=self.source)
         if not lo <= v <= hi:
-            raise ConfigError(f"{self.source}: {self.where}{key} must be between {lo} and {hi}, got {_short(v)}")
+            raise ConfigError(f"{self.where}{key} must be between {lo} and {hi}, got {_short(v)}", path=self.source)
         return v
 
     def bool(self, key: str, default: bool) -> bool:
         v = self.obj.get(key, default)
         if not isinstance(v, bool):
-            raise ConfigError(f"{self.source}: {self.where}{key} must be true or false, got {_short(v)}")
+            raise ConfigError(f"{self.where}{key} must be true or false, got {_short(v)}", path=self.source)
         return v
 
 
@@ -160,33 +160,33 @@ class Inkling2Config:
         n = t.int("num_hidden_layers")
         types = t.need("layer_types")
         if not isinstance(types, list) or not all(isinstance(x, str) for x in types):
-            raise ConfigError(f"{source}: text_config.layer_types must be a list of strings, got {_short(types)}")
+            raise ConfigError(f"text_config.layer_types must be a list of strings, got {_short(types)}", path=source)
         if len(types) != n:
-            raise ConfigError(f"{source}: text_config.layer_types has {len(types)} entries, "
-                              f"num_hidden_layers is {n}")
+            raise ConfigError(f"text_config.layer_types has {len(types)} entries, "
+                              f"num_hidden_layers is {n}", path=source)
         if bad := sorted(set(types) - {FULL, SLIDING}):
-            raise ConfigError(f"{source}: text_config.layer_types: unknown {_short(bad)} (expected "
-                              f"{FULL!r} or {SLIDING!r})")
+            raise ConfigError(f"text_config.layer_types: unknown {_short(bad)} (expected "
+                              f"{FULL!r} or {SLIDING!r})", path=source)
         dims = {k: t.int(k) for k in TextConfig.__dataclass_fields__
                 if k not in ("num_hidden_layers", "layer_types")}
         text = TextConfig(num_hidden_layers=n, layer_types=tuple(types), **dims)
         if text.unpadded_vocab_size > text.vocab_size:
-            raise ConfigError(f"{source}: text_config.unpadded_vocab_size ({text.unpadded_vocab_size}) exceeds "
-                              f"vocab_size ({text.vocab_size})")
+            raise ConfigError(f"text_config.unpadded_vocab_size ({text.unpadded_vocab_size}) exceeds "
+                              f"vocab_size ({text.vocab_size})", path=source)
         if text.num_experts_per_tok > text.n_routed_experts:
-            raise ConfigError(f"{source}: text_config.num_experts_per_tok ({text.num_experts_per_tok}) exceeds "
-                              f"n_routed_experts ({text.n_routed_experts})")
+            raise ConfigError(f"text_config.num_experts_per_tok ({text.num_experts_per_tok}) exceeds "
+                              f"n_routed_experts ({text.n_routed_experts})", path=source)
         if n * text.n_routed_experts > _MAX_EXPERT_MODULES:
-            raise ConfigError(f"{source}: {n} layers x {text.n_routed_experts} experts is more than "
-                              f"{_MAX_EXPERT_MODULES} expert modules")
+            raise ConfigError(f"{n} layers x {text.n_routed_experts} experts is more than "
+                              f"{_MAX_EXPERT_MODULES} expert modules", path=source)
         vision = None
         if d.get("vision_config") is not None:
             v = _Reader(d["vision_config"], "vision_config.", source)
             vd = {k: v.int(k) for k in VisionConfig.__dataclass_fields__ if k != "projector_bias"}
             vision = VisionConfig(projector_bias=v.bool("projector_bias", False), **vd)
             if vision.text_hidden_size != text.hidden_size:  # Inkling2Config.validate_architecture
-                raise ConfigError(f"{source}: vision_config.text_hidden_size ({vision.text_hidden_size}) must "
-                                  f"match text_config.hidden_size ({text.hidden_size})")
+                raise ConfigError(f"vision_config.text_hidden_size ({vision.text_hidden_size}) must "
+                                  f"match text_config.hidden_size ({text.hidden_size})", path=source)
         return cls(text, vision, dict(d))
 
     @classmethod

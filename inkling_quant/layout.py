@@ -96,24 +96,24 @@ class ModelConfig:
         float or string coerced), so no shape computed from it is negative or absurd and no loop over
         layers or experts runs unbounded; any defect is a ConfigError naming the key."""
         if not isinstance(d, dict):
-            raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
+            raise ConfigError(f"expected a JSON object, got {type(d).__name__}", path=source)
 
         def need(obj: dict, key: str, where: str = ""):
             if key not in obj:
-                raise ConfigError(f"{source}: missing key {where}{key!r}")
+                raise ConfigError(f"missing key {where}{key!r}", path=source)
             return obj[key]
 
         def section(key: str, where: str = "", obj: dict = d) -> dict | None:
             v = obj.get(key)
             if v is not None and not isinstance(v, dict):
-                raise ConfigError(f"{source}: {where}{key} must be an object, got {_short(v)}")
+                raise ConfigError(f"{where}{key} must be an object, got {_short(v)}", path=source)
             return v
 
         def integer(v, key: str, lo: int = 1, hi: int = _MAX_DIM) -> int:
             if type(v) is not int:  # not bool, not 4096.0, not "4096"
-                raise ConfigError(f"{source}: {key} must be an integer, got {_short(v)}")
+                raise ConfigError(f"{key} must be an integer, got {_short(v)}", path=source)
             if not lo <= v <= hi:
-                raise ConfigError(f"{source}: {key} must be between {lo} and {hi}, got {_short(v)}")
+                raise ConfigError(f"{key} must be between {lo} and {hi}, got {_short(v)}", path=source)
             return v
 
         def ints(obj: dict, keys, where: str = "") -> dict[str, int]:
@@ -122,14 +122,14 @@ class ModelConfig:
         n_layers = integer(need(d, "num_hidden_layers"), "num_hidden_layers", 1, _MAX_LAYERS)
         layer_types = need(d, "layer_types")
         if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
-            raise ConfigError(f"{source}: layer_types must be a list of strings, got {_short(layer_types)}")
+            raise ConfigError(f"layer_types must be a list of strings, got {_short(layer_types)}", path=source)
         layer_types = tuple(layer_types)
         if len(layer_types) != n_layers:
-            raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries, "
-                              f"num_hidden_layers is {n_layers}")
+            raise ConfigError(f"layer_types has {len(layer_types)} entries, "
+                              f"num_hidden_layers is {n_layers}", path=source)
         bad = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
         if bad:
-            raise ConfigError(f"{source}: unknown layer_types {_short(bad)}")
+            raise ConfigError(f"unknown layer_types {_short(bad)}", path=source)
         vision = None
         if (v := section("vision_config")) is not None:
             vision = VisionConfig(**ints(v, VisionConfig.__dataclass_fields__, "vision_config."))
@@ -137,7 +137,7 @@ class ModelConfig:
         if (s := section("dspark_config")) is not None:
             markov = need(s, "markov_head", "dspark_config.")
             if not isinstance(markov, dict):
-                raise ConfigError(f"{source}: dspark_config.markov_head must be an object, got {_short(markov)}")
+                raise ConfigError(f"dspark_config.markov_head must be an object, got {_short(markov)}", path=source)
             draft = DraftConfig(
                 markov_hidden_size=integer(need(markov, "hidden_size", "dspark_config.markov_head."),
                                            "dspark_config.markov_head.hidden_size"),
@@ -147,11 +147,11 @@ class ModelConfig:
                        "sliding_window", "relative_attention_num_buckets", "short_conv_kernel_size",
                        "num_experts", "num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings"))
         if top["num_experts_per_tok"] > top["num_experts"]:
-            raise ConfigError(f"{source}: num_experts_per_tok ({top['num_experts_per_tok']}) exceeds "
-                              f"num_experts ({top['num_experts']})")
+            raise ConfigError(f"num_experts_per_tok ({top['num_experts_per_tok']}) exceeds "
+                              f"num_experts ({top['num_experts']})", path=source)
         if n_layers * top["num_experts"] > _MAX_EXPERT_MODULES:
-            raise ConfigError(f"{source}: {n_layers} layers x {top['num_experts']} experts is more than "
-                              f"{_MAX_EXPERT_MODULES} expert modules")
+            raise ConfigError(f"{n_layers} layers x {top['num_experts']} experts is more than "
+                              f"{_MAX_EXPERT_MODULES} expert modules", path=source)
         full_kv = integer(d.get("full_attention_num_key_value_heads", top["num_key_value_heads"]),
                           "full_attention_num_key_value_heads")
         full_hd = integer(d.get("full_attention_head_dim", top["head_dim"]), "full_attention_head_dim")
@@ -159,7 +159,7 @@ class ModelConfig:
         if tie is None:
             tie = False
         if not isinstance(tie, bool):
-            raise ConfigError(f"{source}: tie_word_embeddings must be true or false, got {_short(tie)}")
+            raise ConfigError(f"tie_word_embeddings must be true or false, got {_short(tie)}", path=source)
         return cls(num_hidden_layers=n_layers, layer_types=layer_types, full_attention_num_key_value_heads=full_kv,
                    full_attention_head_dim=full_hd, tie_word_embeddings=tie, vision=vision, draft=draft,
                    raw=dict(d), **top)
@@ -254,7 +254,7 @@ def classify(name: str) -> TensorName:
             g = m.groupdict()
             as_int = lambda k: int(g[k]) if g.get(k) is not None else None  # noqa: E731
             return TensorName(name, part, as_int("layer"), as_int("expert"), g.get("proj"), g["suffix"])
-    raise UnknownTensorError(f"tensor {name!r} is not part of the Inkling 2 Small layout (docs/layout.md)")
+    raise UnknownTensorError(f"tensor {name!r} is not part of the Inkling 2 Small layout (docs/layout.md)", tensor=name)
 
 
 # --------------------------------------------------------------------------- expected tensors
@@ -387,7 +387,7 @@ def source_spec(cfg: ModelConfig, name: str) -> TensorSpec:
         return index[1][name]
     except KeyError:
         raise UnknownTensorError(f"tensor {name!r} does not exist in a model with this config "
-                                 f"(e.g. a layer index past num_hidden_layers)") from None
+                                 f"(e.g. a layer index past num_hidden_layers)", tensor=name) from None
 
 
 _NON_EXPERT_SPECS: dict[int, tuple[ModelConfig, dict[str, TensorSpec]]] = {}

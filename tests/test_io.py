@@ -172,6 +172,19 @@ def test_bad_headers_name_file_and_tensor(tmp_path, header, data, match):
     assert str(p) in str(e.value)
 
 
+def test_bad_header_error_carries_file_and_tensor_as_fields(tmp_path):
+    """The file and tensor are data on the error, not only words in its message."""
+    p = _raw(tmp_path, {"w": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8)
+    with pytest.raises(CheckpointError) as e:
+        read_header(p)
+    assert (e.value.path, e.value.tensor) == (str(p), "w")
+    assert e.value.message == "tensor 'w': unknown dtype 'Q9'"
+    assert str(e.value) == f"{p}: tensor 'w': unknown dtype 'Q9'"
+    with pytest.raises(CheckpointError) as e:  # a defect of the file, not of one tensor
+        read_header(_raw(tmp_path, {}, n=10**12))
+    assert (e.value.path, e.value.tensor) == (str(p), None)
+
+
 def test_header_length_lies(tmp_path):
     with pytest.raises(CheckpointError, match="truncated"):
         read_header(_raw(tmp_path, {}, n=10**6))

@@ -15,7 +15,7 @@ import torch
 
 from inkling_quant.cli import main
 from inkling_quant.convert import Options, convert
-from inkling_quant.errors import CheckpointError
+from inkling_quant.errors import CheckpointError, prefixed
 from inkling_quant.formats import FORMATS
 from inkling_quant.io.checkpoint import INDEX_NAME
 from inkling_quant.io.safetensors import ShardReader, ShardWriter, read_header, sha256_file
@@ -491,8 +491,8 @@ def test_write_checksums_for_a_bf16_source(tiny_src, tmp_path):
 
 # --------------------------------------------------------------------------- errors' fields
 def test_error_fields_name_the_file_and_tensor(tmp_path):
-    """An error raised with `path`/`tensor` fields is reported with them; one raised without
-    falls back to the file and tensor its message names."""
+    """An error's `path`/`tensor` fields are the problem's file and tensor (the message is not
+    parsed); one raised without a path is reported against the checkpoint."""
     from inkling_quant.verify import Check, VerifyReport
     from inkling_quant.verify.report import Recorder
 
@@ -508,8 +508,10 @@ def test_error_fields_name_the_file_and_tensor(tmp_path):
         return p.file, p.tensor, p.message
 
     shard = str(tmp_path / "a.safetensors")
-    assert problem(CheckpointError(f"{shard}: bad offsets", path=shard, tensor="w")) == (shard, "w", "bad offsets")
+    assert problem(CheckpointError("bad offsets", path=shard, tensor="w")) == (shard, "w", "bad offsets")
     assert problem(CheckpointError("values out of range", path=shard)) == (shard, None, "values out of range")
-    assert problem(CheckpointError(f"{shard}: tensor 'v' is short", path=shard)) == (shard, "v", "tensor 'v' is short")
-    assert problem(CheckpointError(f"{shard}: tensor 'v' is short")) == (shard, "v", "tensor 'v' is short")
+    short = CheckpointError("tensor 'v' is short", path=shard, tensor="v")
+    assert problem(short) == (shard, "v", "tensor 'v' is short")
+    wrapped = prefixed("corrupt: ", CheckpointError("tensor 'v' is short", path=shard, tensor="v"))
+    assert problem(wrapped) == (shard, "v", f"corrupt: {shard}: tensor 'v' is short")
     assert problem(CheckpointError("no file named", tensor="w")) == (str(tmp_path), "w", "no file named")

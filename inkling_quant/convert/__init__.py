@@ -102,7 +102,7 @@ def finalize(src: str, out: str | Path, opts: Options, *, prep: Prepared | None 
     prep = prepare(src, opts)
     check_paths(out, [prep.root, opts.activation_scales], reports=reports)
     if not out.is_dir():
-        raise UsageError(f"{out}: no such output directory: run the --part conversions first")
+        raise UsageError("no such output directory: run the --part conversions first", path=out)
     with OutputLock(out):
         refuse_symlinks(out)
         return _finalize_io(out, prep, opts)
@@ -112,9 +112,9 @@ def _finalize_io(out: Path, prep: Prepared, opts: Options) -> dict:
     try:
         return _finalize(out, prep, opts)
     except OSError as e:  # a full disk, a lost mount: the shards are kept, the manifest says so
-        raise OutputError(f"{out}: finalizing failed: {e.strerror or e}"
+        raise OutputError(f"finalizing failed: {e.strerror or e}"
                           f"{f' ({e.filename})' if e.filename else ''}; the converted shards are kept: "
-                          f"free space and rerun with --resume (or --finalize after --part runs)") from None
+                          f"free space and rerun with --resume (or --finalize after --part runs)", path=out) from None
 
 
 def _finalize(out: Path, prep: Prepared, opts: Options) -> dict:
@@ -124,7 +124,7 @@ def _finalize(out: Path, prep: Prepared, opts: Options) -> dict:
     if len(manifests(out)) > 1:  # shards from other machines: check what they recorded
         for f, h in sums.items():
             if sha256_file(out / f) != h:
-                raise CheckpointError(f"{out / f}: checksum differs from the one its part recorded")
+                raise CheckpointError("checksum differs from the one its part recorded", path=out / f)
     written = _write_configs(out, prep, opts)
     for p in prep.other_files:
         copy_file_atomic(p, out / p.name)

@@ -95,21 +95,22 @@ def validate_source(cfg: ModelConfig, listing: Listing, root: str) -> list[SrcTe
     tensors, seen = [], set()
     for shard, entries in listing.items():
         for name, (dtype, shape) in entries.items():
-            where = f"{root}/{shard}: tensor {name!r}"
+            path, where = f"{root}/{shard}", f"tensor {name!r}"
             try:
                 t = classify(name)
                 spec = source_spec(cfg, name if t.suffix != "input_scale" else f"{t.module}.weight")
             except InklingQuantError as e:
-                raise CheckpointError(f"{root}/{shard}: {e}") from None
+                raise CheckpointError(str(e), path=path, tensor=name) from None
             if (t.suffix in SCALE_SUFFIXES and t.suffix != "input_scale") or DTYPES[dtype] not in FLOAT_SOURCES:
                 raise CheckpointError(f"{where}: source is already quantized ({dtype}); convert takes "
-                                      f"BF16/FP16/FP32 checkpoints (dequantize first)")
+                                      f"BF16/FP16/FP32 checkpoints (dequantize first)", path=path, tensor=name)
             if t.suffix == "input_scale":
                 if tuple(shape) not in ((), (1,)):
-                    raise CheckpointError(f"{where}: input_scale must be a scalar, got shape {list(shape)}")
+                    raise CheckpointError(f"{where}: input_scale must be a scalar, got shape {list(shape)}",
+                                          path=path, tensor=name)
             elif tuple(shape) != spec.shape:
                 raise CheckpointError(f"{where}: shape {list(shape)} disagrees with config.json "
-                                      f"(expected {list(spec.shape)})")
+                                      f"(expected {list(spec.shape)})", path=path, tensor=name)
             tensors.append(SrcTensor(name, shard, dtype, tuple(shape)))
             seen.add(name)
     # every tensor seen is one of the config's (source_spec checked it), so the count says how
@@ -118,7 +119,7 @@ def validate_source(cfg: ModelConfig, listing: Listing, root: str) -> list[SrcTe
     if n_missing:
         first = next(s.name for s in expected_tensors(cfg) if s.name not in seen)
         more = f" (and {n_missing - 1} more)" if n_missing > 1 else ""
-        raise CheckpointError(f"{root}: tensor {first!r}{more} required by config.json is missing")
+        raise CheckpointError(f"tensor {first!r}{more} required by config.json is missing", path=root, tensor=first)
     return tensors
 
 
@@ -132,7 +133,8 @@ def load_activation_amax(path: str | None) -> dict[str, float]:
     out = _amax_from_safetensors(p) if p.suffix == ".safetensors" else _amax_from_json(p)
     for k, v in out.items():
         if not (v > 0 and v < float("inf")):
-            raise CheckpointError(f"{path}: module {k[:200]!r}: activation amax must be finite and positive, got {v}")
+            raise CheckpointError(f"module {k[:200]!r}: activation amax must be finite and positive, got {v}",
+                                  path=path)
     return out
 
 
@@ -143,12 +145,12 @@ def _amax_from_safetensors(p: Path) -> dict[str, float]:
     with ShardReader(p, read_header(p)) as r:
         for name, e in r.header.tensors.items():
             module = name[: -len(".input_amax")]
-            where = f"{p}: tensor {name[:200]!r}"
+            where = f"tensor {name[:200]!r}"
             if not name.endswith(".input_amax") or not module:
-                raise CheckpointError(f"{where}: expected '<module>.input_amax' names")
+                raise CheckpointError(f"{where}: expected '<module>.input_amax' names", path=p, tensor=name)
             if not e.dtype.is_floating_point or e.nbytes != e.dtype.itemsize:
                 raise CheckpointError(f"{where}: an amax is one floating-point value, got dtype "
-                                      f"{DTYPE_NAMES[e.dtype]} shape {list(e.shape)}")
+                                      f"{DTYPE_NAMES[e.dtype]} shape {list(e.shape)}", path=p, tensor=name)
             out[module] = float(r.get(name).float().reshape(-1)[0])
     return out
 
@@ -160,14 +162,14 @@ def _amax_from_json(p: Path) -> dict[str, float]:
     obj = read_json(p, "activation scales file")
     for k, v in obj.items():
         if not k:
-            raise CheckpointError(f"{p}: an empty module name")
+            raise CheckpointError("an empty module name", path=p)
         if not isinstance(v, (int, float)) or isinstance(v, bool):
-            raise CheckpointError(f"{p}: module {k[:200]!r}: amax must be a number, got {_short(v)}")
+            raise CheckpointError(f"module {k[:200]!r}: amax must be a number, got {_short(v)}", path=p)
         try:
             out[k] = float(v)
         except OverflowError:  # an integer past the float range
-            raise CheckpointError(f"{p}: module {k[:200]!r}: activation amax must be finite and positive, "
-                                  f"got an integer too large for a float") from None
+            raise CheckpointError(f"module {k[:200]!r}: activation amax must be finite and positive, "
+                                  f"got an integer too large for a float", path=p) from None
     return out
 
 
@@ -177,9 +179,9 @@ def load_calibration(path: str | None, tensors: list[SrcTensor], src: str) -> di
     modules = {t.name[: -len(".weight")] for t in tensors if t.name.endswith(".weight")}
     unknown = sorted(k for k in calibrated if k not in modules)
     if unknown:
-        raise CheckpointError(f"{path}: {len(unknown)} of {len(calibrated)} module name(s) match "
+        raise CheckpointError(f"{len(unknown)} of {len(calibrated)} module name(s) match "
                               f"no module of {src} (first: {printable(unknown[0][:200])!r}); calibration for "
-                              f"another model or another naming?")
+                              f"another model or another naming?", path=path)
     return calibrated
 
 
@@ -217,7 +219,7 @@ def _units(cfg: ModelConfig, tensors: list[SrcTensor], scheme: Scheme, opts: Opt
             try:
                 _out_names(g, fmt, opts.weight_only)
             except FormatError as e:
-                raise FormatError(f"{root}/{g.shard}: tensor {g.name!r}: {e}") from None
+                raise FormatError(f"tensor {g.name!r}: {e}", path=f"{root}/{g.shard}", tensor=g.name) from None
             module = g.name[: -len(".weight")]
             a, o = None, None
             if FORMATS[fmt].static_activation_scale and not opts.weight_only:
@@ -266,7 +268,9 @@ def _check_activation_amax(amax: float, origin: str, module: str, fmt: str, opts
     except FormatError as e:
         where = {"calibrated": opts.activation_scales, "source": "the source's input_scale",
                  "default": "--default-activation-amax"}[origin]
-        raise UsageError(f"{where}: {e}") from None
+        if origin == "calibrated":  # a file: named as the error's path
+            raise UsageError(str(e), path=where, tensor=e.tensor) from None
+        raise UsageError(f"{where}: {e}", tensor=e.tensor) from None
 
 
 def _pack(units: list[Unit], opts: Options) -> list[ShardJob]:

@@ -67,8 +67,8 @@ def _load_done(path: Path, fp: str, out: Path) -> dict[str, str]:
         return {}
     m = read_json(path, "resume manifest")
     if m.get("fingerprint") != fp:
-        raise UsageError(f"{out}: was started with another source, scheme or options; "
-                         f"cannot --resume (use --overwrite to start again)")
+        raise UsageError("was started with another source, scheme or options; "
+                         "cannot --resume (use --overwrite to start again)", path=out)
     done = {}
     for f, sha in (m.get("done") or {}).items():
         p = safe_child(out, f, "shard")
@@ -83,12 +83,12 @@ def recorded_checksums(out: Path, prep: Prepared) -> dict[str, str]:
     for m in manifests(out):
         obj = read_json(m, "part manifest")
         if obj.get("fingerprint") != prep.fingerprint:
-            raise UsageError(f"{m}: written by a conversion with another source, scheme or options")
+            raise UsageError("written by a conversion with another source, scheme or options", path=m)
         recorded.update(obj.get("done") or {})
     missing = [j.file for j in prep.jobs if j.file not in recorded or not (out / j.file).is_file()]
     if missing:
-        raise UsageError(f"{out}: {len(missing)} of {len(prep.jobs)} shards are not converted yet "
-                         f"(first: {missing[0]}); run the missing --part(s) first")
+        raise UsageError(f"{len(missing)} of {len(prep.jobs)} shards are not converted yet "
+                         f"(first: {missing[0]}); run the missing --part(s) first", path=out)
     return {j.file: recorded[j.file] for j in prep.jobs}
 
 
@@ -150,8 +150,8 @@ def previous_output(out: Path, manifest: Path, part: tuple[int, int] | None, res
         return False
     if not resume:
         if not overwrite:
-            raise UsageError(f"{out}: exists and is not empty; pass --resume to continue an interrupted "
-                             f"conversion or --overwrite to replace it")
+            raise UsageError("exists and is not empty; pass --resume to continue an interrupted "
+                             "conversion or --overwrite to replace it", path=out)
         shutil.rmtree(out)
         return False
     return (out / INDEX_NAME).exists() and not manifest.exists()
@@ -185,9 +185,9 @@ def refuse_symlinks(out: Path) -> None:
     beside it (or resuming over it) could reach a file elsewhere."""
     links = [p.name for p in out.iterdir() if p.is_symlink()]
     if links:
-        raise UnsafePathError(f"{out / links[0]}: a symlink in the output directory"
+        raise UnsafePathError(f"a symlink in the output directory"
                               f"{f' (and {len(links) - 1} more)' if len(links) > 1 else ''}; "
-                              f"remove it (a conversion writes only regular files)")
+                              f"remove it (a conversion writes only regular files)", path=out / links[0])
 
 
 def confirm_complete(out: Path, prep: Prepared) -> None:
@@ -200,8 +200,8 @@ def confirm_complete(out: Path, prep: Prepared) -> None:
     sizes_ok = all((out / j.file).is_file() and (out / j.file).stat().st_size == _shard_file_size(j)
                    for j in prep.jobs)
     if index.get("weight_map") != planned or not sizes_ok:
-        raise UsageError(f"{out}: holds a finished conversion with another source, scheme or options; "
-                         f"use --overwrite to replace it")
+        raise UsageError("holds a finished conversion with another source, scheme or options; "
+                         "use --overwrite to replace it", path=out)
 
 
 def _shard_file_size(j: ShardJob) -> int:
@@ -233,16 +233,16 @@ def run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: d
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_IGN)  # a second ^C must not cut the clean-up short
             _stop(pool, out, todo, done)
-            raise Interrupted(f"{out}: interrupted ({e or 'SIGINT'}) after {len(done)} of {len(jobs)} shards; "
-                              f"rerun the same command with --resume to finish") from None
+            raise Interrupted(f"interrupted ({e or 'SIGINT'}) after {len(done)} of {len(jobs)} shards; "
+                              f"rerun the same command with --resume to finish", path=out) from None
         except OSError as e:
             _stop(pool, out, todo, done)
-            raise OutputError(f"{out}: cannot write ({e.strerror or e}); {len(done)} of {len(jobs)} shards are "
-                              f"done: free space and rerun with --resume") from None
+            raise OutputError(f"cannot write ({e.strerror or e}); {len(done)} of {len(jobs)} shards are "
+                              f"done: free space and rerun with --resume", path=out) from None
         except cf.process.BrokenProcessPool:
             _stop(pool, out, todo, done)
-            raise WorkerDied(f"{out}: a worker process died (killed, or out of memory) after {len(done)} of "
-                             f"{len(jobs)} shards; rerun the same command with --resume to finish") from None
+            raise WorkerDied(f"a worker process died (killed, or out of memory) after {len(done)} of "
+                             f"{len(jobs)} shards; rerun the same command with --resume to finish", path=out) from None
         except BaseException:
             _stop(pool, out, todo, done)
             raise

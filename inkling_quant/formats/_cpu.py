@@ -28,17 +28,17 @@ def _where(name: str) -> str:
 
 def _check_dtype(w: torch.Tensor, fmt: str, name: str) -> None:
     if w.dtype not in _BITS:
-        raise FormatError(f"{_where(name)}{fmt} quantizes bf16/fp16/fp32 weights, got {w.dtype}")
+        raise FormatError(f"{_where(name)}{fmt} quantizes bf16/fp16/fp32 weights, got {w.dtype}", tensor=name or None)
 
 
 def _check_shape(shape, block: int, fmt: str, name: str) -> None:
     if len(shape) < 1 or shape[-1] % block != 0:
         raise FormatError(f"{_where(name)}{fmt} needs the last (input) dimension divisible by "
-                          f"{block}, got shape {tuple(shape)}")
+                          f"{block}, got shape {tuple(shape)}", tensor=name or None)
 
 
 def _nonfinite(name: str) -> FormatError:
-    return FormatError(f"{_where(name)}contains NaN or Inf: cannot be quantized")
+    return FormatError(f"{_where(name)}contains NaN or Inf: cannot be quantized", tensor=name or None)
 
 
 _POOL: ThreadPoolExecutor | None = None

@@ -121,11 +121,11 @@ def _as_amax(v, what: str, name: str) -> np.float32:
     """A caller's amax (python number or 1-element tensor) as fp32, as ModelOpt's ``.float()``."""
     if isinstance(v, torch.Tensor):
         if v.numel() != 1:
-            raise FormatError(f"{_where(name)}{what} must be a scalar, got shape {tuple(v.shape)}")
+            raise FormatError(f"{_where(name)}{what} must be a scalar, got shape {tuple(v.shape)}", tensor=name or None)
         v = v.detach().reshape(()).to(device="cpu", dtype=torch.float32).item()
     f = np.float32(v)
     if not np.isfinite(f) or f < 0:
-        raise FormatError(f"{_where(name)}{what} must be finite and >= 0, got {float(v)}")
+        raise FormatError(f"{_where(name)}{what} must be finite and >= 0, got {float(v)}", tensor=name or None)
     return f
 
 
@@ -142,7 +142,8 @@ def nvfp4_input_scale(input_amax, name: str = "") -> torch.Tensor:
     scale = np.float32(ia / np.float32(GLOBAL_DIV))
     if not scale > 0:
         raise FormatError(f"{_where(name)}input_amax {float(ia):g} gives input_scale {float(scale):g}: "
-                          f"an activation scale must be finite and > 0 (ModelOpt asserts a positive scale)")
+                          f"an activation scale must be finite and > 0 (ModelOpt asserts a positive scale)",
+                          tensor=name or None)
     return torch.tensor(scale, dtype=torch.float32)
 
 
@@ -279,7 +280,7 @@ def _nvfp4_cpu(w: torch.Tensor, s2: torch.Tensor, name: str) -> tuple[torch.Tens
             np.logical_and(sgn, y > 0, out=sgn)
         if float(d.min()) == 0.0:  # only from an absurdly small caller-given global_amax
             raise FormatError(f"{_where(name)}global_amax {float(s2) * GLOBAL_DIV:g} is too small: "
-                              f"block scale * weight_scale_2 underflows to 0")
+                              f"block scale * weight_scale_2 underflows to 0", tensor=name or None)
         code = _buf("nv:code", (2, H), np.uint8)[:, :h]
         _e2m1_magnitude(y, code, xx.view(np.float32),      # x is no longer needed: scratch
                         _buf("nv:u", (2, H), np.float32)[:, :h], _buf("nv:t", (2, H), np.float32)[:, :h],
@@ -377,12 +378,12 @@ class NVFP4(Format):
             # ModelOpt divides 0 by 0 here and writes NaN scales; we write a finite, valid encoding
             # of an all-zero tensor instead (codes 0, block scales 1.0, weight_scale_2 = 1/2688).
             if global_amax is not None and float(amax(w, name)) != 0.0:
-                raise FormatError(f"{_where(name)}global_amax is 0 but the tensor is not all zero")
+                raise FormatError(f"{_where(name)}global_amax is 0 but the tensor is not all zero", tensor=name or None)
             g = np.float32(1.0)
         s2 = torch.tensor(g / np.float32(GLOBAL_DIV), dtype=torch.float32)  # fp32 divide, as ModelOpt
         if float(s2) == 0.0:
             raise FormatError(f"{_where(name)}global_amax {float(g):g} is too small (weight_scale_2 "
-                              f"underflows to 0)")
+                              f"underflows to 0)", tensor=name or None)
         if w.device.type == "cpu":
             packed, scale = _nvfp4_cpu(w, s2, name)
         else:

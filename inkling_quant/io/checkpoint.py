@@ -26,22 +26,24 @@ MAX_JSON_BYTES = 64 << 20
 MAX_NAME_BYTES = 255  # NAME_MAX of every common file system
 
 
-def safe_child(root: Path, name: str, what: str = "file") -> Path:
-    """root/name, refusing names that could leave root (or that no file system can hold)."""
+def safe_child(root: Path, name: str, what: str = "file", tensor: str | None = None) -> Path:
+    """root/name, refusing names that could leave root (or that no file system can hold).
+    `what` names the file in messages; `tensor`, the tensor it was named for (the error's field)."""
     if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
             or "\0" in name or os.path.isabs(name) or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES \
             or not _encodable(name):
-        raise UnsafePathError(f"{root}: refusing {what} name {_short(name)}: must be a plain file name "
-                              f"inside the checkpoint")
-    check_line_safe(name, f"{root}: {what}")
+        raise UnsafePathError(f"refusing {what} name {_short(name)}: must be a plain file name inside the "
+                              f"checkpoint", path=root, tensor=tensor)
+    check_line_safe(name, root, what, tensor)
     path = root / name
     try:
         if path.is_symlink():
             target = path.resolve()
             if not target.is_relative_to(root.resolve()):
-                raise UnsafePathError(f"{path}: symlink points outside the checkpoint ({target})")
+                raise UnsafePathError(f"symlink points outside the checkpoint ({target})", path=path)
     except (OSError, RuntimeError) as e:  # a loop (RuntimeError before Python 3.13), a name too long
-        raise UnsafePathError(f"{path}: symlink cannot be resolved: {getattr(e, 'strerror', None) or e}") from None
+        raise UnsafePathError(f"symlink cannot be resolved: {getattr(e, 'strerror', None) or e}",
+                              path=path) from None
     return path
 
 
@@ -51,11 +53,11 @@ def read_json(path: Path, what: str, error: type[Exception] = CheckpointError) -
     try:
         fd = open_regular(path)
     except FileNotFoundError:
-        raise error(f"{path}: {what} not found") from None
+        raise error(f"{what} not found", path=path) from None
     except CheckpointError as e:  # not a regular file
-        raise error(f"{e} ({what})") from None
+        raise error(f"{e.message} ({what})", path=e.path, tensor=e.tensor) from None
     except OSError as e:
-        raise error(f"{path}: cannot read {what}: {e.strerror or e}") from None
+        raise error(f"cannot read {what}: {e.strerror or e}", path=path) from None
     try:  # read what is there, in chunks: f.read(cap) would allocate the whole cap up front
         chunks, total = [], 0
         if os.fstat(fd).st_size > MAX_JSON_BYTES:
@@ -64,15 +66,15 @@ def read_json(path: Path, what: str, error: type[Exception] = CheckpointError) -
             chunks.append(chunk)
             total += len(chunk)
     except OSError as e:
-        raise error(f"{path}: cannot read {what}: {e.strerror or e}") from None
+        raise error(f"cannot read {what}: {e.strerror or e}", path=path) from None
     finally:
         os.close(fd)
     if total > MAX_JSON_BYTES:
-        raise error(f"{path}: {what} larger than {MAX_JSON_BYTES} bytes")
+        raise error(f"{what} larger than {MAX_JSON_BYTES} bytes", path=path)
     blob = b"".join(chunks)
-    obj = parse_json_bytes(blob, f"{path}: {what}", error)
+    obj = parse_json_bytes(blob, path, what, error)
     if not isinstance(obj, dict):
-        raise error(f"{path}: {what} must be a JSON object")
+        raise error(f"{what} must be a JSON object", path=path)
     return obj
 
 
@@ -95,36 +97,37 @@ class Checkpoint:
     def open(cls, root: str | Path) -> "Checkpoint":
         root = Path(root)
         if not root.is_dir():
-            raise CheckpointError(f"{root}: not a checkpoint directory")
+            raise CheckpointError("not a checkpoint directory", path=root)
         index = root / INDEX_NAME
         if index.exists():
             obj = read_json(index, "index")
             wm = obj.get("weight_map")
             if not isinstance(wm, dict) or not wm:
-                raise CheckpointError(f"{index}: 'weight_map' must be a non-empty object")
+                raise CheckpointError("'weight_map' must be a non-empty object", path=index)
             checked: set[str] = set()
             for name, fname in wm.items():
                 if not isinstance(fname, str):
-                    raise CheckpointError(f"{index}: tensor {_short(name, 200)} maps to non-string {_short(fname)}")
+                    raise CheckpointError(f"tensor {_short(name, 200)} maps to non-string {_short(fname)}",
+                                          path=index, tensor=name)
                 if fname not in checked:  # once per shard, not per tensor (55k tensors, 100s of shards)
-                    safe_child(root, fname, f"shard (for tensor {_short(name, 200)})")
+                    safe_child(root, fname, f"shard (for tensor {_short(name, 200)})", name)
                     checked.add(fname)
             shards = list(dict.fromkeys(wm.values()))
             meta = obj.get("metadata")
             if meta is None:
                 meta = {}
             if not isinstance(meta, dict):
-                raise CheckpointError(f"{index}: 'metadata' must be an object, got {_short(meta)}")
+                raise CheckpointError(f"'metadata' must be an object, got {_short(meta)}", path=index)
         elif (root / SINGLE_NAME).exists() or (root / SINGLE_NAME).is_symlink():
             h = read_header(safe_child(root, SINGLE_NAME, "shard"))
             wm = {n: SINGLE_NAME for n in h.tensors}
             shards, meta = [SINGLE_NAME], {}
         else:
-            raise CheckpointError(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+            raise CheckpointError(f"neither {INDEX_NAME} nor {SINGLE_NAME} found", path=root)
         for s in shards:
             if not (root / s).is_file():
                 what = "is not a regular file" if (root / s).exists() else "does not exist"
-                raise CheckpointError(f"{root / s}: shard named in the index {what}")
+                raise CheckpointError(f"shard named in the index {what}", path=root / s)
         return cls(root, dict(wm), shards, meta)
 
     def header(self, shard: str) -> Header:
@@ -137,12 +140,13 @@ class Checkpoint:
             for name in h.tensors:
                 owner = self.weight_map.get(name)
                 if owner is None:
-                    raise CheckpointError(f"{self.root / s}: tensor {name!r} is not in the index")
+                    raise CheckpointError(f"tensor {name!r} is not in the index", path=self.root / s, tensor=name)
                 if owner != s:
-                    raise CheckpointError(f"{self.root / s}: tensor {name!r} is indexed under {owner}")
+                    raise CheckpointError(f"tensor {name!r} is indexed under {owner}", path=self.root / s, tensor=name)
         for name, s in self.weight_map.items():
             if name not in out[s].tensors:
-                raise CheckpointError(f"{self.root / s}: index lists tensor {name!r}, the shard lacks it")
+                raise CheckpointError(f"index lists tensor {name!r}, the shard lacks it", path=self.root / s,
+                                      tensor=name)
         return out
 
     def other_files(self) -> list[Path]:

@@ -58,8 +58,8 @@ def rewrite_shard(reader: ShardReader, dst: Path, *, drop: Callable[[str], bool]
             if bar is not None:
                 bar.update(e.nbytes)
         if h is not None and h.hexdigest() != expected:
-            raise CheckpointError(f"{header.path}: sha256 {h.hexdigest()} does not match {CHECKSUMS} "
-                                  f"({expected}): the shard is corrupt")
+            raise CheckpointError(f"sha256 {h.hexdigest()} does not match {CHECKSUMS} "
+                                  f"({expected}): the shard is corrupt", path=header.path)
         return w.commit()
 
 

@@ -47,7 +47,7 @@ def replace_into(tmp: Path, path: Path) -> None:
     """Rename `tmp` onto `path`, refusing a `path` that is a symlink (the rename would replace
     the link, but a symlink where our file belongs means someone else is writing here)."""
     if path.is_symlink():
-        raise UnsafePathError(f"{path}: is a symlink; refusing to write there (remove it)")
+        raise UnsafePathError("is a symlink; refusing to write there (remove it)", path=path)
     os.replace(tmp, path)
 
 
@@ -67,8 +67,10 @@ def atomic_file(path: Path, mode: str = "wb") -> Iterator[IO]:
         raise
 
 
-def check_line_safe(name: str, where: str) -> None:
+def check_line_safe(name: str, path, what: str, tensor: str | None = None) -> None:
     """Refuse a name holding a control character (a newline, a carriage return, an escape): it
-    would forge lines in a line-based file (checksums) or a report."""
+    would forge lines in a line-based file (checksums) or a report. The error names `path` and
+    `what` (and `tensor`, where the name is a tensor's file)."""
     if any(unicodedata.category(c) == "Cc" for c in name):
-        raise UnsafePathError(f"{where}: refusing name {printable(name)}: it holds control characters")
+        raise UnsafePathError(f"{what}: refusing name {printable(name)}: it holds control characters", path=path,
+                              tensor=tensor)

@@ -33,10 +33,10 @@ def read_checksums(path: Path, problem: Callable[[str, str], None] | None = None
         fd = open_regular(path)  # a FIFO would block forever
         with os.fdopen(fd, "rb") as f:
             if os.fstat(f.fileno()).st_size > 64 << 20:
-                raise CheckpointError(f"{path}: larger than 64 MiB: not a checksum file")
+                raise CheckpointError("larger than 64 MiB: not a checksum file", path=path)
             text = f.read().decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read: {e}") from None
+        raise CheckpointError(f"cannot read: {e}", path=path) from None
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -45,7 +45,7 @@ def read_checksums(path: Path, problem: Callable[[str, str], None] | None = None
                else f"{m.group(2)} listed twice" if m.group(2) in out else None)
         if bad is not None:
             if problem is None:
-                raise CheckpointError(f"{path}:{n}: {bad}")
+                raise CheckpointError(bad, path=f"{path}:{n}")  # file:line, as `problem` names it
             problem(f"{path}:{n}", bad)
             continue
         out[m.group(2)] = m.group(1).lower()
@@ -54,7 +54,7 @@ def read_checksums(path: Path, problem: Callable[[str, str], None] | None = None
 
 def write_checksums(path: Path, sums: dict[str, str]) -> None:
     for name in sums:
-        check_line_safe(name, f"{path}: file")  # a newline in a name would forge a line
+        check_line_safe(name, path, "file")  # a newline in a name would forge a line
     with atomic_file(path, "w") as f:
         f.write("".join(f"{sums[name]}  {name}\n" for name in sorted(sums)))
 
@@ -98,31 +98,31 @@ def check_paths(out: str | Path | None, sources: Sequence[str | Path | None] = (
     if out is not None:
         out = Path(out)
         if out.is_symlink():
-            raise UsageError(f"{out}: is a symlink; give the real output directory")
+            raise UsageError("is a symlink; give the real output directory", path=out)
         if out.exists() and not out.is_dir():
-            raise UsageError(f"{out}: exists and is not a directory")
+            raise UsageError("exists and is not a directory", path=out)
         o = _real(out)
         for given, s in srcs:
             why = ("is the source" if o == s else "lies inside the source" if o.is_relative_to(s)
                    else "holds the source" if s.is_relative_to(o) else None)
             if why:
-                raise UsageError(f"{out}: the output {why} {given}; it must be outside the source (and not hold it)")
+                raise UsageError(f"the output {why} {given}; it must be outside the source (and not hold it)", path=out)
             for suffix in (STAGING, BACKUP):
                 n = o.with_name(o.name + suffix)
                 if n == s or s.is_relative_to(n):
-                    raise UsageError(f"{out}: its {'staging' if suffix == STAGING else 'backup'} directory "
+                    raise UsageError(f"its {'staging' if suffix == STAGING else 'backup'} directory "
                                      f"{n.name} is or holds the source {given}; rename the source or choose "
-                                     f"another output")
+                                     f"another output", path=out)
     for r in reports:
         if r is None or r == "-":
             continue
         if Path(r).is_dir():
-            raise UsageError(f"{r}: is a directory; name a file for the report")
+            raise UsageError("is a directory; name a file for the report", path=r)
         rr = _real(r)
         for given, s in srcs:
             if rr == s or rr.is_relative_to(s):
-                raise UsageError(f"{r}: the report would be written into the source {given}; name a file "
-                                 f"outside it")
+                raise UsageError(f"the report would be written into the source {given}; name a file "
+                                 f"outside it", path=r)
 
 
 def write_report(dest: str | None, text: str) -> None:
@@ -137,7 +137,7 @@ def write_report(dest: str | None, text: str) -> None:
         with atomic_file(Path(dest), "w") as f:
             f.write(text)
     except OSError as e:
-        raise OutputError(f"{dest}: cannot write the report: {e.strerror or e}") from None
+        raise OutputError(f"cannot write the report: {e.strerror or e}", path=dest) from None
 
 
 class OutputLock:
@@ -156,7 +156,8 @@ class OutputLock:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise OutputError(f"{self.path.parent}: cannot create the output's directory: {e.strerror or e}") from None
+            raise OutputError(f"cannot create the output's directory: {e.strerror or e}",
+                              path=self.path.parent) from None
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0), 0o644)
@@ -169,16 +170,16 @@ class OutputLock:
                 if host == socket.gethostname() and not _alive(pid):
                     self.path.unlink(missing_ok=True)  # stale: its owner died (kill -9, reboot)
                     continue
-                raise UsageError(f"{self.path.parent}: another conversion, merge or extraction (pid {pid} on "
+                raise UsageError(f"another conversion, merge or extraction (pid {pid} on "
                                  f"{host}) is writing this output; wait for it, or remove {self.path.name} if that "
-                                 f"process is gone") from None
+                                 f"process is gone", path=self.path.parent) from None
             except OSError as e:
-                raise OutputError(f"{self.path}: cannot take the output lock: {e.strerror or e}") from None
+                raise OutputError(f"cannot take the output lock: {e.strerror or e}", path=self.path) from None
             with os.fdopen(fd, "w") as f:
                 f.write(me)
             self.held = True
             return self
-        raise UsageError(f"{self.path}: could not take the lock")
+        raise UsageError("could not take the lock", path=self.path)
 
     def release(self) -> None:
         if self.held:
@@ -215,7 +216,7 @@ def staged_output(out: str | Path, sources: Sequence[str | Path | None], overwri
     if out.exists():
         empty_dir = out.is_dir() and not any(out.iterdir())
         if not (empty_dir or overwrite):
-            raise UsageError(f"{out}: already exists (pass --overwrite to replace it)")
+            raise UsageError("already exists (pass --overwrite to replace it)", path=out)
     tmp = out.with_name(out.name + STAGING)
     with OutputLock(out):
         try:
@@ -234,7 +235,7 @@ def staged_output(out: str | Path, sources: Sequence[str | Path | None], overwri
             fsync_dir(out.parent)
         except OSError as e:
             remove_path(tmp)
-            raise OutputError(f"{out}: writing failed: {e.strerror or e}") from e
+            raise OutputError(f"writing failed: {e.strerror or e}", path=out) from e
         except BaseException:
             remove_path(tmp)
             raise
@@ -252,7 +253,8 @@ def hashed_copy(src: Path, dst: Path, expected: str | None, bar) -> str:
             bar.update(n)
         digest = h.hexdigest()
         if expected is not None and digest != expected:
-            raise CheckpointError(f"{src}: sha256 {digest} does not match {CHECKSUMS} ({expected}): the shard is corrupt")
+            raise CheckpointError(f"sha256 {digest} does not match {CHECKSUMS} ({expected}): the shard is corrupt",
+                                  path=src)
     return digest
 
 

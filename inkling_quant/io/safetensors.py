@@ -87,17 +87,18 @@ def _no_duplicates(pairs: list) -> dict:
     return d
 
 
-def parse_json_bytes(blob: bytes, where: str, error: type[Exception] = CheckpointError):
-    """JSON from untrusted bytes: every way it can be malformed becomes `error` naming `where`
-    (invalid UTF-8, syntax, a key given twice, nesting too deep, an integer too long to convert)."""
+def parse_json_bytes(blob: bytes, path, what: str, error: type[Exception] = CheckpointError):
+    """JSON from untrusted bytes: every way it can be malformed becomes `error` naming `path` and
+    `what` (invalid UTF-8, syntax, a key given twice, nesting too deep, an integer too long to
+    convert)."""
     try:
         return json.loads(blob.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except _Duplicate as e:
-        raise error(f"{where}: key {e.args[0]!r} appears more than once") from None
+        raise error(f"{what}: key {e.args[0]!r} appears more than once", path=path) from None
     except RecursionError:
-        raise error(f"{where}: not valid JSON: nested too deeply") from None
+        raise error(f"{what}: not valid JSON: nested too deeply", path=path) from None
     except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, and int() past its digit limit
-        raise error(f"{where}: not valid JSON: {e}") from None
+        raise error(f"{what}: not valid JSON: {e}", path=path) from None
 
 
 def _encodable(s: str) -> bool:
@@ -115,7 +116,7 @@ def open_regular(path: Path) -> int:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CheckpointError(f"{path}: not a regular file")
+            raise CheckpointError("not a regular file", path=path)
     except BaseException:
         os.close(fd)
         raise
@@ -147,72 +148,77 @@ def read_header(path: str | Path) -> Header:
             size = os.fstat(fd).st_size
             raw = os.pread(fd, 8, 0)
             if len(raw) < 8:
-                raise CheckpointError(f"{path}: truncated: {size} bytes, no safetensors header")
+                raise CheckpointError(f"truncated: {size} bytes, no safetensors header", path=path)
             (n,) = struct.unpack("<Q", raw)
             if n > MAX_HEADER_BYTES:
-                raise CheckpointError(f"{path}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte cap")
+                raise CheckpointError(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte cap", path=path)
             if 8 + n > size:
-                raise CheckpointError(f"{path}: truncated: header claims {n} bytes, file has {size}")
+                raise CheckpointError(f"truncated: header claims {n} bytes, file has {size}", path=path)
             blob = bytearray()
             while len(blob) < n:
                 chunk = os.pread(fd, n - len(blob), 8 + len(blob))
                 if not chunk:
-                    raise CheckpointError(f"{path}: truncated while reading the {n}-byte header")
+                    raise CheckpointError(f"truncated while reading the {n}-byte header", path=path)
                 blob += chunk
         finally:
             os.close(fd)
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
-    obj = parse_json_bytes(bytes(blob), f"{path}: header")
+        raise CheckpointError(f"cannot read: {e.strerror or e}", path=path) from None
+    obj = parse_json_bytes(bytes(blob), path, "header")
     if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: header is not a JSON object")
+        raise CheckpointError("header is not a JSON object", path=path)
     metadata = obj.pop("__metadata__", None)
     if metadata is None:
         metadata = {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
+        raise CheckpointError("__metadata__ must map strings to strings", path=path)
     if not all(_encodable(k) and _encodable(v) for k, v in metadata.items()):
-        raise CheckpointError(f"{path}: __metadata__ holds a string that is not valid Unicode (lone surrogate)")
+        raise CheckpointError("__metadata__ holds a string that is not valid Unicode (lone surrogate)", path=path)
     data_start = 8 + n
     entries = []
     for name, e in obj.items():
-        where = f"{path}: tensor {_short(name, 200)}"
+        where = f"tensor {_short(name, 200)}"
         if not _encodable(name):
-            raise CheckpointError(f"{where}: name is not valid Unicode (lone surrogate)")
+            raise CheckpointError(f"{where}: name is not valid Unicode (lone surrogate)", path=path, tensor=name)
         if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
-            raise CheckpointError(f"{where}: entry must have exactly dtype, shape, data_offsets")
+            raise CheckpointError(f"{where}: entry must have exactly dtype, shape, data_offsets", path=path,
+                                  tensor=name)
         dtype = DTYPES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
         if dtype is None:
-            raise CheckpointError(f"{where}: unknown dtype {_short(e['dtype'])}")
+            raise CheckpointError(f"{where}: unknown dtype {_short(e['dtype'])}", path=path, tensor=name)
         shape, offs = e["shape"], e["data_offsets"]
         if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
-            raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {_short(shape)}")
+            raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {_short(shape)}",
+                                  path=path, tensor=name)
         if len(shape) > MAX_RANK:
-            raise CheckpointError(f"{where}: shape has {len(shape)} dimensions (at most {MAX_RANK})")
+            raise CheckpointError(f"{where}: shape has {len(shape)} dimensions (at most {MAX_RANK})", path=path,
+                                  tensor=name)
         if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int and o >= 0 for o in offs)
                 and offs[0] <= offs[1]):
             raise CheckpointError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, "
-                                  f"got {_short(offs)}")
+                                  f"got {_short(offs)}", path=path, tensor=name)
         numel = _numel(shape, _INT64_MAX)
         if numel is None:
-            raise CheckpointError(f"{where}: shape {_short(shape)} has more elements than a tensor can hold")
+            raise CheckpointError(f"{where}: shape {_short(shape)} has more elements than a tensor can hold",
+                                  path=path, tensor=name)
         expected = numel * dtype.itemsize
         if offs[1] - offs[0] != expected:
             raise CheckpointError(f"{where}: {offs[1] - offs[0]} bytes for dtype {e['dtype']} "
-                                  f"shape {_short(shape)} (expected {expected})")
+                                  f"shape {_short(shape)} (expected {expected})", path=path, tensor=name)
         entries.append(TensorEntry(name, dtype, tuple(shape), data_start + offs[0], data_start + offs[1]))
     entries.sort(key=lambda t: (t.begin, t.end))
     pos = data_start
     for t in entries:
         if t.begin != pos:
             kind = "overlaps the previous tensor" if t.begin < pos else "leaves a gap before it"
-            raise CheckpointError(f"{path}: tensor {_short(t.name, 200)} at offset {_short(t.begin - data_start)} {kind}")
+            raise CheckpointError(f"tensor {_short(t.name, 200)} at offset {_short(t.begin - data_start)} {kind}",
+                                  path=path, tensor=t.name)
         pos = t.end
     if pos != size:
         what = "truncated" if pos > size else "has trailing bytes"
         last = _short(entries[-1].name, 200) if entries else "(none)"
-        raise CheckpointError(f"{path}: {what}: tensors end at byte {_short(pos)}, file has {size} "
-                              f"(last tensor {last})")
+        raise CheckpointError(f"{what}: tensors end at byte {_short(pos)}, file has {size} (last tensor {last})",
+                              path=path, tensor=entries[-1].name if entries else None)
     return Header(path, {t.name: t for t in entries}, metadata, data_start, size)
 
 
@@ -225,7 +231,7 @@ class ShardReader:
         try:
             self._fd = open_regular(self.path)
         except OSError as e:
-            raise CheckpointError(f"{self.path}: cannot open: {e.strerror or e}") from None
+            raise CheckpointError(f"cannot open: {e.strerror or e}", path=self.path) from None
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -247,8 +253,8 @@ class ShardReader:
         while got < want:
             n = os.preadv(self._fd, [buf[got:want]], entry.begin + start + got)
             if n == 0:
-                raise CheckpointError(f"{self.path}: tensor {entry.name!r}: file ended while reading "
-                                      f"(truncated after the header was read?)")
+                raise CheckpointError(f"tensor {entry.name!r}: file ended while reading (truncated after the "
+                                      f"header was read?)", path=self.path, tensor=entry.name)
             got += n
         return buf[:want]
 
@@ -257,7 +263,7 @@ class ShardReader:
         try:
             entry = self.header.tensors[name]
         except KeyError:
-            raise CheckpointError(f"{self.path}: no tensor {name!r} in this shard") from None
+            raise CheckpointError(f"no tensor {name!r} in this shard", path=self.path, tensor=name) from None
         if entry.nbytes == 0:
             return torch.empty(entry.shape, dtype=entry.dtype)
         mv = self.read_bytes(entry, buffer.view(entry.nbytes) if buffer is not None else None)
@@ -268,9 +274,10 @@ class ShardReader:
         stacked [E, ...] expert tensor, so memory is bounded by an expert, not the stack."""
         entry = self.header.tensors.get(name)
         if entry is None:
-            raise CheckpointError(f"{self.path}: no tensor {name!r} in this shard")
+            raise CheckpointError(f"no tensor {name!r} in this shard", path=self.path, tensor=name)
         if not entry.shape or not 0 <= index < entry.shape[0]:
-            raise CheckpointError(f"{self.path}: tensor {name!r} {list(entry.shape)} has no slice {index}")
+            raise CheckpointError(f"tensor {name!r} {list(entry.shape)} has no slice {index}", path=self.path,
+                                  tensor=name)
         shape = entry.shape[1:]
         step = math.prod(shape) * entry.dtype.itemsize
         if step == 0:
@@ -301,7 +308,7 @@ def _header_bytes(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], met
     order = []
     for name, dtype, shape in specs:
         if name in header:
-            raise CheckpointError(f"duplicate tensor {name!r} in one output shard")
+            raise CheckpointError(f"duplicate tensor {name!r} in one output shard", tensor=name)
         nbytes = math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         order.append((name, dtype, tuple(shape), nbytes))
@@ -401,11 +408,11 @@ class ShardWriter:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self._next >= len(self._order):
-            raise CheckpointError(f"{self.path}: tensor {name!r} was not declared")
+            raise CheckpointError(f"tensor {name!r} was not declared", path=self.path, tensor=name)
         want, dtype, shape, nbytes = self._order[self._next]
         if name != want or tensor.dtype != dtype or tuple(tensor.shape) != shape or self._part:
-            raise CheckpointError(f"{self.path}: got {name!r} {tensor.dtype} {tuple(tensor.shape)}, "
-                                  f"declared {want!r} {dtype} {shape}")
+            raise CheckpointError(f"got {name!r} {tensor.dtype} {tuple(tensor.shape)}, declared {want!r} {dtype} "
+                                  f"{shape}", path=self.path, tensor=name)
         t = tensor.contiguous()
         if nbytes:
             self._write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
@@ -416,12 +423,12 @@ class ShardWriter:
         stacked [E, ...] tensor), so a tensor is written without ever being whole in memory; the
         tensor is complete when its pieces add up to its declared size."""
         if self._next >= len(self._order):
-            raise CheckpointError(f"{self.path}: tensor {name!r} was not declared")
+            raise CheckpointError(f"tensor {name!r} was not declared", path=self.path, tensor=name)
         want, dtype, shape, nbytes = self._order[self._next]
         n = piece.numel() * piece.element_size()
         if name != want or piece.dtype != dtype or self._part + n > nbytes:
-            raise CheckpointError(f"{self.path}: got a {n}-byte {piece.dtype} piece of {name!r}, declared "
-                                  f"{want!r} {dtype} {shape} with {nbytes - self._part} bytes left")
+            raise CheckpointError(f"got a {n}-byte {piece.dtype} piece of {name!r}, declared {want!r} {dtype} "
+                                  f"{shape} with {nbytes - self._part} bytes left", path=self.path, tensor=name)
         if n:
             self._write(memoryview(piece.contiguous().reshape(-1).view(torch.uint8).numpy()))
         self._part += n
@@ -433,7 +440,7 @@ class ShardWriter:
         return the file's sha256 hex digest."""
         if self._next != len(self._order):  # also a tensor whose pieces stopped short
             missing = self._order[self._next][0]
-            raise CheckpointError(f"{self.path}: closed before tensor {missing!r} was written")
+            raise CheckpointError(f"closed before tensor {missing!r} was written", path=self.path, tensor=missing)
         self._stop_hasher()
         if self._staged:
             # O_DIRECT writes whole blocks: pad the tail with zeros, then cut the file to size.
@@ -444,7 +451,7 @@ class ShardWriter:
             self._written -= padded - tail
             os.ftruncate(self._fd, self._written)
         if self._written != self.nbytes:  # an internal invariant: the header promised this size
-            raise CheckpointError(f"{self.path}: wrote {self._written} bytes, header declares {self.nbytes}")
+            raise CheckpointError(f"wrote {self._written} bytes, header declares {self.nbytes}", path=self.path)
         if durable:
             os.fsync(self._fd)
         os.close(self._fd)

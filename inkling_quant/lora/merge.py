@@ -116,11 +116,11 @@ def _selected_modules(plan: Plan) -> list[tuple[str, TensorName]]:
     where = plan.adapter.root / ADAPTER_CONFIG
     if not selected and elsewhere:
         m, t = elsewhere[0]
-        raise ConfigError(f"{where}: target_modules={json.dumps(acfg.target_modules)} selects only modules LoRA "
-                          f"cannot be merged into (e.g. {m!r}, {t.part}): LoRA merges only into {MERGEABLE}")
+        raise ConfigError(f"target_modules={json.dumps(acfg.target_modules)} selects only modules LoRA cannot be "
+                          f"merged into (e.g. {m!r}, {t.part}): LoRA merges only into {MERGEABLE}", path=where)
     if not selected:
-        raise ConfigError(f"{where}: target_modules={json.dumps(acfg.target_modules)} matches no attention "
-                          f"projection or routed expert of {ckpt.root}: adapter for another model")
+        raise ConfigError(f"target_modules={json.dumps(acfg.target_modules)} matches no attention "
+                          f"projection or routed expert of {ckpt.root}: adapter for another model", path=where)
     return selected
 
 
@@ -132,57 +132,59 @@ def _mergeable(plan: Plan, module: str, where: str) -> TensorName:
     if t is None:
         raise ConfigError(f"{where} is not a module of the Inkling 2 Small layout (expected e.g. "
                           f"'{PEFT_PREFIX}model.layers.0.self_attn.q_proj.lora_A.weight'): adapter for "
-                          f"another model?")
+                          f"another model?", path=plan.adapter.path)
     if t.part not in MERGEABLE_PARTS:
-        raise ConfigError(f"{where} ({t.part}): LoRA merges only into {MERGEABLE}")
+        raise ConfigError(f"{where} ({t.part}): LoRA merges only into {MERGEABLE}", path=plan.adapter.path)
     if t.layer >= cfg.num_hidden_layers:
         raise ConfigError(f"{where} is in layer {t.layer}, but config.json has {cfg.num_hidden_layers} layers: "
-                          f"adapter for another model")
+                          f"adapter for another model", path=plan.adapter.path)
     if t.part == "expert" and t.expert >= cfg.num_experts:
         raise ConfigError(f"{where} is expert {t.expert}, but config.json has {cfg.num_experts} routed experts: "
-                          f"adapter for another model")
+                          f"adapter for another model", path=plan.adapter.path)
     if not plan.adapter.config.targets(module):
         raise ConfigError(f"{where} has LoRA weights, but the adapter config's target_modules="
                           f"{json.dumps(plan.adapter.config.target_modules)} does not select it: adapter files do "
-                          f"not match")
+                          f"not match", path=plan.adapter.path)
     fmt = _quantized_format(plan, module)
     if fmt is not None:
         if t.part == "expert":
             raise ConfigError(
                 f"{where}: the routed experts of this checkpoint are {fmt}; expert adapters need BF16 expert "
                 f"weights (the Inkling 2 Small recipe: 'with the NVFP4/MXFP8 experts, use attention-only "
-                f"adapters'). Merge into the BF16 source before converting, or train an attention-only adapter")
+                f"adapters'). Merge into the BF16 source before converting, or train an attention-only adapter",
+                path=plan.adapter.path)
         raise ConfigError(f"{where}: the checkpoint holds this projection quantized ({fmt}); LoRA merges into "
-                          f"unquantized weights only")
+                          f"unquantized weights only", path=plan.adapter.path)
     return t
 
 
 def _target(plan: Plan, module: str, a: TensorEntry, b: TensorEntry, dtype: str, scale: float) -> Target:
     """The merge of adapter module `module` (factors a, b) into the checkpoint; raise when the
     checkpoint's weight is missing, of another dtype or shape, or the rank is not the config's."""
-    ckpt, where = plan.ckpt, f"{plan.adapter.path}: module {module!r}"
+    ckpt, where = plan.ckpt, f"module {module!r}"
     t = _mergeable(plan, module, where)
     tensor = module + ".weight"
     shard = ckpt.weight_map.get(tensor)
     if shard is None:
-        raise CheckpointError(f"{ckpt.root}: tensor {tensor!r} (targeted by the adapter) is not in the checkpoint")
+        raise CheckpointError(f"tensor {tensor!r} (targeted by the adapter) is not in the checkpoint",
+                              path=ckpt.root, tensor=tensor)
     e = plan.headers[shard].tensors[tensor]
     if e.dtype != DTYPES[dtype]:
         stored = next((k for k, v in DTYPES.items() if v == e.dtype), None)
         hint = f"; pass --dtype {stored} to merge into {stored} weights" if stored else ""
-        raise UsageError(f"{ckpt.root / shard}: tensor {tensor!r} is {DTYPE_NAMES[e.dtype]}, not {dtype}: the "
-                         f"merge rounds to the stored dtype and never changes it{hint}")
+        raise UsageError(f"tensor {tensor!r} is {DTYPE_NAMES[e.dtype]}, not {dtype}: the merge rounds to the "
+                         f"stored dtype and never changes it{hint}", path=ckpt.root / shard, tensor=tensor)
     out_f, in_f = e.shape
     if a.shape[1] != in_f or b.shape[0] != out_f:
         hint = ""
         if t.part == "attention" and t.projection != "o_proj" and a.shape[1] != in_f:
             hint = f" (trained on hidden_size {a.shape[1]}; this checkpoint has {plan.cfg.hidden_size})"
         raise ConfigError(f"{where}: shape mismatch: B @ A is [{b.shape[0]}, {a.shape[1]}] but the checkpoint's "
-                          f"weight is {list(e.shape)}{hint}: adapter for another model")
+                          f"weight is {list(e.shape)}{hint}: adapter for another model", path=plan.adapter.path)
     r, alpha, scaling = plan.adapter.config.scaling(module)
     if a.shape[0] != r:
         raise ConfigError(f"{where}: lora_A has rank {a.shape[0]} but the adapter config gives r={r} for this "
-                          f"module (r / rank_pattern): the scale alpha/r would be wrong")
+                          f"module (r / rank_pattern): the scale alpha/r would be wrong", path=plan.adapter.path)
     return Target(module, t.part, t.layer, tensor, shard, tuple(e.shape), e.dtype, r, alpha, scaling, scaling * scale)
 
 
@@ -194,11 +196,11 @@ def _check_complete(plan: Plan, selected: list[tuple[str, TensorName]]) -> None:
         have = sorted({t.layer for t in plan.targets})
         miss_layers = sorted({t.layer for _, t in missing})
         if have and min(miss_layers) > max(have):
-            raise ConfigError(f"{aw}: LoRA weights for layers {_span(have)} only, but target_modules selects layers up "
+            raise ConfigError(f"LoRA weights for layers {_span(have)} only, but target_modules selects layers up "
                               f"to {max(miss_layers)} of this {cfg.num_hidden_layers}-layer checkpoint: adapter for "
-                              f"another model (fewer layers)")
-        raise ConfigError(f"{aw}: target_modules selects {len(missing)} module(s) the adapter has no weights for, e.g. "
-                          f"{missing[0][0]!r}: incomplete adapter or another model")
+                              f"another model (fewer layers)", path=aw)
+        raise ConfigError(f"target_modules selects {len(missing)} module(s) the adapter has no weights for, e.g. "
+                          f"{missing[0][0]!r}: incomplete adapter or another model", path=aw)
 
 
 def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0, dtype: str = "bf16") -> Plan:
@@ -264,8 +266,9 @@ def _merge_into(plan: Plan, factors: ShardReader):
         a_e, b_e = plan.adapter.modules[tgt.module]
         merged = merged_weight(t, read_lora(factors, a_e), read_lora(factors, b_e), tgt.scale)
         if not bool(torch.isfinite(merged).all()):
-            raise CheckpointError(f"{plan.headers[tgt.shard].path}: tensor {e.name!r}: the merged weight has Inf/NaN "
-                                  f"(overflow of {DTYPE_NAMES[e.dtype]}; is --scale too large?)")
+            raise CheckpointError(f"tensor {e.name!r}: the merged weight has Inf/NaN (overflow of "
+                                  f"{DTYPE_NAMES[e.dtype]}; is --scale too large?)", path=plan.headers[tgt.shard].path,
+                                  tensor=e.name)
         return merged
     return transform
 

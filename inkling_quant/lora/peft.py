@@ -21,7 +21,7 @@ import regex
 import torch
 
 from .. import hub
-from ..errors import CheckpointError, ConfigError, UnknownTensorError, UsageError
+from ..errors import CheckpointError, ConfigError, UnknownTensorError, UsageError, prefixed
 from ..io.checkpoint import read_json, safe_child
 from ..io.safetensors import DTYPE_NAMES, Header, ShardReader, TensorEntry, read_header, sha256_file
 from ..layout import ATTENTION_PROJECTIONS, TensorName, classify
@@ -77,14 +77,15 @@ _REFUSED_TENSORS: tuple[tuple[tuple[str, ...], str], ...] = (
 )
 
 
-def _number(d: dict, key: str, where: str, default=None, positive: bool = True) -> float:
+def _number(d: dict, key: str, path: str, default=None, positive: bool = True, section: str = "") -> float:
     v = d.get(key, default)
     try:
         finite = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     except OverflowError:  # an integer too large for a float
         finite = False
     if not finite or (positive and v <= 0):
-        raise ConfigError(f"{where}: {key!r} must be a {'positive ' if positive else ''}finite number, got {v!r}")
+        raise ConfigError(f"{section}{key!r} must be a {'positive ' if positive else ''}finite number, got {v!r}",
+                          path=path)
     return v
 
 
@@ -101,32 +102,32 @@ def _user_match(pattern: str, text: str, *, full: bool = False):
                           f"{text!r} (catastrophic backtracking): simplify it, e.g. list the module names") from None
 
 
-def _refuse_settings(d: dict, where: str) -> None:
+def _refuse_settings(d: dict, path: str) -> None:
     """Raise ConfigError for an adapter config that is not a plain LoRA delta W + s*B@A."""
     peft_type = d.get("peft_type")
     if peft_type is None:
-        raise ConfigError(f"{where}: missing key 'peft_type' (not a PEFT adapter config?)")
+        raise ConfigError("missing key 'peft_type' (not a PEFT adapter config?)", path=path)
     if str(peft_type).upper() != "LORA":
-        raise ConfigError(f"{where}: peft_type is {peft_type!r}; only plain LoRA adapters (peft_type 'LORA') "
-                          f"can be merged")
+        raise ConfigError(f"peft_type is {peft_type!r}; only plain LoRA adapters (peft_type 'LORA') "
+                          f"can be merged", path=path)
     for key, why in _UNSUPPORTED.items():
         if d.get(key):
-            raise ConfigError(f"{where}: {key}={json.dumps(d[key])} is not supported: {why}")
+            raise ConfigError(f"{key}={json.dumps(d[key])} is not supported: {why}", path=path)
     init = d.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_BASE_MODIFYING_INIT):
         raise ConfigError(
-            f"{where}: init_lora_weights={init!r} trains against modified base weights, so A/B are not a delta "
+            f"init_lora_weights={init!r} trains against modified base weights, so A/B are not a delta "
             f"on this checkpoint; convert it to a plain LoRA adapter first (PEFT: save_pretrained(..., "
-            f"path_initial_model_for_weight_conversion=...))")
+            f"path_initial_model_for_weight_conversion=...))", path=path)
     bias = d.get("bias", "none")
     if bias not in (None, "none"):
-        raise ConfigError(f"{where}: bias={bias!r} trains base-layer biases; the attention projections have "
-                          f"none (only bias='none' adapters can be merged)")
+        raise ConfigError(f"bias={bias!r} trains base-layer biases; the attention projections have "
+                          f"none (only bias='none' adapters can be merged)", path=path)
     unknown = sorted(k for k in d if k not in _KNOWN_KEYS and d[k] not in (None, False, "", [], {}, 0))
     if unknown:
-        raise ConfigError(f"{where}: unknown setting(s) {', '.join(f'{k}={json.dumps(d[k])}' for k in unknown)}: "
+        raise ConfigError(f"unknown setting(s) {', '.join(f'{k}={json.dumps(d[k])}' for k in unknown)}: "
                           f"possibly a LoRA variant this tool does not know; refusing rather than merging "
-                          f"something other than W + s*B@A")
+                          f"something other than W + s*B@A", path=path)
 
 
 @dataclass(frozen=True)
@@ -147,48 +148,48 @@ class AdapterConfig:
     raw: dict = field(compare=False, repr=False)
 
     @classmethod
-    def from_dict(cls, d: dict, where: str) -> "AdapterConfig":
-        """Validate adapter_config.json (`d`, named `where` in messages): refuse what is not plain LoRA."""
-        _refuse_settings(d, where)
-        r = _number(d, "r", where, 8)
+    def from_dict(cls, d: dict, path: str) -> "AdapterConfig":
+        """Validate adapter_config.json (`d`, read from `path`): refuse what is not plain LoRA."""
+        _refuse_settings(d, path)
+        r = _number(d, "r", path, 8)
         if int(r) != r:
-            raise ConfigError(f"{where}: 'r' must be a positive integer, got {r!r}")
-        alpha = _number(d, "lora_alpha", where, 8)
+            raise ConfigError(f"'r' must be a positive integer, got {r!r}", path=path)
+        alpha = _number(d, "lora_alpha", path, 8)
         rank_pattern = d.get("rank_pattern") or {}
         alpha_pattern = d.get("alpha_pattern") or {}
         for name, pat in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
             if not isinstance(pat, dict):
-                raise ConfigError(f"{where}: {name!r} must be an object, got {pat!r}")
+                raise ConfigError(f"{name!r} must be an object, got {pat!r}", path=path)
             for k in pat:
-                _number(pat, k, f"{where}: {name}")
+                _number(pat, k, path, section=f"{name}: ")
                 try:
                     re.compile(k)
                 except (re.error, RecursionError, OverflowError) as e:
-                    raise ConfigError(f"{where}: {name} key {k!r} is not a valid pattern: {e}") from None
+                    raise ConfigError(f"{name} key {k!r} is not a valid pattern: {e}", path=path) from None
         for k, v in rank_pattern.items():
             if int(v) != v:
-                raise ConfigError(f"{where}: rank_pattern[{k!r}] must be a positive integer, got {v!r}")
+                raise ConfigError(f"rank_pattern[{k!r}] must be a positive integer, got {v!r}", path=path)
         targets = d.get("target_modules")
         excludes = d.get("exclude_modules")
         for name, v in (("target_modules", targets), ("exclude_modules", excludes)):
             if v is not None and not isinstance(v, str) and not (
                     isinstance(v, list) and all(isinstance(x, str) for x in v)):
-                raise ConfigError(f"{where}: {name!r} must be a string (regex) or a list of names, got {v!r}")
+                raise ConfigError(f"{name!r} must be a string (regex) or a list of names, got {v!r}", path=path)
             if isinstance(v, str):
                 try:
                     re.compile(v)
                 except (re.error, RecursionError, OverflowError) as e:
-                    raise ConfigError(f"{where}: {name} {v!r} is not a valid pattern: {e}") from None
+                    raise ConfigError(f"{name} {v!r} is not a valid pattern: {e}", path=path) from None
         if not targets:
-            raise ConfigError(f"{where}: 'target_modules' is empty: the adapter targets no module")
+            raise ConfigError("'target_modules' is empty: the adapter targets no module", path=path)
         layers = d.get("layers_to_transform")
         if layers is not None and not (type(layers) is int or (isinstance(layers, list)
                                                                and all(type(x) is int for x in layers))):
-            raise ConfigError(f"{where}: 'layers_to_transform' must be an integer or a list of integers")
+            raise ConfigError("'layers_to_transform' must be an integer or a list of integers", path=path)
         pattern = d.get("layers_pattern")
         if pattern is not None and not (isinstance(pattern, str) or (isinstance(pattern, list)
                                                                      and all(isinstance(x, str) for x in pattern))):
-            raise ConfigError(f"{where}: 'layers_pattern' must be a string or a list of strings")
+            raise ConfigError("'layers_pattern' must be a string or a list of strings", path=path)
         return cls(r=int(r), lora_alpha=alpha, use_rslora=bool(d.get("use_rslora", False)),
                    target_modules=list(targets) if isinstance(targets, list) else targets,
                    exclude_modules=list(excludes) if isinstance(excludes, list) else excludes,
@@ -278,9 +279,9 @@ def resolve_adapter(spec: str) -> Path:
     if not hub.is_repo_id(spec):
         p = Path(spec)
         if not p.exists():
-            raise UsageError(f"{spec}: no such adapter directory (and not a hub repo id org/name[@revision])")
+            raise UsageError("no such adapter directory (and not a hub repo id org/name[@revision])", path=spec)
         if not p.is_dir():
-            raise UsageError(f"{spec}: an adapter is a directory holding {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+            raise UsageError(f"an adapter is a directory holding {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}", path=spec)
         return p
     repo, _, rev = spec.partition("@")
     from huggingface_hub import snapshot_download  # lazy: only hub adapters need it
@@ -300,44 +301,45 @@ def open_adapter(spec: str | Path) -> Adapter:
     weights = root / ADAPTER_WEIGHTS
     if not weights.is_file():
         if (root / "adapter_model.bin").exists():
-            raise CheckpointError(f"{root}: only {ADAPTER_WEIGHTS} is read; adapter_model.bin is a pickle (which "
+            raise CheckpointError(f"only {ADAPTER_WEIGHTS} is read; adapter_model.bin is a pickle (which "
                                   f"can run code when loaded). Re-save the adapter with safetensors "
-                                  f"(PEFT: save_pretrained(..., safe_serialization=True))")
-        raise CheckpointError(f"{weights}: not found")
+                                  f"(PEFT: save_pretrained(..., safe_serialization=True))", path=root)
+        raise CheckpointError("not found", path=weights)
     try:
         header = read_header(safe_child(root, ADAPTER_WEIGHTS, "adapter weights"))
     except CheckpointError as e:
-        raise CheckpointError(f"corrupt adapter: {e}") from None
+        raise prefixed("corrupt adapter: ", e, CheckpointError) from None
     found: dict[str, dict[str, TensorEntry]] = {}
     for name, e in header.tensors.items():
-        where = f"{weights}: tensor {name!r}"
+        where = f"tensor {name!r}"
         key = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
         for fragments, why in _REFUSED_TENSORS:
             if any(f in key for f in fragments):
-                raise ConfigError(f"{where}: {why}")
+                raise ConfigError(f"{where}: {why}", path=weights, tensor=name)
         m = _KEY.fullmatch(key)
         if m and m.group("what") in found.get(m.group("module"), {}):
             raise CheckpointError(f"{where}: {m.group('module')!r} {m.group('what')} appears twice (with and "
-                                  f"without the {PEFT_PREFIX!r} prefix)")
+                                  f"without the {PEFT_PREFIX!r} prefix)", path=weights, tensor=name)
         if not m:
             raise ConfigError(f"{where}: not a LoRA weight ('<module>.lora_A.weight' / '<module>.lora_B.weight'); "
-                              f"only plain LoRA adapters can be merged")
+                              f"only plain LoRA adapters can be merged", path=weights, tensor=name)
         if e.dtype not in FLOAT_DTYPES:
-            raise CheckpointError(f"{where}: dtype {DTYPE_NAMES[e.dtype]} (LoRA weights are BF16/FP16/FP32)")
+            raise CheckpointError(f"{where}: dtype {DTYPE_NAMES[e.dtype]} (LoRA weights are BF16/FP16/FP32)",
+                                  path=weights, tensor=name)
         if len(e.shape) != 2 or 0 in e.shape:
-            raise CheckpointError(f"{where}: shape {list(e.shape)} (LoRA weights are 2-D)")
+            raise CheckpointError(f"{where}: shape {list(e.shape)} (LoRA weights are 2-D)", path=weights, tensor=name)
         found.setdefault(m.group("module"), {})[m.group("what")] = e
     if not found:
-        raise CheckpointError(f"{weights}: holds no LoRA weights")
+        raise CheckpointError("holds no LoRA weights", path=weights)
     modules = {}
     for module, ab in found.items():
         for what in ("lora_A", "lora_B"):
             if what not in ab:
-                raise CheckpointError(f"{weights}: module {module!r} has no {what}.weight (incomplete adapter)")
+                raise CheckpointError(f"module {module!r} has no {what}.weight (incomplete adapter)", path=weights)
         a, b = ab["lora_A"], ab["lora_B"]
         if a.shape[0] != b.shape[1]:
-            raise CheckpointError(f"{weights}: module {module!r}: lora_A is {list(a.shape)}, lora_B is {list(b.shape)}: "
-                                  f"their ranks differ")
+            raise CheckpointError(f"module {module!r}: lora_A is {list(a.shape)}, lora_B is {list(b.shape)}: "
+                                  f"their ranks differ", path=weights)
         modules[module] = (a, b)
     return Adapter(str(spec), root, cfg, header, modules, sha256_file(header.path))
 
@@ -346,6 +348,7 @@ def read_lora(reader: ShardReader, e: TensorEntry) -> torch.Tensor:
     """A LoRA factor of the adapter file, as FP32; NaN or Inf is a corrupt adapter."""
     t = reader.get(e.name).float()
     if not bool(torch.isfinite(t).all()):
-        raise CheckpointError(f"corrupt adapter: {reader.path}: tensor {e.name!r} contains NaN or Inf")
+        raise prefixed("corrupt adapter: ", CheckpointError(f"tensor {e.name!r} contains NaN or Inf", path=reader.path,
+                                                            tensor=e.name))
     return t
 

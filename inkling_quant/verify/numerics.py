@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import CheckpointError
 from ..formats import FORMATS, Format
 from ..io.checkpoint import INDEX_NAME, safe_child
 from ..io.safetensors import DTYPE_NAMES, Header, ShardReader, TensorBuffer
@@ -97,7 +98,8 @@ class _SameBytes:
         while got < len(piece):
             n = os.preadv(fd, [mv[got:]], src.entry.begin + offset + got)
             if n == 0:
-                raise EOFError(f"{src_root / src.shard}: tensor {self.seen.name!r}: source file ended early")
+                raise CheckpointError(f"tensor {self.seen.name!r}: source file ended early", path=src_root / src.shard,
+                                      tensor=self.seen.name)
             got += n
         a = torch.frombuffer(piece, dtype=torch.uint8)
         b = torch.frombuffer(mv, dtype=torch.uint8)

@@ -15,7 +15,7 @@ from xml.etree import ElementTree as ET
 
 from .. import __version__
 from ..cli_common import human_bytes
-from ..errors import InklingQuantError, printable
+from ..errors import InklingQuantError, printable, short_repr
 from ..formats import FORMATS
 
 MAX_PROBLEMS = 200         # per check, in the report (the count is always exact)
@@ -32,8 +32,10 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
-        named = self.tensor is None or repr(self.tensor) in self.message
-        return f"{self.file}: {self.message}" if named else f"{self.file}: tensor {self.tensor!r}: {self.message}"
+        # `tensor` is the whole name (megabytes in a hostile header): shown cut short, as messages show it
+        shown = None if self.tensor is None else short_repr(self.tensor, 200)
+        named = shown is None or shown in self.message or repr(self.tensor) in self.message
+        return f"{self.file}: {self.message}" if named else f"{self.file}: tensor {shown}: {self.message}"
 
 
 @dataclass
@@ -147,7 +149,8 @@ class VerifyReport:
         bad = self.failures()
         if bad:
             lines = [f"{c.id}: {c.summary()}" for c in bad[:5]]
-            raise CheckpointError(f"{self.checkpoint}: verification failed ({len(bad)} check(s)): " + "; ".join(lines))
+            raise CheckpointError(f"verification failed ({len(bad)} check(s)): " + "; ".join(lines),
+                                  path=self.checkpoint)
 
     @property
     def throughput_mb_s(self) -> float:
@@ -361,8 +364,8 @@ class Recorder:
             c.error(getattr(e, "filename", None) or str(self.root), f"cannot read: {e.strerror}")
         except OSError as e:
             c.error(getattr(e, "filename", None) or str(self.root), f"I/O error: {e.strerror or e}")
-        except EOFError as e:
-            c.fail(*_split_error(str(e), str(self.root)))
+        except EOFError as e:  # not from our readers (they raise CheckpointError naming the file)
+            c.fail(str(self.root), None, str(e))
         except Exception as e:  # a bug in a check must still end in a report, not a traceback
             if os.environ.get("INKLING_QUANT_DEBUG"):
                 raise
@@ -373,28 +376,6 @@ class Recorder:
 
 
 def locate(e: InklingQuantError, default_file: str) -> tuple[str, str | None, str]:
-    """(file, tensor, message) of one of our errors: its `path` and `tensor` fields where the
-    raiser set them, else parsed back out of the message (`_split_error`)."""
-    if e.path is None:
-        file, tensor, msg = _split_error(str(e), default_file)
-    else:
-        msg = str(e).removeprefix(f"{e.path}: ")
-        file, tensor = e.path, _tensor_in(msg)
-    return file, (e.tensor if e.tensor is not None else tensor), msg
-
-
-_TENSOR_IN_MESSAGE = re.compile(r"tensor '([^']*)'")
-
-
-def _tensor_in(msg: str) -> str | None:
-    m = _TENSOR_IN_MESSAGE.search(msg)
-    return m.group(1) if m else None
-
-
-def _split_error(msg: str, default_file: str) -> tuple[str, str | None, str]:
-    """(file, tensor, message) of an error raised without fields: our messages start with the file."""
-    file, rest = default_file, msg
-    head, sep, tail = msg.partition(": ")
-    if sep and ("/" in head or head.endswith((".json", ".safetensors", ".sha256"))):
-        file, rest = head, tail
-    return file, _tensor_in(rest), rest
+    """(file, tensor, message) of one of our errors, from its fields: `default_file` where the
+    raiser named no file."""
+    return (e.path or default_file), e.tensor, e.message

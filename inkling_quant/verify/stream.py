@@ -18,7 +18,7 @@ from typing import Iterator, Protocol
 
 import torch
 
-from ..errors import InklingQuantError
+from ..errors import CheckpointError, InklingQuantError
 from ..io.checkpoint import safe_child
 from ..io.safetensors import Header, TensorEntry
 from ..layout import TensorName
@@ -210,7 +210,7 @@ class _Stream:
         mv[:k] = left
         got = self.f.readinto(mv[k:k + self.chunk])
         if not got:
-            raise EOFError(f"{self.path}: file ended at byte {self.read} (changed while being read?)")
+            raise CheckpointError(f"file ended at byte {self.read} (changed while being read?)", path=self.path)
         self.pending[self.cur] = self.hasher.submit(self.hash.update, mv[k:k + got])
         self.read += got
         if self.progress is not None:
