@@ -1,9 +1,9 @@
 """The published Inkling 2 model: its config and the tensors its checkpoints hold on disk.
 
 The source of truth is transformers >= 5.24 (line numbers below: 5.25.0), `models/inkling2/`
-(configuration_inkling2.py, modeling_inkling2.py) and `conversion_mapping.py` (entries "inkling2" / "inkling2_text", which
-map the original on-disk names to transformers' names; `save_pretrained` writes the original
-names back). `Inkling2Config` reads a config.json as those classes write it (`text_config` and
+(configuration_inkling2.py, modeling_inkling2.py) and `conversion_mapping.py` (entries
+"inkling2" / "inkling2_text", which map the original on-disk names to transformers' names;
+`save_pretrained` writes the original names back). `Inkling2Config` reads a config.json as those classes write it (`text_config` and
 `vision_config` nested); `checkpoint_tensors(cfg)` lists every tensor, with shape and dtype, that
 `Inkling2ForConditionalGeneration(cfg).save_pretrained` writes (tests/test_inkling2.py compares
 them). docs/layout.md cites the file and line each rule follows.

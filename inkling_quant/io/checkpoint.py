@@ -56,8 +56,8 @@ def read_json(path: Path, what: str, error: type[Exception] = CheckpointError) -
         raise error(f"{what} not found", path=path) from None
     except CheckpointError as e:  # not a regular file
         raise error(f"{e.message} ({what})", path=e.path, tensor=e.tensor) from None
-    except OSError as e:
-        raise error(f"cannot read {what}: {e.strerror or e}", path=path) from None
+    except OSError as e:  # kept as the cause: a reader may tell "cannot read" from "malformed"
+        raise error(f"cannot read {what}: {e.strerror or e}", path=path) from e
     try:  # read what is there, in chunks: f.read(cap) would allocate the whole cap up front
         chunks, total = [], 0
         if os.fstat(fd).st_size > MAX_JSON_BYTES:
@@ -66,7 +66,7 @@ def read_json(path: Path, what: str, error: type[Exception] = CheckpointError) -
             chunks.append(chunk)
             total += len(chunk)
     except OSError as e:
-        raise error(f"cannot read {what}: {e.strerror or e}", path=path) from None
+        raise error(f"cannot read {what}: {e.strerror or e}", path=path) from e
     finally:
         os.close(fd)
     if total > MAX_JSON_BYTES:

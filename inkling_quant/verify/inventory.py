@@ -4,13 +4,12 @@ The first steps of `verify()` read the checkpoint once each and record what they
 their check): `Files` (index + headers), `Conf` (config.json, hf_quant_config.json, the scheme),
 `Source` (--against). The layout step then computes `Expected` from them with `expect()`. The
 four together are the `Inventory`, which no step changes afterwards; every later check reads it.
-Nothing here records a problem except `load_json`, the one reader of the checkpoint's JSON files.
+Nothing here records a problem except `load_json`, which reads the checkpoint's JSON files
+through io.checkpoint.read_json.
 """
 from __future__ import annotations
 
 import functools
-import json
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 
 from ..errors import InklingQuantError
 from ..formats import Format
-from ..io.checkpoint import MAX_JSON_BYTES, safe_child
+from ..io.checkpoint import read_json, safe_child
 from ..io.safetensors import Header, TensorEntry
 from ..layout import ModelConfig, TensorName, TensorSpec, classify, expected_tensors
 from ..schemes import Scheme
@@ -210,46 +209,15 @@ class Inventory:
 
 # ============================================================================ JSON files
 def load_json(path: Path, what: str, check: Check) -> dict | None:
-    """A JSON object from one of the checkpoint's files, or None with the defect recorded in
-    `check` (a FIFO, an oversized file, bad JSON, duplicate keys: each a problem naming the file)."""
+    """A JSON object from one of the checkpoint's files (io.checkpoint.read_json: size cap, FIFO,
+    duplicate keys, depth), or None with the defect recorded in `check`: a failure, or an error
+    (exit 2) when the file could not be read at all."""
     try:
         safe_child(path.parent, path.name, what)  # a symlink leaving the checkpoint: refused, as for shards
+        return read_json(path, what)
     except InklingQuantError as e:
-        check.fail(path, None, str(e))
+        if isinstance(e.__cause__, OSError):
+            check.error(e.path or path, e.message)
+        else:
+            check.fail(e.path or path, e.tensor, e.message)
         return None
-    try:
-        st = path.stat()
-        if not stat.S_ISREG(st.st_mode):  # a FIFO or device would block or never end
-            check.fail(path, None, f"{what} is not a regular file")
-            return None
-        if st.st_size > MAX_JSON_BYTES:
-            check.fail(path, None, f"{what} larger than {MAX_JSON_BYTES} bytes")
-            return None
-
-        def no_dupes(pairs):
-            d = {}
-            for k, v in pairs:
-                if k in d:
-                    check.fail(path, k if what == "index" else None, f"{what}: key {k!r} appears more than once")
-                d[k] = v
-            return d
-        obj = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=no_dupes)
-    except FileNotFoundError:
-        check.fail(path, None, f"{what} not found")
-        return None
-    except PermissionError as e:
-        check.error(path, f"cannot read {what}: {e.strerror}")
-        return None
-    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, int digit limit
-        check.fail(path, None, f"{what} is not valid JSON: {e}")
-        return None
-    except RecursionError:
-        check.fail(path, None, f"{what} is not valid JSON: nested too deeply")
-        return None
-    except OSError as e:
-        check.error(path, f"cannot read {what}: {e.strerror or e}")
-        return None
-    if not isinstance(obj, dict):
-        check.fail(path, None, f"{what} must be a JSON object")
-        return None
-    return obj
