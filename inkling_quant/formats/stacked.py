@@ -1,0 +1,230 @@
+"""The Inkling stacked expert form: one MoE layer's routed experts as the original Inkling
+checkpoints store them, built from (and turned back into) the per-expert tensors our formats
+produce in ModelOpt's per-module form.
+
+Per expert ``e`` the formats give three dicts ``{"gate_proj": {suffix: tensor}, "up_proj": ...,
+"down_proj": ...}`` (``weight``, ``weight_scale``[, ``weight_scale_2``, ``input_scale``]). The
+stacked form keys every tensor by its name under the layer's ``mlp.experts.`` module (the
+caller adds ``model.llm.layers.N.mlp.experts.``). ``E`` experts, ``I`` = moe_intermediate_size,
+``H`` = hidden_size:
+
+======================================  =============  ===============  ===========================
+name                                    dtype          shape            read by
+======================================  =============  ===============  ===========================
+NVFP4 ``w13_weight``                    uint8          ``[E, 2I, H/2]``   transformers, vLLM
+NVFP4 ``w13_weight_scale``              float8_e4m3fn  ``[E, 2I, H/16]``  transformers, vLLM
+NVFP4 ``w13_weight_amax``               float32        ``[E]``            transformers
+NVFP4 ``w13_weight_outer_scale_denominator``  float32  ``[E]``            transformers
+NVFP4 ``w13_weight.input_amax``         float32        ``[E]``            vLLM (transformers ignores)
+NVFP4 ``w2_weight``                     uint8          ``[E, H, I/2]``    transformers, vLLM
+NVFP4 ``w2_weight_scale``               float8_e4m3fn  ``[E, H, I/16]``   transformers, vLLM
+NVFP4 ``w2_weight_amax`` / ``w2_weight_outer_scale_denominator`` / ``w2_weight.input_amax``: as w13
+MXFP8 ``w13_weight``                    float8_e4m3fn  ``[E, 2I, H]``     transformers, vLLM
+MXFP8 ``w13_weight_scale``              uint8 (e8m0)   ``[E, 2I, H/32]``  transformers, vLLM
+MXFP8 ``w2_weight``                     float8_e4m3fn  ``[E, H, I]``      transformers, vLLM
+MXFP8 ``w2_weight_scale``               uint8 (e8m0)   ``[E, H, I/32]``   transformers, vLLM
+pass-through ``w13_weight``/``w2_weight``  source dtype  ``[E, 2I, H]`` / ``[E, H, I]``  (the BF16 checkpoint)
+======================================  =============  ===============  ===========================
+
+Rules (line numbers: transformers 5.25.0 ``TF``, vLLM 0.33.0 ``VL``, as cited in
+/work/research/inkling2-facts.md sections 4 and 6):
+
+* **Rows.** ``w13`` row ``2j`` is gate row ``j``, row ``2j+1`` up row ``j``; the block scales
+  (``w13_weight_scale``) are interleaved the same way (transformers: ``[Inkling2LoopDequantize
+  Experts(), Interleave(dim=1)]`` on the four w13 sources, TF/conversion_mapping.py:2748-2768,
+  Interleave at TF/core_model_loading.py:232-256; vLLM de-interleaves ``slab[0::2]`` /
+  ``slab[1::2]`` for every ``w13*`` key, VL/models/inkling/nvidia/moe.py:599-612). ``w2`` is
+  ``down_proj`` as is. Packed NVFP4 bytes keep ModelOpt's nibble order (even element low,
+  TF/core_model_loading.py:803); MXFP8 scales are the raw biased e8m0 bytes as uint8
+  (transformers applies ``2 ** (scale - 127)``, TF/core_model_loading.py:810, and its ue8m0 FP8
+  quantizer reinterprets uint8 ``*scale_inv`` as e8m0, TF/quantizers/quantizer_finegrained_fp8.py:
+  142-148; vLLM's MXFP8 scales are uint8, VL/model_executor/layers/quantization/utils/mxfp8_utils.py:9-11).
+* **Global scale (NVFP4).** ModelOpt's ``weight_scale_2`` (shared by gate and up) becomes the
+  per-expert pair ``amax``/``outer_scale_denominator``: transformers multiplies each expert by
+  ``amax.float() / denominator.float()`` (TF/core_model_loading.py:804, 814). We store
+  ``denominator = 6 * 448`` and an ``amax`` with ``fp32(amax / 2688) == weight_scale_2`` bit for
+  bit (every ``weight_scale_2`` ModelOpt or our formats compute is such a quotient, so one
+  exists; of several, the shortest mantissa, i.e. a BF16 weight's true amax); only for a scale
+  no fp32 ``amax`` reaches this way ``amax = weight_scale_2`` with denominator 1.0. The inverse
+  is transformers' own division.
+* **Activation scale (NVFP4 W4A4).** ``input_scale`` becomes ``<w13|w2>_weight.input_amax``
+  ``[E]`` with ``fp32(input_amax / 2688) == input_scale``: vLLM takes ``max(input_amax) /
+  (448 * 6)`` for any key ending in ``.input_amax`` (VL/models/inkling/nvidia/moe.py:57,
+  565-573). transformers has no such source and reports it as an unexpected key (facts §4).
+  gate and up must share one input scale (ModelOpt's one input quantizer per projection).
+* **MXFP8** has neither (dynamic activations, no global scale).
+
+Readers differ in one place: transformers computes ``(e2m1 * scale) * (amax / den)``, ModelOpt
+(and our ``dequantize``) ``e2m1 * (scale * weight_scale_2)``; for codes +-1.5/3/6 the fp32
+results can differ by one ulp (tests/test_stacked.py; docs/formats.md "The Inkling stacked
+expert form" has the evidence). vLLM 0.33's Inkling loader reads the
+global scale only as ``w13_weight_scale_2`` / ``.scale2`` (moe.py:581-595) and would fail on
+``w13_weight_amax`` (``getattr(experts, key)``, moe.py:575): no tensor set satisfies both readers.
+
+Memory: ``stacked_specs`` gives every stacked tensor's shape and dtype without data;
+``expert_slices`` gives one expert's slice of each (index ``e`` of dim 0), and ``write_expert``
+copies them into preallocated stacked tensors, so a converter streams one expert at a time.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping, MutableMapping, Sequence
+
+import torch
+
+from ..errors import FormatError
+from .base import Format, OutSpec
+from .nvfp4 import GLOBAL_DIV
+
+__all__ = ["PROJECTIONS", "OUTER_SCALE_DENOMINATOR", "stacked_specs", "expert_slices", "write_expert",
+           "stack_experts", "unstack_expert", "unstack_experts"]
+
+#: stacked projection -> the per-expert modules it holds, in row-interleave order
+PROJECTIONS: dict[str, tuple[str, ...]] = {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}
+#: the denominator stored beside an NVFP4 amax (6 * 448, ModelOpt's global-scale divisor)
+OUTER_SCALE_DENOMINATOR = GLOBAL_DIV
+_AMAX, _DEN, _INPUT = "_weight_amax", "_weight_outer_scale_denominator", "_weight.input_amax"
+_F32 = torch.float32
+
+PerExpert = Mapping[str, Mapping[str, torch.Tensor]]
+
+
+def _row_suffixes(fmt: Format) -> tuple[str, ...]:
+    """The suffixes a format writes per output row (weight, block scales), not the scalars."""
+    return tuple(k for k, o in fmt.out_specs((16 * fmt.block_size, 32 * fmt.block_size), torch.bfloat16).items() if o.shape)
+
+
+def stacked_specs(fmt: Format, num_experts: int, intermediate: int, hidden: int, *,
+                  dtype: torch.dtype = torch.bfloat16, activation_scale: bool = True) -> dict[str, OutSpec]:
+    """name -> OutSpec of every stacked tensor of one layer (see the module doc), from the sizes
+    alone. ``dtype`` is the source weights' dtype (the pass-through format keeps it);
+    ``activation_scale`` adds NVFP4's ``.input_amax`` (W4A4)."""
+    E = num_experts
+    out: dict[str, OutSpec] = {}
+    for proj, shape in (("w13", (intermediate, hidden)), ("w2", (hidden, intermediate))):
+        rows = len(PROJECTIONS[proj]) * shape[0]
+        for suffix, o in fmt.out_specs(shape, dtype, activation_scale).items():
+            if o.shape:
+                out[f"{proj}_{suffix}"] = OutSpec((E, rows, *o.shape[1:]), o.dtype)
+            elif suffix == fmt.global_scale:
+                out[proj + _AMAX] = OutSpec((E,), _F32)
+                out[proj + _DEN] = OutSpec((E,), _F32)
+            elif suffix == "input_scale":
+                out[proj + _INPUT] = OutSpec((E,), _F32)
+            else:
+                raise FormatError(f"{fmt.name}: no stacked form for the per-tensor {suffix!r}")
+    return out
+
+
+def _preimage(target: torch.Tensor, quotient: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    """An fp32 ``a`` with ``quotient(a) == target`` bit for bit, searched from ``target * 2688``
+    two ulps either way (``a -> a/2688`` moves less than 1.6 ulp per ulp of ``a``), or None.
+    Of several, the one with the shortest mantissa: a BF16 weight's amax comes back as itself."""
+    t = target.reshape(()).to(_F32)
+    start = t * torch.tensor(GLOBAL_DIV, dtype=_F32)
+    cands, up, down = [start], start, start
+    for _ in range(2):
+        up, down = torch.nextafter(up, up + 1), torch.nextafter(down, down - 1)
+        cands += [up, down]
+    ok = [a for a in cands
+          if torch.isfinite(a) and torch.equal(quotient(a).view(torch.int32), t.view(torch.int32))]
+    return max(ok, key=lambda a: _trailing_zeros(int(a.view(torch.int32))), default=None)
+
+
+def _trailing_zeros(b: int) -> int:
+    return (b & -b).bit_length() if b else 32
+
+
+def _global_pair(s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax, denominator) with transformers' ``amax.float() / denominator.float()`` == s2."""
+    den = torch.tensor(OUTER_SCALE_DENOMINATOR, dtype=_F32)
+    a = _preimage(s2, lambda x: x / den)
+    if a is None:  # a scale no fp32 amax / 2688 gives (not one ModelOpt writes): exact all the same
+        return s2.reshape(()).to(_F32).clone(), torch.tensor(1.0, dtype=_F32)
+    return a, den
+
+
+def _shared(expert: PerExpert, mods: tuple[str, ...], suffix: str, name: str) -> torch.Tensor:
+    """The one scalar ``suffix`` the modules of a fused projection share, bit-identical."""
+    vals = [torch.as_tensor(expert[m][suffix]).reshape(()).to(_F32) for m in mods]
+    if any(not torch.equal(v.view(torch.int32), vals[0].view(torch.int32)) for v in vals[1:]):
+        raise FormatError(f"{name}{'/'.join(mods)} have different {suffix} "
+                          f"({', '.join(f'{float(v):.9g}' for v in vals)}): the stacked form stores one")
+    return vals[0]
+
+
+def expert_slices(fmt: Format, expert: PerExpert, *, name: str = "") -> dict[str, torch.Tensor]:
+    """name -> this expert's slice of each stacked tensor (``stacked[name][e]``) from its
+    per-expert dicts; ``name`` (e.g. ``"layers.3 expert 7: "``) prefixes error messages."""
+    out: dict[str, torch.Tensor] = {}
+    for proj, mods in PROJECTIONS.items():
+        first = expert[mods[0]]
+        for suffix in _row_suffixes(fmt):
+            parts = [expert[m][suffix] for m in mods]
+            if any(p.shape != parts[0].shape or p.dtype != parts[0].dtype for p in parts):
+                raise FormatError(f"{name}{'/'.join(mods)} {suffix}: shapes/dtypes differ "
+                                  f"{[(tuple(p.shape), p.dtype) for p in parts]}")
+            rows = torch.empty((len(parts) * parts[0].shape[0], *parts[0].shape[1:]), dtype=parts[0].dtype)
+            for i, p in enumerate(parts):
+                rows[i::len(parts)] = p
+            out[f"{proj}_{suffix}"] = rows
+        if fmt.global_scale is not None:
+            out[proj + _AMAX], out[proj + _DEN] = _global_pair(_shared(expert, mods, fmt.global_scale, name))
+        if "input_scale" in first:
+            s = _shared(expert, mods, "input_scale", name)
+            a = _preimage(s, lambda x: fmt.activation_scale(float(x), name))
+            if a is None:
+                raise FormatError(f"{name}{proj} input_scale {float(s):.9g} is no fp32 amax / 2688: "
+                                  f"the stacked form's input_amax cannot hold it")
+            out[proj + _INPUT] = a
+    return out
+
+
+def write_expert(stacked: MutableMapping[str, torch.Tensor], e: int, slices: Mapping[str, torch.Tensor]) -> None:
+    """``stacked[name][e] = slices[name]`` for every stacked tensor (preallocated, e.g. from
+    ``stacked_specs``); names, shapes and dtypes must match exactly (no silent cast)."""
+    if set(stacked) != set(slices):
+        raise FormatError(f"stacked tensors {sorted(stacked)} and expert slices {sorted(slices)} differ")
+    for k, s in slices.items():
+        dst = stacked[k]
+        if tuple(dst.shape[1:]) != tuple(s.shape) or dst.dtype != s.dtype:
+            raise FormatError(f"{k}: slice {tuple(s.shape)} {s.dtype} does not fit {tuple(dst.shape)} {dst.dtype}")
+        dst[e] = s
+
+
+def stack_experts(fmt: Format, experts: Sequence[PerExpert], *, name: str = "") -> dict[str, torch.Tensor]:
+    """All experts of a layer at once (tests, small layers): ``write_expert`` into tensors shaped
+    by the first expert."""
+    if not experts:
+        raise FormatError(f"{name}no experts to stack")
+    first = expert_slices(fmt, experts[0], name=name)
+    out = {k: torch.empty((len(experts), *v.shape), dtype=v.dtype) for k, v in first.items()}
+    write_expert(out, 0, first)
+    for e in range(1, len(experts)):
+        write_expert(out, e, expert_slices(fmt, experts[e], name=f"{name}expert {e}: "))
+    return out
+
+
+def unstack_expert(fmt: Format, stacked: Mapping[str, torch.Tensor], e: int) -> dict[str, dict[str, torch.Tensor]]:
+    """The inverse: expert ``e``'s per-expert dicts (ModelOpt's per-module form)."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for proj, mods in PROJECTIONS.items():
+        per = {m: {} for m in mods}
+        for suffix in _row_suffixes(fmt):
+            rows = stacked[f"{proj}_{suffix}"][e]
+            for i, m in enumerate(mods):
+                per[m][suffix] = rows[i::len(mods)].contiguous()
+        if fmt.global_scale is not None:
+            s2 = stacked[proj + _AMAX][e].to(_F32) / stacked[proj + _DEN][e].to(_F32)  # transformers' division
+            for m in mods:
+                per[m][fmt.global_scale] = s2.clone()
+        if proj + _INPUT in stacked:
+            s = fmt.activation_scale(float(stacked[proj + _INPUT][e]), f"{proj}{_INPUT}[{e}]")
+            for m in mods:
+                per[m]["input_scale"] = s.clone()
+        out.update(per)
+    return out
+
+
+def unstack_experts(fmt: Format, stacked: Mapping[str, torch.Tensor]) -> list[dict[str, dict[str, torch.Tensor]]]:
+    n = next(iter(stacked.values())).shape[0]
+    return [unstack_expert(fmt, stacked, e) for e in range(n)]
