@@ -339,3 +339,30 @@ def test_modelopt_experts_stacked_read_back_by_transformers(modelopt_export):
         assert all(torch.equal(bits(back[e][m][s]), bits(v)) for e, x in enumerate(experts)
                    for m in MODS for s, v in x[m].items())
     assert seen == {"nvfp4", "mxfp8"}
+
+
+@pytest.mark.parametrize("fmt_name, input_amax", [("nvfp4", 3.5), ("nvfp4", None), ("mxfp8", None),
+                                                  ("passthrough", None)])
+def test_quantizing_the_interleaved_slab_equals_quantizing_gate_and_up_apart(fmt_name, input_amax):
+    """What the converter does (quantize expert e's w13 slab as stored, rows interleaved, under
+    the slab's amax) gives bit for bit the slices of quantizing gate and up apart under their
+    fused amax and interleaving the results (expert_slices); likewise w2."""
+    from inkling_quant.formats import slab_slices
+
+    fmt = FORMATS[fmt_name]
+    g = torch.Generator().manual_seed(7)
+    I, H = 64, 96  # both multiples of 32: MXFP8's block along each input dimension
+    gate, up, down = (torch.randn(I, H, generator=g) * 2).to(BF), torch.randn(I, H, generator=g).to(BF), \
+        torch.randn(H, I, generator=g).to(BF)
+    ga = fmt.fused_global_amax([gate, up])
+    apart = expert_slices(fmt, {"gate_proj": fmt.quantize(gate, global_amax=ga, input_amax=input_amax),
+                                "up_proj": fmt.quantize(up, global_amax=ga, input_amax=input_amax),
+                                "down_proj": fmt.quantize(down, input_amax=input_amax)})
+    slab = torch.empty(2 * I, H, dtype=BF)
+    slab[0::2], slab[1::2] = gate, up
+    together = {**slab_slices(fmt, "w13", fmt.quantize(slab, global_amax=fmt.fused_global_amax([slab]),
+                                                       input_amax=input_amax)),
+                **slab_slices(fmt, "w2", fmt.quantize(down, input_amax=input_amax))}
+    assert set(together) == set(apart)
+    for k in apart:
+        assert apart[k].dtype == together[k].dtype and torch.equal(bits(apart[k]), bits(together[k])), k

@@ -4,7 +4,7 @@ from __future__ import annotations
 from .base import Format, OutSpec, Passthrough
 from .mxfp8 import MXFP8
 from .nvfp4 import NVFP4
-from .stacked import (expert_slices, stack_experts, stacked_specs, unstack_expert, unstack_experts,
+from .stacked import (expert_slices, slab_slices, stack_experts, stacked_specs, unstack_expert, unstack_experts,
                       write_expert)
 
 FORMATS: dict[str, Format] = {f.name: f for f in (NVFP4(), MXFP8(), Passthrough())}
@@ -41,4 +41,4 @@ def get_format(name: str) -> Format:
 
 __all__ = ["FORMATS", "Format", "OutSpec", "Passthrough", "NVFP4", "MXFP8", "SCALE_SUFFIXES", "VALUE_RULES",
            "detect", "format_for_quant_algo", "get_format", "value_rules",
-           "stacked_specs", "expert_slices", "write_expert", "stack_experts", "unstack_expert", "unstack_experts"]
+           "stacked_specs", "expert_slices", "slab_slices", "write_expert", "stack_experts", "unstack_expert", "unstack_experts"]

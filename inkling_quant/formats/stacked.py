@@ -75,8 +75,8 @@ from ..errors import FormatError
 from .base import Format, OutSpec
 from .nvfp4 import GLOBAL_DIV
 
-__all__ = ["PROJECTIONS", "OUTER_SCALE_DENOMINATOR", "stacked_specs", "expert_slices", "write_expert",
-           "stack_experts", "unstack_expert", "unstack_experts"]
+__all__ = ["PROJECTIONS", "OUTER_SCALE_DENOMINATOR", "stacked_specs", "expert_slices", "slab_slices",
+           "write_expert", "stack_experts", "unstack_expert", "unstack_experts"]
 
 #: stacked projection -> the per-expert modules it holds, in row-interleave order
 PROJECTIONS: dict[str, tuple[str, ...]] = {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}
@@ -167,15 +167,39 @@ def expert_slices(fmt: Format, expert: PerExpert, *, name: str = "") -> dict[str
             for i, p in enumerate(parts):
                 rows[i::len(parts)] = p
             out[f"{proj}_{suffix}"] = rows
-        if fmt.global_scale is not None:
-            out[proj + _AMAX], out[proj + _DEN] = _global_pair(_shared(expert, mods, fmt.global_scale, name))
-        if "input_scale" in first:
-            s = _shared(expert, mods, "input_scale", name)
-            a = _preimage(s, lambda x: fmt.activation_scale(float(x), name))
-            if a is None:
-                raise FormatError(f"{name}{proj} input_scale {float(s):.9g} is no fp32 amax / 2688: "
-                                  f"the stacked form's input_amax cannot hold it")
-            out[proj + _INPUT] = a
+        out.update(_scalar_slices(fmt, proj,
+                                  _shared(expert, mods, fmt.global_scale, name) if fmt.global_scale else None,
+                                  _shared(expert, mods, "input_scale", name) if "input_scale" in first else None,
+                                  name))
+    return out
+
+
+def _scalar_slices(fmt: Format, proj: str, scale2: torch.Tensor | None, input_scale: torch.Tensor | None,
+                   name: str) -> dict[str, torch.Tensor]:
+    """The per-expert scalars of one stacked projection: the global scale as (amax, denominator)
+    and the activation scale as its input_amax."""
+    out: dict[str, torch.Tensor] = {}
+    if scale2 is not None:
+        out[proj + _AMAX], out[proj + _DEN] = _global_pair(scale2)
+    if input_scale is not None:
+        a = _preimage(input_scale, lambda x: fmt.activation_scale(float(x), name))
+        if a is None:
+            raise FormatError(f"{name}{proj} input_scale {float(input_scale):.9g} is no fp32 amax / 2688: "
+                              f"the stacked form's input_amax cannot hold it")
+        out[proj + _INPUT] = a
+    return out
+
+
+def slab_slices(fmt: Format, proj: str, quantized: Mapping[str, torch.Tensor], *,
+                name: str = "") -> dict[str, torch.Tensor]:
+    """One expert's slices of the stacked `proj` tensors from `fmt.quantize` of its slab as
+    stored (w13: gate and up rows already interleaved, quantized under their shared global
+    scale). Every block scale lies along a row, so quantizing the interleaved slab gives exactly
+    the interleaved rows of quantizing gate and up apart: no de-interleaving copy is needed."""
+    out = {f"{proj}_{suffix}": quantized[suffix] for suffix in _row_suffixes(fmt)}
+    scale2 = quantized[fmt.global_scale].reshape(()).to(_F32) if fmt.global_scale else None
+    inp = quantized["input_scale"].reshape(()).to(_F32) if "input_scale" in quantized else None
+    out.update(_scalar_slices(fmt, proj, scale2, inp, name))
     return out
 
 
