@@ -1,46 +1,45 @@
-"""Plan a vLLM deployment: parameters, bytes on disk, weights and KV cache per GPU, verdict.
+"""Plan a vLLM deployment of Inkling 2: parameters, bytes on disk, weights, KV cache and state per
+GPU, MoE divisibility, verdict, and the serving recipe's figures beside ours.
 
-`inkling-quant plan` answers, from config.json alone (no tensor is read): how large the
-converted checkpoint is (bytes per part and number format, as `formats` reports them), how many
-weight bytes each GPU holds at TP=EP=N, how much KV cache a request of a given length needs on
-each GPU (vLLM v1's own formulas, hybrid sliding-window/full allocator included), what is left
-for it, the longest --max-model-len that fits, how many such requests fit at once, and a verdict.
-docs/budget.md derives every figure and states our assumptions; in short:
+`inkling-quant plan` answers from config.json alone (the published `Inkling2Config`; default: the
+reference config, Inkling2Config's defaults); no tensor is read. docs/budget.md derives every
+figure and states every assumption; in short:
 
-* parameter counts are logical elements of the BF16 source (a packed FP4 byte is 2 params);
-  "total" is the served model (text + vision), the draft is counted apart; "active" is what one
-  text token touches: embeddings, attention, routers, norms, short convs, attn-res queries,
-  LM head, and top-k of the routed experts (vision only runs on images, the draft is a separate
-  model);
-* per GPU, TP splits attention heads, EP (= TP) splits routed experts, embeddings and LM heads
-  are vocab-parallel, KV heads are split while TP <= KV heads and replicated beyond;
-  norms, routers, attn-res queries, MLP short convs, the draft's `fc` and RNN are replicated;
-  the draft runs at the target's TP (vLLM's default `draft_tensor_parallel_size`);
-* KV cache: BF16, block size 16, no KV for the draft (the recipe's 64.47 GiB is reproduced
-  exactly without it);
-* KV budget = memory.total x --gpu-memory-utilization - weights - --reserve-gib, the reserve
-  standing for what vLLM's profiler finds besides weights (activation peak, NCCL/cuBLAS/
-  FlashInfer workspaces, CUDA graph pools).
+* parameters as transformers counts them (`inkling2.param_counts`): active = the text model with
+  8 of 384 routed experts, without the embedding tables;
+* disk: the scheme's format for every routed-expert projection (`formats`' own byte counts), every
+  other tensor as stored; the DSpark draft is not published, so its size is the recipe's 3.2 GB
+  figure, labeled as such, never computed;
+* per GPU at TP=N (EP=N experts unless --no-ep): experts 1/EP, attention split by heads (k/v and
+  their convs by KV heads), the attention-/MLP-output short convs by hidden, the LM head
+  vocab-parallel; the embedding table (as vLLM's Inkling code does), norms, routers,
+  attention-residual queries, the relative-position table and the vision tower replicated; the
+  draft replicated (an upper bound);
+* KV cache and state: vLLM 0.33's Inkling (1) specs applied to Inkling 2's shapes (`kvcache`; vLLM
+  0.33 has no Inkling 2 model);
+* KV budget = memory.total x --gpu-memory-utilization - weights - --reserve-gib (activations,
+  sampler, CUDA graphs, NCCL/kernel workspaces, the draft's KV cache and activations).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 from .cli_common import float_range, int_range
 from .errors import UsageError
-from .kvcache import DEFAULT_BATCHED_TOKENS, DEFAULT_BLOCK_SIZE, KVLayout, cdiv, kv_layer_specs, kv_layout
+from .kvcache import CONV, DEFAULT_BLOCK_SIZE, FULL, SLIDING, KVLayout, cdiv, kv_layout, layer_specs
+from .moe_checks import Check, moe_checks
 
 if TYPE_CHECKING:
-    from .layout import ModelConfig, TensorName
+    from .inkling2 import Inkling2Config, ParamCounts
 
-# layout, schemes and io import torch (seconds): this module imports them where it computes,
-# so that `inkling-quant plan --help` answers at once.
+# inkling2, schemes and formats import torch (seconds): imported where they compute, so that
+# `inkling-quant plan --help` answers at once.
 GiB = 1 << 30
 MiB = 1 << 20
 GB = 10 ** 9
@@ -50,166 +49,126 @@ GB = 10 ** 9
 @dataclass(frozen=True)
 class GPU:
     name: str
-    vendor_gb: int        # the capacity NVIDIA's spec page prints (a label: GB there is not one unit)
-    total_mib: int        # nvidia-smi memory.total: the capacity CUDA exposes, what we compute with
-    gpus_per_node: int    # GPUs per node (HGX/DGX board) or per compute tray (NVL72 racks)
-    node: str             # what a node is called for this GPU
+    vendor_gb: int        # the capacity the spec page (or the recipe) prints: a label
+    total_mib: int        # nvidia-smi memory.total: what we compute with
+    gpus_per_node: int    # per HGX node or per NVL72 compute tray
+    node: str
+    source: str           # where vendor_gb comes from
 
     @property
     def total_bytes(self) -> int:
         return self.total_mib * MiB
 
 
-# Vendor figures: NVIDIA's data-center spec pages, quoted from our notes, not re-fetched here
-# (the build machine has no web access): H100 SXM 80 GB (nvidia.com/en-us/data-center/h100),
-# H200 SXM 141 GB (.../h200), DGX B200 1,440 GB for 8 GPUs = 180 GB (.../dgx-b200; the recipe's
-# hardware profile says "B200 SXM 180 GB"), GB200 NVL72 13.4 TB HBM3e for 72 GPUs = 186 GB
-# (.../gb200-nvl72, 372 GB per 2-GPU superchip), Blackwell Ultra B300 / GB300 288 GB HBM3e
-# (.../dgx-b300, .../gb300-nvl72).
-# These labels mix units (B300's 288 GB is decimal, 268.6 GiB; GB200's 186 GB is ~185 GiB), so
-# we compute with what the driver reports instead: `nvidia-smi --query-gpu=memory.total`, the
-# same values in several independent public logs (searched 2026-12): H100 80GB HBM3 81559 MiB,
-# H200 143771 MiB, B200 183359 MiB, B300 SXM6 AC 275040 MiB, GB200 189471 MiB, GB300 284208 MiB.
-# CUDA's own total (torch.cuda.mem_get_info, what vLLM multiplies by the utilization) is a few
-# hundred MiB lower still (an H100 logs 79.14 GiB); the reserve absorbs that.
+# memory.total as the driver reports it (several public nvidia-smi logs; docs/budget.md). The
+# recipe itself gives only B200's figure ("NVIDIA B200 SXM 180 GB", vram_gb 1440 for 8).
 GPUS: dict[str, GPU] = {g.name: g for g in (
-    GPU("h100", 80, 81559, 8, "HGX node"),
-    GPU("h200", 141, 143771, 8, "HGX node"),
-    GPU("b200", 180, 183359, 8, "HGX node"),
-    GPU("gb200", 186, 189471, 4, "NVL72 compute tray"),
-    GPU("b300", 288, 275040, 8, "HGX node"),
-    GPU("gb300", 288, 284208, 4, "NVL72 compute tray"),
+    GPU("h100", 80, 81559, 8, "HGX node", "NVIDIA spec page"),
+    GPU("h200", 141, 143771, 8, "HGX node", "NVIDIA spec page"),
+    GPU("b200", 180, 183359, 8, "HGX node", "the recipe's hardware_profile"),
+    GPU("gb200", 186, 189471, 4, "NVL72 compute tray", "NVIDIA spec page; not in the recipe"),
+    GPU("b300", 288, 275040, 8, "HGX node", "NVIDIA spec page"),
+    GPU("gb300", 288, 284208, 4, "NVL72 compute tray", "NVIDIA spec page"),
 )}
 
-# vLLM's defaults we follow (vllm/v1 at commit 001cabc1be16a59a70d720ed61a13b678c060a18):
-# CacheConfig.block_size 16 on CUDA, gpu_memory_utilization 0.9, and the OpenAI server's
-# max_num_batched_tokens 8192 (with which the recipe's 64.47 GiB comes out; 2048 gives 64.23).
-DEFAULT_UTILIZATION = 0.9
-# What vLLM's memory profiler charges besides weights, per GPU (docs/budget.md, "reserve").
+DEFAULT_UTILIZATION = 0.9     # vLLM's gpu_memory_utilization default
+# Per-GPU memory vLLM's profiler charges besides weights, and what we do not model: activation
+# peak at max_num_batched_tokens, the sampler's and rejection sampler's fp32 logits (256 seqs x 8
+# tokens x 201,024 x 4 B = 1.53 GiB per copy), CUDA graph pools, NCCL / all-reduce / FlashInfer
+# workspaces, and the DSpark draft's KV cache and activations (its config is not published).
+# docs/budget.md, "The reserve", sizes each; 12 GiB is our assumption, not a measurement.
 DEFAULT_RESERVE_GIB = 12.0
-VOCAB_PADDING = 64            # vLLM's DEFAULT_VOCAB_PADDING_SIZE (vocab_parallel_embedding.py)
+ASYNC_BATCHES = 2             # VllmConfig.max_concurrent_batches with async scheduling (the default)
+VOCAB_PADDING = 64            # DEFAULT_VOCAB_PADDING_SIZE (vocab_parallel_embedding.py)
 VRAM_RULE_OF_THUMB = 1.2      # the recipe's vram_minimum_gb = ceil(1.2 x checkpoint GB): our reading
 
 
-# --------------------------------------------------------------------------- parameters
-TEXT_PARTS = ("embed", "attention", "attn_sink", "rel_bias", "short_conv", "attn_res", "norm", "router",
-              "lm_head")
+def default_batched_tokens(gpu: GPU) -> int:
+    """vLLM's OpenAI-server default max_num_batched_tokens (engine/arg_utils.py:2973-2992):
+    16384 on GPUs with >= 160 GiB, 8192 on H100/H200-class (>= 70 GiB), else 2048."""
+    return 16384 if gpu.total_bytes >= 160 * GiB else 8192 if gpu.total_bytes >= 70 * GiB else 2048
 
 
-@dataclass
-class ParamCounts:
-    parts: dict[str, int]      # part -> parameters (logical elements), every part incl. draft
-    total: int                 # served model: text + vision, draft excluded
-    active: int                # one text token: TEXT_PARTS + top_k/num_experts of the experts
-    draft: int
-    top_k: int
-    num_experts: int
-
-    @property
-    def total_with_draft(self) -> int:
-        return self.total + self.draft
-
-    def to_dict(self) -> dict:
-        return {"total": self.total, "active": self.active, "draft": self.draft,
-                "total_with_draft": self.total_with_draft, "parts": dict(self.parts),
-                "active_counts": f"{', '.join(TEXT_PARTS)} + {self.top_k}/{self.num_experts} of expert"}
+# What the recipe states (shared/seed/Inkling-2-Small.recipe.json), for the comparison table.
+RECIPE_TOTAL_PARAMS = 594e9
+RECIPE_ACTIVE_PARAMS = 17e9
+RECIPE_DISK_GB = 393            # "~393 GB on disk including the 3.2 GB DSpark draft"
+RECIPE_DRAFT_GB = 3.2           # the draft's definition is not published: this figure is the recipe's
+RECIPE_VRAM_MINIMUM_GB = 473
+RECIPE_KV_1M_TP4_GIB = "64.47"  # the troubleshooting entry quotes vLLM's message
+M = 1_048_576
 
 
-def param_counts(cfg: ModelConfig) -> ParamCounts:
-    """Parameter counts per part, total and active (see the module docstring for what counts)."""
-    parts: dict[str, int] = defaultdict(int)
-    from .layout import PROJECTIONS, classify, expected_tensors, expert_shape
+# --------------------------------------------------------------------------- how tensors split
+REPLICATED, HEADS, KV_HEADS, HIDDEN, VOCAB = "replicated", "heads", "KV heads", "hidden", "vocab"
 
-    for s in expected_tensors(cfg, include_experts=False):
-        parts[classify(s.name).part] += s.numel
-    per_expert = sum(math.prod(expert_shape(cfg, p)) for p in PROJECTIONS)
-    parts["expert"] = per_expert * cfg.num_experts * cfg.num_hidden_layers
-    draft = parts.get("draft", 0)
-    total = sum(parts.values()) - draft
-    active = sum(parts.get(p, 0) for p in TEXT_PARTS) + \
-        per_expert * cfg.num_experts_per_tok * cfg.num_hidden_layers
-    return ParamCounts(dict(parts), total, active, draft, cfg.num_experts_per_tok, cfg.num_experts)
-
-
-# --------------------------------------------------------------------------- parallelism
-@dataclass(frozen=True)
-class Parallel:
-    """Tensor parallel size (= expert parallel size) and the per-rank head counts it implies."""
-
-    tp: int
-    cfg: ModelConfig
-    draft: bool = True   # the draft is served too (its heads must split as well)
-
-    def __post_init__(self):
-        cfg, tp = self.cfg, self.tp
-        if tp < 1:
-            raise UsageError(f"--tp must be at least 1, got {tp}")
-        if cfg.num_attention_heads % tp:
-            raise UsageError(f"--tp {tp} does not divide num_attention_heads ({cfg.num_attention_heads}): "
-                             f"vLLM splits attention heads evenly across TP ranks")
-        if cfg.num_experts % tp:
-            raise UsageError(f"--tp {tp} does not divide num_experts ({cfg.num_experts}): with EP = TP "
-                             f"every rank must hold the same number of routed experts")
-        kv_heads = {("num_key_value_heads", cfg.num_key_value_heads),
-                    ("full_attention_num_key_value_heads", cfg.full_attention_num_key_value_heads)}
-        if self.draft and cfg.draft is not None:
-            kv_heads.add(("dspark_config.num_key_value_heads", cfg.draft.num_key_value_heads))
-            if cfg.draft.num_attention_heads % tp:
-                raise UsageError(f"--tp {tp} does not divide dspark_config.num_attention_heads "
-                                 f"({cfg.draft.num_attention_heads}); the draft runs at the target's TP")
-        for key, n in sorted(kv_heads):
-            if (tp % n if tp >= n else n % tp):
-                raise UsageError(f"--tp {tp} and {key} ({n}): vLLM needs one to divide the other "
-                                 f"(KV heads are split, or replicated when TP exceeds them)")
-
-    def kv_per_rank(self, kv_heads: int) -> int:
-        """vLLM: max(1, total_num_kv_heads // tp_size); replicated when TP > KV heads."""
-        return max(1, kv_heads // self.tp)
-
-    def vocab_share(self, vocab: int) -> float:
-        padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
-        return -(-padded // self.tp) / vocab
+# (name after "model.llm.", part, split). vLLM 0.33's Inkling 1 code packs wq_du/wk_dv/wv_dv/wr_du
+# into one column-parallel qkvr and makes wo_ud row-parallel (attention.py:95-130), replicates the
+# embedding table on every rank (InklingReplicatedEmbedding, model.py:243-277) and vocab-shards
+# the LM head (ParallelLMHead, model.py:439-445); the
+# rows for Inkling 2's new modules (gate_attn, attn_sink_proj, the clip scales) are our assumption:
+# split by heads like the projection they gate. The attention-/MLP-output convs are hidden-sharded
+# (sconv_swa_attn.py:147-150).
+_TEXT_RULES = tuple((re.compile(p), part, split) for p, part, split in (
+    (r"embed\.weight", "embed", REPLICATED),
+    (r"unembed\.weight", "lm_head", VOCAB),
+    (r"(embed_norm|norm)\.weight", "norm", REPLICATED),
+    (r"attn_res\..+", "attn_res", REPLICATED),
+    (r"layers\.\d+\.(attn_norm|mlp_norm|[qkv]_input_norm)\.weight", "norm", REPLICATED),
+    (r"layers\.\d+\.(attn|mlp)_sconv\.weight", "short_conv", HIDDEN),
+    (r"layers\.\d+\.mlp\.gate\.(weight|bias)", "router", REPLICATED),
+    (r"layers\.\d+\.attn\.w[kv]_dv\.weight", "attention", KV_HEADS),
+    (r"layers\.\d+\.attn\.[kv]_sconv\..+", "short_conv", KV_HEADS),
+    (r"layers\.\d+\.attn\.rel_logits_proj\.proj", "attention", REPLICATED),
+    (r"layers\.\d+\.attn\..+", "attention", HEADS),
+))
 
 
-# Per-rank share of a non-expert tensor, by (part, projection). Column-parallel and row-parallel
-# weights split by TP; the biases of row-parallel layers are replicated; K/V projections split
-# by KV heads (replicated past them); vocab-parallel embeddings and LM heads pad the vocabulary.
-_BY_HEADS = {("attention", "q_proj"), ("attention", "g_proj"), ("attention", "o_proj"),
-             ("short_conv", "q_conv"), ("draft", "self_attn.q_proj"), ("draft", "self_attn.o_proj"),
-             ("draft", "mlp.gate_proj"), ("draft", "mlp.up_proj"), ("draft", "mlp.down_proj")}
-_BY_KV = {("attention", "k_proj"), ("attention", "v_proj"), ("short_conv", "k_conv"), ("short_conv", "v_conv")}
-_DRAFT_KV = {("draft", "self_attn.k_proj"), ("draft", "self_attn.v_proj")}
-_VISION_COLUMN = {"attn.qkv", "mlp.fc1", "merger.mlp.0"}
-_VISION_ROW = {"attn.proj", "mlp.fc2", "merger.mlp.2"}
+def split_of(name: str) -> tuple[str, str]:
+    """(part, split) of a non-expert tensor under its original name."""
+    from .inkling2 import TEXT_PREFIX, VISION_PREFIX
+
+    if name.startswith(VISION_PREFIX):
+        return "vision", REPLICATED  # vLLM ViTs may shard by heads; replicated is the upper bound
+    rel = name[len(TEXT_PREFIX):] if name.startswith(TEXT_PREFIX) else name
+    for pattern, part, split in _TEXT_RULES:
+        if pattern.fullmatch(rel):
+            return part, split
+    raise UsageError(f"no split rule for tensor {name!r}")  # pragma: no cover - inkling2 names only
 
 
-def rank_share(t: TensorName, cfg: ModelConfig, par: Parallel) -> float:
-    """Fraction of a non-expert tensor held by the fullest rank."""
-    key = (t.part, t.projection)
-    if t.part in ("rel_bias", "attn_sink") or key in _BY_HEADS:
-        return 1 / par.tp
-    if key in _BY_KV:
-        nkv = cfg.attention_dims(t.layer)[1]
-        return par.kv_per_rank(nkv) / nkv
-    if key in _DRAFT_KV:
-        nkv = cfg.draft.num_key_value_heads
-        return par.kv_per_rank(nkv) / nkv
-    if t.part in ("embed", "lm_head") or key == ("draft", "markov_head.lm_head"):
-        return par.vocab_share(cfg.vocab_size)
-    if t.part == "vision" and (t.projection in _VISION_COLUMN or
-                               (t.projection in _VISION_ROW and t.suffix == "weight")):
-        return 1 / par.tp
-    return 1.0  # norms, routers, attn-res queries, MLP short conv, patch embed, draft fc / RNN
+def rank_bytes(nbytes: int, rows: int, split: str, tp: int) -> int:
+    """Bytes of one tensor on the fullest rank (TP divides heads, KV heads and hidden: checked)."""
+    if split == REPLICATED:
+        return nbytes
+    if split == VOCAB:  # VocabParallelEmbedding / ParallelLMHead: pad to 64, ceil-divide the rows
+        padded = cdiv(rows, VOCAB_PADDING) * VOCAB_PADDING
+        return nbytes // rows * cdiv(padded, tp)
+    return cdiv(nbytes, tp)
+
+
+def check_parallel(cfg: Inkling2Config, tp: int) -> None:
+    t = cfg.text
+    if tp < 1:
+        raise UsageError(f"--tp must be at least 1, got {tp}")
+    for key, n in (("num_attention_heads", t.num_attention_heads), ("swa_num_attention_heads",
+                   t.swa_num_attention_heads), ("num_key_value_heads", t.num_key_value_heads),
+                   ("swa_num_key_value_heads", t.swa_num_key_value_heads), ("hidden_size", t.hidden_size)):
+        if n % tp:
+            raise UsageError(f"--tp {tp} does not divide text_config.{key} ({n}): vLLM splits it evenly "
+                             f"across TP ranks (and Inkling's short-conv state needs TP <= KV heads)")
 
 
 # --------------------------------------------------------------------------- bytes
 @dataclass
 class Weights:
-    """Bytes on disk (whole checkpoint) and on the fullest GPU, per part and per format."""
+    """Bytes on disk (whole checkpoint) and on the fullest GPU, per (part, format)."""
 
-    disk: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))  # (part, fmt)
-    source: dict[str, int] = field(default_factory=lambda: defaultdict(int))           # part -> BF16 bytes
-    per_gpu: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))  # (part, fmt)
+    disk: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    per_gpu: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    elements: dict[str, int] = field(default_factory=lambda: defaultdict(int))   # part -> tensor elements
+    splits: dict[str, set] = field(default_factory=lambda: defaultdict(set))     # part -> split kinds
+    fmt_layers: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # expert format -> layers
 
     @property
     def disk_total(self) -> int:
@@ -225,66 +184,97 @@ class Weights:
     def per_gpu_part(self, part: str) -> int:
         return sum(b for (p, _), b in self.per_gpu.items() if p == part)
 
-    def per_gpu_by_part(self) -> dict[str, int]:
-        return {p: self.per_gpu_part(p) for p in sorted({p for p, _ in self.per_gpu})}
+    def parts(self) -> list[str]:
+        return sorted({p for p, _ in self.disk}, key=lambda p: -self.disk_part(p))
 
 
-def weight_bytes(cfg: ModelConfig, scheme_name: str, par: Parallel, include_draft: bool = True) -> Weights:
-    """Checkpoint bytes per (part, format), asking `formats` for every tensor's size, and the
-    bytes of the fullest rank at TP = EP = par.tp."""
+def expert_shapes(cfg: Inkling2Config, tp_split: int = 1) -> dict[str, tuple[int, int]]:
+    """[out, in] of each projection of one routed expert (gate and up rows of w13, w2), with the
+    intermediate dim divided by `tp_split` (pure-TP experts)."""
+    t = cfg.text
+    inter = t.moe_intermediate_size // tp_split
+    return {"gate_proj": (inter, t.hidden_size), "up_proj": (inter, t.hidden_size),
+            "down_proj": (t.hidden_size, inter)}
+
+
+def weight_bytes(cfg: Inkling2Config, scheme_name: str, tp: int, ep: bool = True,
+                 include_draft: bool = True) -> Weights:
+    """Checkpoint bytes per (part, format), each format asked for its own size, and the fullest
+    rank's bytes at TP = tp (experts: EP = tp, or TP-sharded without EP)."""
     import torch
 
-    from .layout import PROJECTIONS, classify, expected_tensors, expert_shape
+    from .inkling2 import TEXT_PREFIX, checkpoint_tensors
+    from .layout import TensorName
     from .schemes import get_scheme
 
-    scheme = get_scheme(scheme_name)
-    w = Weights()
-    for s in expected_tensors(cfg, include_draft=include_draft, include_experts=False):
-        t = classify(s.name)
-        fmt = scheme.format_for(cfg, t)
+    scheme, t, w = get_scheme(scheme_name), cfg.text, Weights()
+    for s in checkpoint_tensors(cfg, include_experts=False):
+        part, split = split_of(s.name)
+        layer = int(m.group(1)) if (m := re.match(r"layers\.(\d+)\.", s.name[len(TEXT_PREFIX):])) else None
+        fmt = scheme.format_for(t, TensorName(s.name, part, layer))
         nbytes = fmt.nbytes(s.shape, s.dtype)
-        w.disk[(t.part, fmt.name)] += nbytes
-        w.source[t.part] += s.nbytes
-        w.per_gpu[(t.part, fmt.name)] += math.ceil(nbytes * rank_share(t, cfg, par))
-    experts_per_rank = cfg.num_experts // par.tp
-    for i in range(cfg.num_hidden_layers):
-        for proj in PROJECTIONS:
-            t = classify(f"model.layers.{i}.mlp.experts.0.{proj}.weight")
-            fmt = scheme.format_for(cfg, t)
-            shape = expert_shape(cfg, proj)
-            nbytes = fmt.nbytes(shape, torch.bfloat16)
-            w.disk[("expert", fmt.name)] += nbytes * cfg.num_experts
-            w.source["expert"] += math.prod(shape) * torch.bfloat16.itemsize * cfg.num_experts
-            w.per_gpu[("expert", fmt.name)] += nbytes * experts_per_rank
+        w.disk[(part, fmt.name)] += nbytes
+        w.per_gpu[(part, fmt.name)] += rank_bytes(nbytes, s.shape[0], split, tp)
+        w.elements[part] += s.numel
+        w.splits[part].add(split)
+    full, rank = expert_shapes(cfg), expert_shapes(cfg, 1 if ep else tp)
+    for i in range(t.num_hidden_layers):
+        fmt = scheme.format_for(t, TensorName(f"{TEXT_PREFIX}layers.{i}.mlp.experts.w13_weight", "expert", i))
+        per_expert = sum(fmt.nbytes(shape, torch.bfloat16) for shape in full.values())
+        w.disk[("expert", fmt.name)] += per_expert * t.n_routed_experts
+        w.elements["expert"] += sum(math.prod(s) for s in full.values()) * t.n_routed_experts
+        w.fmt_layers[fmt.name].append(i)
+        if ep:  # whole experts, padded to a multiple of EP (moe.py:440)
+            w.per_gpu[("expert", fmt.name)] += per_expert * cdiv(t.n_routed_experts, tp)
+        else:
+            w.per_gpu[("expert", fmt.name)] += _tp_expert_bytes(fmt, rank, per_expert, tp) * t.n_routed_experts
+    w.splits["expert"].add(f"EP{tp}" if ep else "TP intermediate")
+    if include_draft:
+        draft = round(RECIPE_DRAFT_GB * GB)
+        w.disk[("draft", "recipe")] += draft
+        w.per_gpu[("draft", "recipe")] += draft
+        w.splits["draft"].add(REPLICATED)
     return w
+
+
+def _tp_expert_bytes(fmt, rank_shapes: dict, per_expert: int, tp: int) -> int:
+    import torch
+
+    try:
+        return sum(fmt.nbytes(shape, torch.bfloat16) for shape in rank_shapes.values())
+    except Exception:  # noqa: BLE001 - a rank slice the format cannot hold: the checks say so
+        return cdiv(per_expert, tp)
 
 
 # --------------------------------------------------------------------------- the plan
 @dataclass
 class Plan:
-    cfg: ModelConfig
+    cfg: Inkling2Config
     gpu: GPU
     tp: int
+    ep: bool
     scheme: str
     max_model_len: int
     max_num_seqs: int | None
     utilization: float
     max_num_batched_tokens: int
+    concurrent_batches: int
     reserve_bytes: int
     include_draft: bool
+    block_size: int
     params: ParamCounts
     weights: Weights
     kv: KVLayout
-    block_size: int
+    checks: list[Check]
 
-    # derived -------------------------------------------------------------
     @property
     def requested_bytes(self) -> int:
-        # vllm/v1/worker/utils.py request_memory: ceil(total_memory * gpu_memory_utilization)
+        # v1/worker/utils.py:724-726 request_memory: ceil(total_memory * gpu_memory_utilization)
         return math.ceil(self.gpu.total_bytes * self.utilization)
 
     @property
     def kv_budget_bytes(self) -> int:
+        # v1/worker/gpu_worker.py:753-757: requested - non-KV memory (weights + what the reserve stands for)
         return self.requested_bytes - self.weights.per_gpu_total - self.reserve_bytes
 
     @property
@@ -292,12 +282,16 @@ class Plan:
         return self.kv.bytes_needed(self.max_model_len)
 
     @property
+    def loadable(self) -> bool:
+        return not any(c.level == "error" for c in self.checks)
+
+    @property
     def fits(self) -> bool:
-        return 0 < self.kv_needed_bytes <= self.kv_budget_bytes
+        return self.loadable and 0 < self.kv_needed_bytes <= self.kv.usable(self.kv_budget_bytes)
 
     @property
     def largest_max_model_len(self) -> int:
-        return self.kv.max_model_len(self.kv_budget_bytes, self.cfg.max_position_embeddings)
+        return self.kv.max_model_len(self.kv_budget_bytes, self.cfg.text.max_position_embeddings)
 
     @property
     def concurrency(self) -> float:
@@ -306,197 +300,287 @@ class Plan:
     @property
     def break_even_reserve_bytes(self) -> int:
         """The largest reserve with which one request of max_model_len still fits."""
-        return self.requested_bytes - self.weights.per_gpu_total - self.kv_needed_bytes
-
-    @property
-    def vram_minimum_gb(self) -> int:
-        return math.ceil(VRAM_RULE_OF_THUMB * self.weights.disk_total / GB)
+        return self.requested_bytes - self.weights.per_gpu_total - self.kv_needed_bytes - self.kv.bytes_per_block
 
     @property
     def nodes(self) -> int:
         return cdiv(self.tp, self.gpu.gpus_per_node)
 
-    def kv_bytes_per_token(self) -> dict[str, int]:
-        """Per GPU, per token, summed over the layers of each kind (before block rounding)."""
-        out: dict[str, int] = defaultdict(int)
-        for s in kv_layer_specs(self.cfg, Parallel(self.tp, self.cfg, self.include_draft), self.block_size):
-            out[s.kind] += s.page_size_bytes // s.block_size
-        return dict(out)
+    @property
+    def max_in_flight_tokens(self) -> int:
+        return self.kv.max_in_flight_tokens
+
+    def where(self) -> str:
+        return f"{self.tp} x {self.gpu.name.upper()} ({self.nodes} {self.gpu.node}{'s' if self.nodes > 1 else ''})"
 
     def verdict(self) -> str:
-        where = f"{self.tp} x {self.gpu.name.upper()} ({self.nodes} {self.gpu.node}{'s' if self.nodes > 1 else ''})"
+        if not self.loadable:
+            return (f"DOES NOT LOAD on {self.where()}: " +
+                    "; ".join(c.message for c in self.checks if c.level == "error"))
         if self.kv_budget_bytes <= 0:
-            return (f"DOES NOT FIT on {where}: the weights ({_gib(self.weights.per_gpu_total)} GiB per GPU) and "
-                    f"the {_gib(self.reserve_bytes)} GiB reserve exceed the {_gib(self.requested_bytes)} GiB that "
-                    f"--gpu-memory-utilization {self.utilization} allows; raise --tp")
+            return (f"DOES NOT FIT on {self.where()}: the weights ({_gib(self.weights.per_gpu_total)} GiB per GPU) "
+                    f"and the {_gib(self.reserve_bytes)} GiB reserve exceed the {_gib(self.requested_bytes)} GiB "
+                    f"that --gpu-memory-utilization {self.utilization} allows; raise --tp")
         if not self.fits:
             est = self.largest_max_model_len
             hint = f"Based on the available memory, the estimated maximum model length is {est}. " if est else ""
-            even = self.break_even_reserve_bytes
-            margin = (f"It would fit only if vLLM's non-weight overhead stayed under {_gib(even)} GiB per GPU "
-                      f"(assumed: {_gib(self.reserve_bytes)} GiB). " if even > 0 else
-                      "The weights alone leave too little for this length. ")
-            return (f"DOES NOT FIT on {where}: To serve at least one request with the model's max seq len "
+            return (f"DOES NOT FIT on {self.where()}: To serve at least one request with the model's max seq len "
                     f"({self.max_model_len}), ({_gib(self.kv_needed_bytes)} GiB KV cache is needed, which is larger "
-                    f"than the available KV cache memory ({_gib(self.kv_budget_bytes)} GiB). {hint}{margin}"
-                    f"Lower --max-model-len or raise --tp.")
-        msg = (f"FITS on {where}: one {self.max_model_len:,}-token request needs {_gib(self.kv_needed_bytes)} GiB "
-               f"of the {_gib(self.kv_budget_bytes)} GiB KV budget per GPU; {self.concurrency:.2f} such requests "
-               f"fit at once (margin: fits while vLLM's non-weight overhead stays under "
-               f"{_gib(self.break_even_reserve_bytes)} GiB per GPU)")
+                    f"than the available KV cache memory ({_gib(self.kv.usable(self.kv_budget_bytes))} GiB). "
+                    f"{hint}Lower --max-model-len or raise --tp.")
+        msg = (f"FITS on {self.where()}: one {self.max_model_len:,}-token request needs {_gib(self.kv_needed_bytes)} "
+               f"GiB of the {_gib(self.kv_budget_bytes)} GiB KV budget per GPU; {self.concurrency:.2f} such requests "
+               f"fit at once; it would stop fitting only past {_gib(self.break_even_reserve_bytes)} GiB of "
+               f"non-weight overhead per GPU (assumed: {_gib(self.reserve_bytes)} GiB)")
         if self.max_num_seqs is not None and self.concurrency < self.max_num_seqs:
-            msg += (f"; --max-num-seqs {self.max_num_seqs} full-length requests do not all fit at once "
-                    f"(shorter ones share the pool)")
+            msg += f"; --max-num-seqs {self.max_num_seqs} full-length requests do not all fit at once"
         return msg
 
+    def kv_kinds(self) -> dict[str, dict]:
+        """Per kind of cache: layers, spec, bytes per token per layer on this GPU, and one
+        max_model_len request's share of the pool."""
+        needed = self.kv.bytes_by_kind(self.max_model_len)
+        out = {}
+        for kind in (FULL, SLIDING, CONV):
+            specs = [s for s in self.kv.specs if s.kind == kind]
+            if not specs:
+                continue
+            s = specs[0]
+            out[kind] = {"layers": len(specs), "num_kv_heads_per_rank": s.num_kv_heads, "head_size": s.head_size,
+                         "head_size_v": s.head_size_v, "block_size": s.block_size, "sliding_window": s.sliding_window,
+                         "page_size_bytes": s.page_size_bytes, "bytes_per_token_per_layer": s.bytes_per_token,
+                         "request_bytes": needed.get(kind, 0)}
+        return out
+
     def to_dict(self) -> dict:
-        w = self.weights
+        w, pc = self.weights, self.params
         return {
             "model": self.cfg.raw.get("_name_or_path") or self.cfg.raw.get("model_type"),
-            "gpu": {"name": self.gpu.name, "vendor_gb": self.gpu.vendor_gb, "memory_total_bytes": self.gpu.total_bytes,
-                    "gpus_per_node": self.gpu.gpus_per_node, "node": self.gpu.node},
-            "tp": self.tp, "ep": self.tp, "nodes": self.nodes, "scheme": self.scheme,
+            "gpu": {"name": self.gpu.name, "vendor_gb": self.gpu.vendor_gb, "vendor_gb_source": self.gpu.source,
+                    "memory_total_bytes": self.gpu.total_bytes, "gpus_per_node": self.gpu.gpus_per_node},
+            "tp": self.tp, "ep": self.tp if self.ep else 1, "nodes": self.nodes, "scheme": self.scheme,
             "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
             "gpu_memory_utilization": self.utilization, "max_num_batched_tokens": self.max_num_batched_tokens,
-            "block_size": self.block_size, "draft_included": self.include_draft,
-            "params": self.params.to_dict(),
-            "disk": {"total_bytes": w.disk_total,
-                     "by_part_format": [{"part": p, "format": f, "bytes": b} for (p, f), b in sorted(w.disk.items())],
-                     "source_bf16_bytes": dict(w.source),
-                     "vram_minimum_gb": self.vram_minimum_gb},
-            "per_gpu": {"weights_bytes": w.per_gpu_total, "weights_by_part": w.per_gpu_by_part(),
+            "max_in_flight_tokens": self.max_in_flight_tokens, "block_size": self.block_size,
+            "params": {"total": pc.total, "active": pc.active, "routed_experts": pc.routed_experts,
+                       "active_experts": pc.active_experts, "embed": pc.embed, "lm_head": pc.lm_head,
+                       "text_other": pc.text_other, "vision": pc.vision,
+                       "active_counts": "text model with num_experts_per_tok of n_routed_experts, "
+                                        "without the embedding tables"},
+            "disk": {"total_bytes": w.disk_total, "computed_bytes": w.disk_total - w.disk_part("draft"),
+                     "draft_bytes_recipe_figure": w.disk_part("draft"),
+                     "by_part_format": [{"part": p, "format": f, "bytes": b} for (p, f), b in sorted(w.disk.items())]},
+            "per_gpu": {"weights_bytes": w.per_gpu_total,
+                        "weights_by_part": {p: w.per_gpu_part(p) for p in w.parts()},
+                        "splits": {p: sorted(s) for p, s in w.splits.items()},
                         "requested_bytes": self.requested_bytes, "reserve_bytes": self.reserve_bytes,
-                        "kv_budget_bytes": self.kv_budget_bytes,
-                        "kv_bytes_per_token": self.kv_bytes_per_token(),
-                        "kv_needed_bytes": self.kv_needed_bytes,
+                        "kv_budget_bytes": self.kv_budget_bytes, "kv_needed_bytes": self.kv_needed_bytes,
+                        "kv_bytes_per_block": self.kv.bytes_per_block, "kv_mode": self.kv.mode,
+                        "kv": self.kv_kinds(),
                         "kv_groups": [{"kind": g.spec.kind, "layers": g.num_layers, "block_size": g.spec.block_size,
-                                       "page_size_bytes": g.spec.page_size_bytes} for g in self.kv.groups],
-                        "kv_mode": self.kv.mode},
+                                       "page_size_bytes": g.spec.page_size_bytes} for g in self.kv.groups]},
+            "checks": [{"level": c.level, "message": c.message} for c in self.checks],
             "fits": self.fits, "largest_max_model_len": self.largest_max_model_len,
             "max_concurrency": self.concurrency, "break_even_reserve_bytes": self.break_even_reserve_bytes,
             "verdict": self.verdict(),
         }
 
 
-def plan(cfg: ModelConfig, gpu: str, tp: int, *, max_model_len: int | None = None, max_num_seqs: int | None = None,
-         utilization: float = DEFAULT_UTILIZATION, max_num_batched_tokens: int = DEFAULT_BATCHED_TOKENS,
+def plan(cfg: Inkling2Config, gpu: str = "gb200", tp: int = 4, *, ep: bool = True, max_model_len: int | None = None,
+         max_num_seqs: int | None = None, utilization: float = DEFAULT_UTILIZATION,
+         max_num_batched_tokens: int | None = None, concurrent_batches: int = ASYNC_BATCHES,
          scheme: str = "default", reserve_gib: float = DEFAULT_RESERVE_GIB, block_size: int = DEFAULT_BLOCK_SIZE,
          include_draft: bool = True) -> Plan:
+    from .inkling2 import param_counts
+
     if gpu not in GPUS:
         raise UsageError(f"unknown --gpu {gpu!r}; known: {', '.join(GPUS)}")
+    g = GPUS[gpu]
     if not 0 < utilization <= 1:
         raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
-    for name, v in (("--max-num-batched-tokens", max_num_batched_tokens), ("--block-size", block_size)):
+    batched = default_batched_tokens(g) if max_num_batched_tokens is None else max_num_batched_tokens
+    for name, v in (("--max-num-batched-tokens", batched), ("--block-size", block_size),
+                    ("concurrent batches", concurrent_batches), ("--max-num-seqs", max_num_seqs or 1)):
         if v < 1:
             raise UsageError(f"{name} must be positive, got {v}")
-    if reserve_gib < 0:
-        raise UsageError(f"--reserve-gib must not be negative, got {reserve_gib}")
-    if max_num_seqs is not None and max_num_seqs < 1:
-        raise UsageError(f"--max-num-seqs must be positive, got {max_num_seqs}")
-    length = cfg.max_position_embeddings if max_model_len is None else max_model_len
-    if length < 1:
-        raise UsageError(f"--max-model-len must be positive, got {length}")
-    if length > cfg.max_position_embeddings:
-        raise UsageError(f"--max-model-len {length} exceeds max_position_embeddings "
-                         f"({cfg.max_position_embeddings}); vLLM refuses that without an override")
-    include_draft = include_draft and cfg.draft is not None
-    par = Parallel(tp, cfg, include_draft)
-    return Plan(cfg=cfg, gpu=GPUS[gpu], tp=tp, scheme=scheme, max_model_len=length, max_num_seqs=max_num_seqs,
-                utilization=utilization, max_num_batched_tokens=max_num_batched_tokens,
-                reserve_bytes=round(reserve_gib * GiB), include_draft=include_draft, params=param_counts(cfg),
-                weights=weight_bytes(cfg, scheme, par, include_draft),
-                kv=kv_layout(kv_layer_specs(cfg, par, block_size), max_num_batched_tokens), block_size=block_size)
+    if not 0 <= reserve_gib < 1e12:
+        raise UsageError(f"--reserve-gib must be between 0 and 1e12, got {reserve_gib}")
+    upper = cfg.text.max_position_embeddings
+    length = upper if max_model_len is None else max_model_len
+    if not 1 <= length <= upper:
+        raise UsageError(f"--max-model-len must be between 1 and max_position_embeddings ({upper}), got {length}")
+    check_parallel(cfg, tp)
+    w = weight_bytes(cfg, scheme, tp, ep, include_draft)
+    kv = kv_layout(layer_specs(cfg.text, tp, block_size), concurrent_batches * batched)
+    return Plan(cfg=cfg, gpu=g, tp=tp, ep=ep, scheme=scheme, max_model_len=length, max_num_seqs=max_num_seqs,
+                utilization=utilization, max_num_batched_tokens=batched, concurrent_batches=concurrent_batches,
+                reserve_bytes=round(reserve_gib * GiB), include_draft=include_draft, block_size=block_size,
+                params=param_counts(cfg), weights=w, kv=kv, checks=moe_checks(cfg, tp, ep, set(w.fmt_layers)))
+
+
+# --------------------------------------------------------------------------- the recipe's figures
+def recipe_rows(cfg: Inkling2Config, p: Plan) -> list[dict]:
+    """The recipe's figures beside ours. The verdicts are planned on p's GPU with p's assumptions
+    (utilization, reserve, batching, block size, scheme), at the recipe's TP and lengths."""
+    opts = dict(gpu=p.gpu.name, utilization=p.utilization, max_num_batched_tokens=p.max_num_batched_tokens,
+                concurrent_batches=p.concurrent_batches, scheme=p.scheme, reserve_gib=p.reserve_bytes / GiB,
+                block_size=p.block_size, include_draft=True)
+    upper = cfg.text.max_position_embeddings
+    tp4 = plan(cfg, tp=4, max_model_len=upper, **opts)
+    tp8 = plan(cfg, tp=8, max_model_len=upper, **opts)
+    short = plan(cfg, tp=4, max_model_len=min(262_144, upper), **opts)
+    disk = tp4.weights.disk_total
+    vram = math.ceil(VRAM_RULE_OF_THUMB * disk / GB)
+    pc = p.params
+    gpu = p.gpu.name.upper()
+
+    def verdict(q: Plan) -> str:
+        return (f"{'fits' if q.fits else 'does not fit'}: needs {_gib(q.kv_needed_bytes)} of "
+                f"{_gib(q.kv.usable(q.kv_budget_bytes))} GiB, break-even reserve {_gib(q.break_even_reserve_bytes)} GiB")
+
+    return [
+        _row("total parameters", "594B", f"{pc.total / 1e9:.2f} B", abs(pc.total / RECIPE_TOTAL_PARAMS - 1) < 0.005),
+        _row("active parameters", "17B", f"{pc.active / 1e9:.2f} B (text, 8/384 experts, no embedding tables)",
+             abs(pc.active / RECIPE_ACTIVE_PARAMS - 1) < 0.005),
+        _row("on disk, default variant, incl. draft", "~393 GB",
+             f"{_gb(disk - round(RECIPE_DRAFT_GB * GB))} GB computed + {RECIPE_DRAFT_GB} GB draft (recipe's figure) "
+             f"= {_gb(disk)} GB", abs(disk / GB - RECIPE_DISK_GB) < 0.5),
+        _row("vram_minimum_gb", f"{RECIPE_VRAM_MINIMUM_GB}", f"ceil({VRAM_RULE_OF_THUMB} x {_gb(disk)}) = {vram} "
+             f"(our reading of the rule)", vram == RECIPE_VRAM_MINIMUM_GB),
+        _row(f"KV cache for {upper:,} tokens at TP4", f"{RECIPE_KV_1M_TP4_GIB} GiB",
+             f"{_gib(tp4.kv_needed_bytes)} GiB", _gib(tp4.kv_needed_bytes) == RECIPE_KV_1M_TP4_GIB),
+        _row(f"{upper:,} tokens at TP4 ({gpu})", "does not fit", verdict(tp4), not tp4.fits),
+        _row(f"{upper:,} tokens at TP8 ({gpu})", "fits", verdict(tp8), tp8.fits),
+        _row(f"{min(262_144, upper):,} tokens at TP4 ({gpu})", "fits", verdict(short), short.fits),
+    ]
+
+
+def _row(claim: str, recipe: str, ours: str, reproduced: bool) -> dict:
+    return {"claim": claim, "recipe": recipe, "ours": ours, "reproduced": bool(reproduced)}
 
 
 # --------------------------------------------------------------------------- output
-def _gib(n: int) -> str:
+def _gib(n: int) -> str:  # as vLLM's format_gib prints it
     return f"{n / GiB:.2f}"
 
 
-def _gb(n: int) -> str:
+def _gb(n: int) -> str:  # decimal, as the recipe's GB
     return f"{n / GB:.2f}"
 
 
-def _b(n: int) -> str:
-    for unit, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
-        if n >= scale:
-            return f"{n / scale:.3f}{unit}" if unit == "B" else f"{n / scale:.1f}{unit}"
-    return str(n)
+def _split_label(splits: set, tp: int) -> str:
+    return ", ".join(s if s.startswith(("EP", "TP")) or s == REPLICATED else f"{s} 1/{tp}" for s in sorted(splits))
 
 
-def render(p: Plan) -> str:
-    w, pc = p.weights, p.params
-    out = [f"inkling-quant plan: scheme {p.scheme!r}, {p.tp} x {p.gpu.name.upper()} (TP{p.tp} attention, EP{p.tp} "
-           f"experts), max_model_len {p.max_model_len:,}, gpu_memory_utilization {p.utilization}, "
-           f"max_num_batched_tokens {p.max_num_batched_tokens}, block_size {p.block_size}", ""]
-    out.append(f"Parameters: total {_b(pc.total)} (text + vision), active {_b(pc.active)} per text token "
-               f"({pc.top_k}/{pc.num_experts} experts), draft {_b(pc.draft)}")
-    out.append("")
-    hdr = f"{'part':<12} {'params':>10} {'format':<12} {'BF16 GB':>9} {'disk GB':>9} {'per GPU GiB':>12}"
-    out += [hdr, "-" * len(hdr)]
-    for part in sorted({p_ for p_, _ in w.disk}, key=lambda x: -w.disk_part(x)):
-        fmts = sorted((f, b) for (p_, f), b in w.disk.items() if p_ == part)
+def render_weights(p: Plan) -> list[str]:
+    w = p.weights
+    hdr = f"{'part':<11} {'elements':>9} {'format':<15} {'disk GB':>8}  {'split at TP' + str(p.tp):<35} {'GiB/GPU':>7}"
+    out = [hdr, "-" * len(hdr)]
+    for part in w.parts():
+        fmts = sorted((f, b) for (q, f), b in w.disk.items() if q == part)
         for j, (f, b) in enumerate(fmts):
-            first = j == 0
-            out.append(f"{part if first else '':<12} {_b(pc.parts.get(part, 0)) if first else '':>10} {f:<12} "
-                       f"{_gb(w.source[part]) if first else '':>9} {_gb(b):>9} {_gib(w.per_gpu[(part, f)]):>12}")
-    out.append("-" * len(hdr))
-    out.append(f"{'total':<12} {_b(pc.total_with_draft if p.include_draft else pc.total):>10} {'':<12} "
-               f"{_gb(sum(w.source.values())):>9} {_gb(w.disk_total):>9} {_gib(w.per_gpu_total):>12}")
+            layers = w.fmt_layers.get(f) if part == "expert" else None
+            label = f"{f} {layers[0]}-{layers[-1]}" if layers else f
+            elems = "(recipe)" if part == "draft" else f"{w.elements[part] / 1e9:.3f}B"
+            out.append(f"{part if j == 0 else '':<11} {elems if j == 0 else '':>9} {label:<15} {_gb(b):>8}  "
+                       f"{_split_label(w.splits[part], p.tp) if j == 0 else '':<35} {_gib(w.per_gpu[(part, f)]):>7}")
+    out += ["-" * len(hdr), f"{'total':<11} {'':>9} {'':<15} {_gb(w.disk_total):>8}  {'':<35} {_gib(w.per_gpu_total):>7}"]
+    return out
+
+
+def render_kv(p: Plan) -> list[str]:
+    kinds = p.kv_kinds()
+    names = {FULL: "full attention", SLIDING: "sliding window", CONV: "short-conv state"}
+    out = [f"KV cache and state per GPU (vLLM 0.33 Inkling specs on Inkling 2 shapes; BF16; block {p.block_size}; "
+           f"{p.max_in_flight_tokens:,} tokens in flight = {p.concurrent_batches} x max_num_batched_tokens "
+           f"{p.max_num_batched_tokens:,}):"]
+    for kind, k in kinds.items():
+        spec = "FullAttentionSpec" if kind == FULL else f"SlidingWindowSpec(window {k['sliding_window']})"
+        unit = "B/token/layer" if kind != CONV else "B/state/layer"
+        width = f"K+V {k['head_size']}" if k["head_size_v"] else f"packed {k['head_size']}"
+        out.append(f"  {names[kind]:<16} {k['layers']:>2} layers  {spec:<29} {k['num_kv_heads_per_rank']} heads x "
+                   f"{width:<11}  {k['bytes_per_token_per_layer']:>6,} {unit}  page "
+                   f"{k['page_size_bytes']:,} (block {k['block_size']})  request {_gib(k['request_bytes'])} GiB")
+    groups: dict[str, int] = defaultdict(int)
+    for g in p.kv.groups:
+        groups[g.spec.kind] += 1
+    out.append(f"  {p.kv.mode} pool: " + " + ".join(f"{n} {k}" for k, n in groups.items()) +
+               f" group(s), {p.kv.bytes_per_block:,} B per block")
+    out.append(f"  one {p.max_model_len:,}-token request needs {_gib(p.kv_needed_bytes)} GiB per GPU")
+    out.append(f"  {p.gpu.name.upper()} memory.total {_gib(p.gpu.total_bytes)} GiB ({p.gpu.vendor_gb} GB, "
+               f"{p.gpu.source}) x {p.utilization} = {_gib(p.requested_bytes)} GiB - weights "
+               f"{_gib(p.weights.per_gpu_total)} GiB - reserve {_gib(p.reserve_bytes)} GiB = KV budget "
+               f"{_gib(p.kv_budget_bytes)} GiB")
+    out.append(f"  largest --max-model-len that fits: {p.largest_max_model_len:,}; concurrent "
+               f"{p.max_model_len:,}-token requests: {p.concurrency:.2f}")
+    return out
+
+
+def render(p: Plan, rows: list[dict] | None = None) -> str:
+    pc = p.params
+    out = [f"inkling-quant plan: scheme {p.scheme!r}, {p.where()}, TP{p.tp} attention + "
+           f"{f'EP{p.tp}' if p.ep else f'TP{p.tp} (no EP)'} experts, max_model_len {p.max_model_len:,}", "",
+           f"Parameters: {pc.total / 1e9:.2f} B total (vision {pc.vision / 1e9:.2f} B), {pc.active / 1e9:.2f} B active "
+           f"(text model, {p.cfg.text.num_experts_per_tok} of {p.cfg.text.n_routed_experts} experts, without the "
+           f"embedding tables)", ""]
+    out += render_weights(p)
+    w = p.weights
+    draft = w.disk_part("draft")
+    out.append(f"On disk: {_gb(w.disk_total - draft)} GB computed" + (
+        f" + {_gb(draft)} GB DSpark draft (the recipe's figure: its definition is not published; assumed "
+        f"replicated on every GPU) = {_gb(w.disk_total)} GB" if draft else " (without the draft)"))
     out.append("")
-    by_fmt: dict[str, int] = defaultdict(int)
-    for (_, f), b in w.disk.items():
-        by_fmt[f] += b
-    out.append(f"On disk: {_gb(w.disk_total)} GB ({', '.join(f'{f} {_gb(b)} GB' for f, b in sorted(by_fmt.items()))})"
-               + (f", draft {_gb(w.disk_part('draft'))} GB included" if p.include_draft else ", without the draft"))
-    out.append(f"VRAM minimum (recipe rule of thumb, our reading: ceil({VRAM_RULE_OF_THUMB} x checkpoint GB)): "
-               f"{p.vram_minimum_gb} GB")
-    out.append("")
-    kinds = p.kv_bytes_per_token()
-    out.append("KV cache per GPU (BF16): " + ", ".join(
-        f"{k} layers {v:,} B/token" for k, v in sorted(kinds.items())) + f"; vLLM pools them as {len(p.kv.groups)} "
-        f"group(s) ({p.kv.mode})")
-    out.append(f"  {p.gpu.name.upper()} memory.total {_gib(p.gpu.total_bytes)} GiB (vendor: {p.gpu.vendor_gb} GB) x "
-               f"{p.utilization} = {_gib(p.requested_bytes)} GiB")
-    out.append(f"  - weights {_gib(w.per_gpu_total)} GiB - reserve {_gib(p.reserve_bytes)} GiB "
-               f"= KV budget {_gib(p.kv_budget_bytes)} GiB")
-    out.append(f"  one {p.max_model_len:,}-token request needs {_gib(p.kv_needed_bytes)} GiB; "
-               f"largest --max-model-len that fits: {p.largest_max_model_len:,}")
-    out.append(f"  concurrent {p.max_model_len:,}-token requests: {p.concurrency:.2f}")
-    out.append("")
-    out.append(p.verdict())
+    out += render_kv(p)
+    out.append(f"  reserve (--reserve-gib, default {DEFAULT_RESERVE_GIB:g}): activations at max_num_batched_tokens, "
+               f"sampler logits, CUDA graphs, NCCL/kernel workspaces, the draft's KV cache and activations "
+               f"(docs/budget.md)")
+    if p.checks:
+        out.append("")
+        out += [f"{c.level.upper()}: {c.message}" for c in p.checks]
+    out += ["", p.verdict()]
+    if rows:
+        out += ["", "The recipe's figures (Inkling-2-Small.recipe.json) beside ours:",
+                f"  {'claim':<40} {'recipe':<13} {'reproduced':<11} ours"]
+        out += [f"  {r['claim']:<40} {r['recipe']:<13} {'yes' if r['reproduced'] else 'NO':<11} {r['ours']}"
+                for r in rows]
     return "\n".join(out)
 
 
 # --------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", nargs="?", help="checkpoint directory whose config.json to plan for")
-    parser.add_argument("--config", help="a config.json (default, with neither: the reference config)")
-    parser.add_argument("--gpu", required=True, choices=sorted(GPUS))
-    parser.add_argument("--tp", type=int_range(1, 4096), required=True,
-                        help="tensor parallel size (= expert parallel size)")
+    parser.add_argument("--config", metavar="FILE|DIR", help="a config.json, or a directory holding one "
+                        "(default, with neither: the reference config, Inkling2Config's defaults)")
+    parser.add_argument("--gpu", default="gb200", choices=sorted(GPUS), help="default: gb200 (the recipe's verified GPU)")
+    parser.add_argument("--tp", type=int_range(1, 4096), default=4,
+                        help="tensor parallel size; experts are expert-parallel over the same GPUs (default 4)")
+    parser.add_argument("--no-ep", action="store_true", help="shard experts by TP instead (vLLM without "
+                        "--enable-expert-parallel); the divisibility checks then apply to moe_intermediate_size / TP")
     parser.add_argument("--max-model-len", type=int_range(1, 2**40), help="default: max_position_embeddings")
     parser.add_argument("--max-num-seqs", type=int_range(1, 2**20))
     parser.add_argument("--gpu-memory-utilization", type=float_range(0.0, 1.0, lo_open=True), default=DEFAULT_UTILIZATION)
-    parser.add_argument("--max-num-batched-tokens", type=int_range(1, 2**40), default=DEFAULT_BATCHED_TOKENS)
+    parser.add_argument("--max-num-batched-tokens", type=int_range(1, 2**30),
+                        help="default: vLLM's for the GPU (16384 at >= 160 GiB, 8192 on H100/H200)")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="one batch in flight instead of two (sliding-window and conv admission caps)")
     parser.add_argument("--scheme", default="default")
     parser.add_argument("--reserve-gib", type=float_range(0.0, 1e6), default=DEFAULT_RESERVE_GIB,
-                        help="per-GPU memory vLLM's profiler charges besides weights (activations, NCCL and "
-                             f"kernel workspaces, CUDA graphs); default {DEFAULT_RESERVE_GIB}")
+                        help="per-GPU memory besides weights and KV: activations, sampler, CUDA graphs, NCCL and "
+                             f"kernel workspaces, the draft's KV cache (default {DEFAULT_RESERVE_GIB:g})")
     parser.add_argument("--block-size", type=int_range(1, 1 << 20), default=DEFAULT_BLOCK_SIZE)
-    parser.add_argument("--no-draft", action="store_true", help="serve without the DSpark draft")
+    parser.add_argument("--no-draft", action="store_true", help="leave out the DSpark draft (the recipe's 3.2 GB)")
     parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-' for standard output only)")
     parser.add_argument("--quiet", action="store_true", help="print nothing (the exit code says whether it fits)")
 
 
-def load_config(checkpoint: str | None, config: str | None) -> ModelConfig:
+def load_config(checkpoint: str | None, config: str | None) -> Inkling2Config:
     if checkpoint and config:
         raise UsageError("give a checkpoint or --config, not both")
-    from .layout import ModelConfig
+    from .inkling2 import Inkling2Config
 
     if checkpoint or config:
-        return ModelConfig.load(checkpoint or config)
-    return ModelConfig.reference()
+        return Inkling2Config.load(checkpoint or config)
+    return Inkling2Config.reference()
 
 
 def run(args) -> int:
@@ -504,11 +588,17 @@ def run(args) -> int:
 
     check_paths(None, [args.checkpoint, args.config], reports=[args.json])
     cfg = load_config(args.checkpoint, args.config)
-    p = plan(cfg, args.gpu, args.tp, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-             utilization=args.gpu_memory_utilization, max_num_batched_tokens=args.max_num_batched_tokens,
-             scheme=args.scheme, reserve_gib=args.reserve_gib, block_size=args.block_size,
-             include_draft=not args.no_draft)
-    write_report(args.json, json.dumps(p.to_dict(), indent=2) + "\n")
+    p = plan(cfg, args.gpu, args.tp, ep=not args.no_ep, max_model_len=args.max_model_len,
+             max_num_seqs=args.max_num_seqs, utilization=args.gpu_memory_utilization,
+             max_num_batched_tokens=args.max_num_batched_tokens,
+             concurrent_batches=1 if args.no_async_scheduling else ASYNC_BATCHES, scheme=args.scheme,
+             reserve_gib=args.reserve_gib, block_size=args.block_size, include_draft=not args.no_draft)
+    try:  # the recipe's TP4/TP8 comparisons need a config both TPs can serve
+        rows = recipe_rows(cfg, p)
+    except UsageError:
+        rows = []
+    write_report(args.json, json.dumps({**p.to_dict(), "recipe": rows}, indent=2) + "\n")
     if not (args.quiet or args.json == "-"):
-        print(render(p))
+        print(render(p, rows))
     return 0 if p.fits else 1
+

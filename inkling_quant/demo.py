@@ -13,7 +13,7 @@ from . import budget, draft
 from .convert import Options, convert, print_summary
 from .inspect_cmd import render as render_inspect
 from .inspect_cmd import summarize
-from .layout import ModelConfig
+from .inkling2 import Inkling2Config
 from .cli_common import int_range
 from .io.output import check_paths, write_report
 from .synth import SEED_MAX, write_checkpoint
@@ -58,13 +58,17 @@ def run(args) -> int:
         results["draft"] = draft.extract(out, dft, overwrite=True)
         say(f"  {results['draft'].get('tensors', '?')} DSpark tensors -> {dft}")
 
-        say("[6/6] plan: the full-size reference model on GB200 at TP4, --max-model-len 262144 and 1048576")
-        cfg = ModelConfig.reference()
+        say("[6/6] plan: the published Inkling 2 config on GB200 at TP4, --max-model-len 262144 and 1048576")
+        cfg = Inkling2Config.reference()
         results["plan"] = []
         for length in (262_144, 1_048_576):
-            verdict = budget.plan(cfg, "gb200", 4, max_model_len=length).verdict()
-            results["plan"].append(verdict)
-            say("  " + verdict)
+            p = budget.plan(cfg, "gb200", 4, max_model_len=length)
+            results["plan"].append(p.verdict())
+            say("  " + p.verdict())
+        results["recipe"] = budget.recipe_rows(cfg, p)
+        for r in results["recipe"]:
+            if not r["reproduced"]:
+                say(f"  recipe: {r['claim']}: {r['recipe']}; NOT reproduced, ours: {r['ours']}")
         if args.keep:
             say(f"checkpoints kept in {work}")
         write_report(args.json, json.dumps(results, indent=2, default=str) + "\n")

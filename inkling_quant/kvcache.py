@@ -1,7 +1,22 @@
-"""vLLM v1's KV-cache allocation for an Inkling 2 Small deployment, per GPU: the attention
-spec of every layer (full and sliding-window), how the hybrid allocator groups them into pages,
-and what one request of a given length holds. `budget.plan` asks it; docs/budget.md derives it
-from vllm/v1/kv_cache_interface.py and vllm/v1/core/kv_cache_utils.py. Light: no torch."""
+"""vLLM 0.33's KV-cache and state allocation for an Inkling 2 deployment, per GPU.
+
+vLLM 0.33.0 has no Inkling 2 model. Its `vllm/models/inkling/` serves the previous generation;
+we apply the specs that code emits to Inkling 2's shapes (`inkling2.TextConfig`), on the
+assumption that an Inkling 2 port keeps them (Inkling 2 has the same full/sliding layer kinds and
+the same four short-conv streams per layer):
+
+* a "hybrid" (full-attention) layer: `FullAttentionSpec(block_size, num_kv_heads=max(1, KV // TP),
+  head_size=head_dim)` (models/inkling/nvidia/attention.py:183-199);
+* a "hybrid_sliding" layer: the same page, `SlidingWindowSpec(sliding_window=sliding_window_size)`;
+* every decoder layer also owns one short-conv state (`InklingConvState`,
+  models/inkling/nvidia/sconv_swa_attn.py:121-193): `SlidingWindowSpec(block_size=K,
+  sliding_window=K, num_kv_heads=KV // TP, head_size=next_pow2(2 * head_dim + 2 * H // KV),
+  head_size_v=0)` holding K, V, attention-output and MLP-output streams packed per head; it
+  asserts TP <= KV heads and BF16.
+
+Pages are unified and layers grouped as vllm/v1/core/kv_cache_planning.py does (docs/budget.md
+cites the lines). `budget.plan` asks it. Light: no torch.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -10,141 +25,196 @@ from typing import TYPE_CHECKING
 from .errors import UsageError
 
 if TYPE_CHECKING:
-    from .budget import Parallel
-    from .layout import ModelConfig
+    from .inkling2 import TextConfig
 
-DEFAULT_BLOCK_SIZE = 16
-DEFAULT_BATCHED_TOKENS = 8192
+DEFAULT_BLOCK_SIZE = 16   # CacheConfig.block_size on CUDA
+DTYPE_BYTES = 2           # BF16: --kv-cache-dtype auto = the model dtype; the conv state asserts bf16
+FULL, SLIDING, CONV = "full", "sliding", "conv"
+KINDS = (FULL, SLIDING, CONV)
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def conv_head_size(head_dim: int, hidden_size: int, num_kv_heads: int) -> int:
+    """InklingConvState's packed per-head width, padded to a power of two
+    (sconv_swa_attn.py:152-157): K + V + the attention- and MLP-output chunks of one head."""
+    raw = 2 * head_dim + 2 * (hidden_size // num_kv_heads)
+    return 1 << (raw - 1).bit_length()
+
+
 @dataclass(frozen=True)
 class KVSpec:
-    """One attention layer's KV cache on one GPU, as vllm/v1/kv_cache_interface.py states it."""
+    """One layer's cache on one GPU, as vllm/v1/kv_cache_interface.py states it."""
 
-    kind: str                # "full" or "sliding"
-    num_kv_heads: int        # per rank
+    kind: str                       # FULL, SLIDING or CONV
+    num_kv_heads: int               # per rank
     head_size: int
-    dtype_bytes: int = 2     # BF16
-    block_size: int = DEFAULT_BLOCK_SIZE
+    head_size_v: int
+    block_size: int
     sliding_window: int | None = None
+    page_size_padded: int | None = None
+    dtype_bytes: int = DTYPE_BYTES
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        # AttentionSpec: num_heads * num_states (= block_size tokens) * (head_size + head_size_v) * dtype
+        # (kv_cache_interface.py:586-597)
+        return self.num_kv_heads * self.block_size * (self.head_size + self.head_size_v) * self.dtype_bytes
 
     @property
     def page_size_bytes(self) -> int:
-        # AttentionSpec.real_page_size_bytes: 2 (K and V) * block_size * num_kv_heads * head_size * dtype
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+        return self.page_size_padded or self.real_page_size_bytes
 
-    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        if self.kind == "full":
-            # FullAttentionSpec: cdiv(max_model_len, block_size) * page_size_bytes
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token (one stored state for CONV) takes in this layer on this GPU."""
+        return self.real_page_size_bytes // self.block_size
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_in_flight_tokens: int) -> int:
+        """One request's admission cap (kv_cache_interface.py:643-648 full, 917-955 sliding)."""
+        if self.kind == FULL:
             return cdiv(max_model_len, self.block_size) * self.page_size_bytes
-        # SlidingWindowSpec: the last sliding_window - 1 tokens plus one scheduled chunk, capped by
-        # max_model_len, +1 block because the window may not start at a block boundary
-        num_tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
-        return (cdiv(num_tokens, self.block_size) + 1) * self.page_size_bytes
+        # the last sliding_window - 1 tokens plus every scheduled-but-unsettled token, capped by
+        # max_model_len, +1 block because the window need not start at a block boundary
+        tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
+        return (cdiv(tokens, self.block_size) + 1) * self.page_size_bytes
 
-    def with_block_size(self, block_size: int) -> "KVSpec":
-        return replace(self, block_size=block_size)
+
+def layer_specs(text: TextConfig, tp: int, block_size: int = DEFAULT_BLOCK_SIZE) -> list[KVSpec]:
+    """Every cache spec of the model on one GPU: per decoder layer its attention spec, then its
+    short-conv state spec."""
+    specs = []
+    for i in range(text.num_hidden_layers):
+        _, nkv, hd = text.attention_dims(i)
+        if tp > nkv:
+            raise UsageError(f"--tp {tp} exceeds the {nkv} KV heads of layer {i}: vLLM's Inkling short-conv "
+                             f"state asserts tp_size <= num_kv_heads (sconv_swa_attn.py:142-145)")
+        kv_r = max(1, nkv // tp)
+        if text.is_full(i):
+            specs.append(KVSpec(FULL, kv_r, hd, hd, block_size))
+        else:
+            specs.append(KVSpec(SLIDING, kv_r, hd, hd, block_size, sliding_window=text.sliding_window_size))
+        k = text.conv_kernel_size
+        specs.append(KVSpec(CONV, nkv // tp, conv_head_size(hd, text.hidden_size, nkv), 0, k, sliding_window=k))
+    return specs
 
 
 @dataclass(frozen=True)
 class KVGroup:
-    spec: KVSpec
+    spec: KVSpec      # after page unification
     num_layers: int
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """How vLLM's KV cache manager pools the layers of one GPU (vllm/v1/core/kv_cache_utils.py:
-    get_kv_cache_groups, _max_memory_usage_bytes_from_groups, get_max_concurrency_for_kv_cache_config).
-
-    Memory is handed out in units of `unit_bytes` (one block of every layer of a group slot);
-    a request of length L needs `blocks(L)` units."""
+    """How vLLM's KV cache manager pools one GPU's layers (kv_cache_planning.py:1113-1200
+    get_kv_cache_groups; 1253-1285 _max_memory_usage_bytes_from_groups). Memory is handed out in
+    blocks of `bytes_per_block` (one page of every layer of the widest group); a request of
+    length L takes `blocks(L)` of them, summed over groups."""
 
     mode: str                     # "uniform", "uniform_type" or "hybrid"
     groups: tuple[KVGroup, ...]
-    unit_bytes: int
-    layer_specs: tuple[KVSpec, ...]
-    max_num_batched_tokens: int
+    bytes_per_block: int
+    specs: tuple[KVSpec, ...]     # per layer, unified
+    max_in_flight_tokens: int
+
+    def group_blocks(self, g: KVGroup, max_model_len: int) -> int:
+        return cdiv(g.spec.max_memory_usage_bytes(max_model_len, self.max_in_flight_tokens), g.spec.page_size_bytes)
 
     def blocks(self, max_model_len: int) -> int:
-        mnbt = self.max_num_batched_tokens
-        if self.mode == "uniform_type":
-            # one group of UniformTypeKVCacheSpecs: the per-layer sum, in units of all pages
-            total = sum(s.max_memory_usage_bytes(max_model_len, mnbt) for s in self.layer_specs)
-            return cdiv(total, self.unit_bytes)
-        page = self.groups[0].spec.page_size_bytes
-        return sum(cdiv(g.spec.max_memory_usage_bytes(max_model_len, mnbt), page) for g in self.groups)
+        if self.mode == "uniform_type":  # UniformTypeKVCacheSpecs: the per-layer sum, in whole blocks
+            return cdiv(self.per_layer_sum(max_model_len), self.bytes_per_block)
+        return sum(self.group_blocks(g, max_model_len) for g in self.groups)
+
+    def per_layer_sum(self, max_model_len: int) -> int:
+        return sum(s.max_memory_usage_bytes(max_model_len, self.max_in_flight_tokens) for s in self.specs)
 
     def bytes_needed(self, max_model_len: int) -> int:
-        """KV bytes per GPU to serve one request of max_model_len (what vLLM checks at start-up)."""
+        """KV bytes per GPU to admit one request of max_model_len (what vLLM checks at start-up)."""
+        return self.bytes_per_block * self.blocks(max_model_len)
+
+    def bytes_by_kind(self, max_model_len: int) -> dict[str, int]:
+        out = dict.fromkeys(sorted({s.kind for s in self.specs}), 0)
         if self.mode == "uniform_type":
-            return sum(s.max_memory_usage_bytes(max_model_len, self.max_num_batched_tokens)
-                       for s in self.layer_specs)
-        return self.unit_bytes * self.blocks(max_model_len)
+            for s in self.specs:
+                out[s.kind] += s.max_memory_usage_bytes(max_model_len, self.max_in_flight_tokens)
+            return out
+        for g in self.groups:
+            out[g.spec.kind] += self.bytes_per_block * self.group_blocks(g, max_model_len)
+        return out
+
+    def usable(self, available: int) -> int:
+        """What the admission check compares against: one block is the null block the pool
+        keeps back (kv_cache_planning.py:1533-1543)."""
+        return available - self.bytes_per_block
 
     def max_model_len(self, available: int, upper: int) -> int:
-        """Largest length <= upper whose single request fits (vLLM's estimate_max_model_len)."""
-        if available <= 0 or self.bytes_needed(1) > available:
+        """Largest length <= upper whose single request fits (_estimate_max_model_len_from_groups)."""
+        usable = self.usable(available)
+        if usable <= 0 or self.bytes_needed(1) > usable:
             return 0
         lo, hi = 1, upper
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.bytes_needed(mid) <= available:
+            if self.bytes_needed(mid) <= usable:
                 lo = mid
             else:
                 hi = mid - 1
         return lo
 
     def max_concurrency(self, available: int, max_model_len: int) -> float:
-        """vLLM's "Maximum concurrency for N tokens per request: X.XXx"."""
+        """vLLM's "Maximum concurrency for N tokens per request: X.XXx"
+        (kv_cache_utils.py:1061-1092): num_blocks / blocks per request."""
         if available <= 0:
             return 0.0
-        return (available // self.unit_bytes) / self.blocks(max_model_len)
+        return (available // self.bytes_per_block) / self.blocks(max_model_len)
 
 
-def kv_layer_specs(cfg: ModelConfig, par: Parallel, block_size: int = DEFAULT_BLOCK_SIZE) -> list[KVSpec]:
-    specs = []
-    for i in range(cfg.num_hidden_layers):
-        _, nkv, hd = cfg.attention_dims(i)
-        if cfg.is_full_attention(i):
-            specs.append(KVSpec("full", par.kv_per_rank(nkv), hd, block_size=block_size))
+def unify_page_size(specs: list[KVSpec]) -> list[KVSpec]:
+    """unify_kv_cache_spec_page_size (kv_cache_planning.py:346-408): grow the block size of the
+    layers with smaller pages until every page equals the largest; pad a page that does not
+    divide it."""
+    page = max(s.page_size_bytes for s in specs)
+    out = []
+    for s in specs:
+        if s.page_size_bytes == page:
+            out.append(s)
+        elif page % s.page_size_bytes == 0:
+            out.append(replace(s, block_size=s.block_size * (page // s.page_size_bytes)))
         else:
-            specs.append(KVSpec("sliding", par.kv_per_rank(nkv), hd, block_size=block_size,
-                                sliding_window=cfg.sliding_window))
-    return specs
+            out.append(replace(s, page_size_padded=page))
+    return out
 
 
-def kv_layout(specs: list[KVSpec], max_num_batched_tokens: int = DEFAULT_BATCHED_TOKENS) -> KVLayout:
-    """Group layers the way vLLM's hybrid KV cache manager does (get_kv_cache_groups)."""
+def kv_layout(specs: list[KVSpec], max_in_flight_tokens: int) -> KVLayout:
+    """Group layers the way vLLM's hybrid KV cache manager does. The packed (block-outermost)
+    grouping does not apply: neither FlashAttention nor Inkling's conv backend declares layouts,
+    so the default LBNHC (not block-outermost) is chosen (v1/attention/backends/utils.py:229-235,
+    332-340; kv_cache_planning.py:931)."""
     if not specs:
         raise UsageError("the model has no attention layers: nothing to plan a KV cache for")
-    if len(set(specs)) == 1:  # is_kv_cache_spec_uniform
+    if len(set(specs)) == 1:  # is_kv_cache_spec_uniform: one group of every layer
         return KVLayout("uniform", (KVGroup(specs[0], len(specs)),), specs[0].page_size_bytes * len(specs),
-                        tuple(specs), max_num_batched_tokens)
-    kinds = {(s.kind, s.sliding_window) for s in specs}
-    if len(kinds) == 1:  # UniformTypeKVCacheSpecs: same token slots, different hidden sizes
+                        tuple(specs), max_in_flight_tokens)
+    if len({(s.kind, s.sliding_window) for s in specs}) == 1:  # UniformTypeKVCacheSpecs
         return KVLayout("uniform_type", (), sum(s.page_size_bytes for s in specs), tuple(specs),
-                        max_num_batched_tokens)
-    # unify_kv_cache_spec_page_size: grow the block size of layers with smaller pages
-    page = max(s.page_size_bytes for s in specs)
-    unified = []
-    for s in specs:
-        if page % s.page_size_bytes:
-            raise UsageError(f"KV page sizes {sorted({x.page_size_bytes for x in specs})} cannot be unified "
-                             f"by vLLM (the largest is not a multiple of each): hybrid KV cache unsupported")
-        unified.append(s.with_block_size(s.block_size * (page // s.page_size_bytes)))
+                        max_in_flight_tokens)
+    unified = unify_page_size(specs)
     same: dict[KVSpec, int] = {}
     for s in unified:
         same[s] = same.get(s, 0) + 1
-    # _get_kv_cache_groups_uniform_page_size: groups of equal size (padding the last one)
+    # _get_kv_cache_groups_uniform_page_size (kv_cache_planning.py:416-556): groups of the smallest
+    # type's layer count (the largest if that is under 1.5x the smallest), the last one short
     group_size = min(same.values())
     if max(same.values()) < group_size * 1.5:
         group_size = max(same.values())
-    groups = []
+    groups: list[KVGroup] = []
     for s, n in same.items():
-        groups += [KVGroup(s, group_size)] * cdiv(n, group_size)
-    return KVLayout("hybrid", tuple(groups), page * group_size, tuple(unified), max_num_batched_tokens)
+        num_groups = cdiv(n, group_size)  # layers[i::num_groups] for group i
+        groups += [KVGroup(s, len(range(i, n, num_groups))) for i in range(num_groups)]
+    # _get_kv_cache_bytes_per_block (kv_cache_planning.py:574-583): the widest group's pages
+    page = unified[0].page_size_bytes
+    return KVLayout("hybrid", tuple(groups), page * max(g.num_layers for g in groups), tuple(unified),
+                    max_in_flight_tokens)

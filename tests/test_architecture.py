@@ -16,7 +16,7 @@ LAYERS = [
     ("inkling_quant.formats",),
     ("inkling_quant.layout", "inkling_quant.inkling2", "inkling_quant.kernels"),
     ("inkling_quant.schemes",),
-    ("inkling_quant.export", "inkling_quant.kvcache"),
+    ("inkling_quant.export", "inkling_quant.kvcache", "inkling_quant.moe_checks"),
 ]
 COMMANDS = len(LAYERS)
 
