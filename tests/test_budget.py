@@ -158,7 +158,14 @@ def test_recipe_rows(rows):
     yes = {"total parameters", "active parameters", "on disk, default variant, incl. draft", "vram_minimum_gb",
            "1,048,576 tokens at TP8 (GB200)", "262,144 tokens at TP4 (GB200)"}
     no = {"KV cache for 1,048,576 tokens at TP4", "1,048,576 tokens at TP4 (GB200)"}
+    # the recipe's three verdicts under its own KV figure (an explicit assumption): all reproduced
+    recipe_kv = {"1,048,576 tokens at TP4 (GB200), recipe's KV", "1,048,576 tokens at TP8 (GB200), recipe's KV",
+                 "262,144 tokens at TP4 (GB200), recipe's KV"}
+    yes |= recipe_kv
     assert set(rows) == yes | no
+    assert rows["1,048,576 tokens at TP4 (GB200), recipe's KV"]["ours"].startswith("does not fit: needs 64.47 ")
+    assert rows["1,048,576 tokens at TP8 (GB200), recipe's KV"]["ours"].startswith("fits: needs 32.24 ")
+    assert rows["262,144 tokens at TP4 (GB200), recipe's KV"]["ours"].startswith("fits: needs 16.12 ")
     assert all(rows[c]["reproduced"] for c in yes)
     assert not any(rows[c]["reproduced"] for c in no)
     assert rows["KV cache for 1,048,576 tokens at TP4"]["recipe"] == "64.47 GiB"
