@@ -23,12 +23,16 @@ PRODUCER_VERSION = "0.47.0"  # the ModelOpt export whose layout we write (docs/f
 _NVFP4 = FORMATS["nvfp4"]
 EXCLUDE_MODULES = ["lm_head", "model.embed_tokens", "model.layers.*.self_attn*", "model.layers.*.mlp.gate",
                    "model.layers.*.mlp.input_conv", "model.visual*", "dspark*"]
+#: the same for the published layout's original names (inkling_quant.inkling2)
+EXCLUDE_MODULES_ORIGINAL = ["model.llm.unembed", "model.llm.embed", "model.llm.layers.*.attn*",
+                            "model.llm.layers.*.mlp.gate", "model.visual*"]
 
 
-def quantization(module_formats: Iterable[tuple[str, Format]], weight_only: bool) -> dict:
+def quantization(module_formats: Iterable[tuple[str, Format]], weight_only: bool,
+                 exclude: Iterable[str] = EXCLUDE_MODULES) -> dict:
     """The MIXED_PRECISION config: every quantized module listed with its format's entry."""
     layers = {m: e for m, f in module_formats if (e := f.layer_config(weight_only)) is not None}
-    return {"quant_algo": MIXED_PRECISION, "kv_cache_quant_algo": None, "exclude_modules": list(EXCLUDE_MODULES),
+    return {"quant_algo": MIXED_PRECISION, "kv_cache_quant_algo": None, "exclude_modules": list(exclude),
             "quantized_layers": dict(sorted(layers.items(), key=lambda kv: natural_key(kv[0])))}
 
 

@@ -189,6 +189,16 @@ class Inkling2Config:
                                   f"match text_config.hidden_size ({text.hidden_size})", path=source)
         return cls(text, vision, dict(d))
 
+    @property
+    def num_hidden_layers(self) -> int:  # what a scheme's layer ranges are fractions of
+        return self.text.num_hidden_layers
+
+    @staticmethod
+    def describes(d) -> bool:
+        """Whether a config.json object is the published model's (text_config nested), not the
+        legacy invented layout's."""
+        return isinstance(d, dict) and "text_config" in d
+
     @classmethod
     def load(cls, path: str | Path) -> "Inkling2Config":
         from .io.checkpoint import CONFIG_NAME, read_json, safe_child
@@ -427,3 +437,42 @@ def original_name(hf: str) -> str:
     elif (o := _rename(hf, _TO_ORIGINAL)) is not None:
         return o
     raise UnknownTensorError(f"tensor {hf!r} is not a transformers tensor of Inkling 2 (docs/layout.md)")
+
+
+# --------------------------------------------------------------------------- what a name is
+# (regex on the original name, part); `layout.TensorName` records with the legacy parts where
+# one exists. Stacked experts: projection "w13" / "w2", suffix as formats.stacked writes it.
+_L = r"model\.llm\.layers\.(?P<layer>\d+)\."
+_EXPERT_SUFFIX = r"(?P<suffix>weight(?:_scale|_amax|_outer_scale_denominator|\.input_amax)?)"
+_RULES = [(re.compile(p), part) for p, part in [
+    (_L + r"mlp\.experts\.(?P<proj>w13|w2)_" + _EXPERT_SUFFIX, "expert"),
+    (_L + r"mlp\.gate\.(?P<suffix>weight|bias)", "router"),
+    (_L + r"attn\.(?P<proj>wq_du|wk_dv|wv_dv|wo_ud|gate_attn|wr_du|attn_sink_proj)\.(?P<suffix>weight)", "attention"),
+    (_L + r"attn\.(?P<proj>q_l2_clip|rel_l2_clip|rel_logits_proj)\.(?P<suffix>scale|proj)", "attention_aux"),
+    (_L + r"(?P<proj>attn\.[kv]_sconv|attn_sconv|mlp_sconv)\.(?P<suffix>weight|static_w|weight_proj)", "short_conv"),
+    (_L + r"(?P<proj>attn_norm|[qkv]_input_norm|mlp_norm)\.(?P<suffix>weight)", "norm"),
+    (r"model\.llm\.attn_res\.(?P<proj>attn_queries|mlp_queries)\.(?P<layer>\d+)", "attn_res"),
+    (r"model\.llm\.attn_res\.(?P<proj>output_query)", "attn_res"),
+    (r"model\.llm\.(?P<proj>embed_norm|norm)\.(?P<suffix>weight)", "norm"),
+    (r"model\.llm\.embed\.(?P<suffix>weight)", "embed"),
+    (r"model\.llm\.unembed\.(?P<suffix>weight)", "lm_head"),
+    (r"model\.visual\..+", "vision"),
+]]
+
+
+def classify(name: str):
+    """What the original-layout tensor `name` is (a `layout.TensorName`); UnknownTensorError for
+    a name outside the layout."""
+    from .layout import TensorName
+
+    for rx, part in _RULES:
+        if m := rx.fullmatch(name):
+            g = m.groupdict()
+            layer = int(g["layer"]) if g.get("layer") is not None else None
+            return TensorName(name, part, layer, None, g.get("proj"), g.get("suffix") or name.rsplit(".", 1)[-1])
+    raise UnknownTensorError(f"tensor {name!r} is not a tensor of the Inkling 2 layout (docs/layout.md)")
+
+
+def experts_module(layer: int) -> str:
+    """The MoE module of `layer` as quantization configs key it (vLLM maps model.llm.layers.)."""
+    return f"{TEXT_PREFIX}layers.{layer}.mlp.experts"

@@ -162,3 +162,21 @@ def test_names_map_both_ways_as_transformers_does():
     for bad in ("model.llm.layers.0.attn.wz.weight", "model.language_model.layers.0.attention_input.query"):
         with pytest.raises(UnknownTensorError, match="not a"):
             (transformers_name if bad.startswith("model.llm") else original_name)(bad)
+
+
+def test_classify_every_tensor_of_the_layout():
+    from inkling_quant.inkling2 import classify
+
+    cfg = Inkling2Config.reference()
+    parts = {}
+    for s in checkpoint_tensors(cfg):
+        t = classify(s.name)
+        parts[t.part] = parts.get(t.part, 0) + 1
+        if t.part == "expert":
+            assert t.projection in ("w13", "w2") and t.suffix == "weight" and t.layer is not None
+    assert parts["expert"] == 2 * 48 and parts["router"] == 2 * 48 and parts["attention"] == 7 * 48
+    assert classify("model.llm.layers.3.mlp.experts.w13_weight_outer_scale_denominator").suffix == \
+        "weight_outer_scale_denominator"
+    assert classify("model.llm.layers.3.mlp.experts.w2_weight.input_amax").suffix == "weight.input_amax"
+    with pytest.raises(UnknownTensorError):
+        classify("model.layers.0.self_attn.q_proj.weight")

@@ -25,15 +25,15 @@ from .. import __version__, hub
 from ..cli_common import int_range, parse_size, positive_float
 from ..errors import CheckpointError, OutputError, UsageError
 from ..export import PRODUCER_VERSION as MODELOPT_FORMAT_VERSION
-from ..export import config_with_quantization, hf_quant_config, quantization
+from ..export import EXCLUDE_MODULES, EXCLUDE_MODULES_ORIGINAL, config_with_quantization, hf_quant_config, quantization
 from ..formats import FORMATS
 from ..io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG, INDEX_NAME, copy_file_atomic, write_json_atomic
 from ..io.output import CHECKSUMS, OutputLock, check_paths, write_checksums, write_report
 from ..io.safetensors import fsync_files, sha256_file
-from ..layout import ModelConfig
+from ..inkling2 import Inkling2Config
 from ..schemes import get_scheme
 from .planner import (FLOAT_SOURCES, Options, Prepared, ShardJob, SrcTensor, Unit, list_source, load_activation_amax,
-                      load_calibration, plan, validate_source)
+                      load_calibration, load_config, plan, validate_source)
 from .runner import (MANIFEST, MANIFEST_GLOB, confirm_complete, fingerprint, manifest_path, manifests, part_jobs,
                      previous_output, recorded_checksums, refuse_symlinks, remove_temps, run_jobs, start_output,
                      writing)
@@ -50,7 +50,7 @@ def prepare(src: str, opts: Options) -> Prepared:
     """Resolve and check the source, settle every activation amax, plan the shards: everything
     decided before any byte is written (the same for every part and every resume)."""
     root, repo, revision = hub.resolve(str(src))
-    cfg = ModelConfig.load(root)
+    cfg = load_config(root)
     scheme = get_scheme(opts.scheme)
     listing, other_files, stat = list_source(root, repo, revision)
     tensors = validate_source(cfg, listing, str(src))
@@ -58,7 +58,7 @@ def prepare(src: str, opts: Options) -> Prepared:
     calibrated: dict[str, float] = {}
     if not opts.weight_only:
         from_source = source_input_amax(tensors, root, repo, revision)
-        calibrated = load_calibration(opts.activation_scales, tensors, src)
+        calibrated = load_calibration(opts.activation_scales, cfg, tensors, src)
     jobs = plan(cfg, tensors, scheme, opts, calibrated, from_source, str(src))
     return Prepared(root, repo, revision, cfg, jobs, other_files, fingerprint(jobs, opts, stat))
 
@@ -137,17 +137,22 @@ def _finalize(out: Path, prep: Prepared, opts: Options) -> dict:
     return {"output": str(out), "shards": len(prep.jobs), "finalized": True}
 
 
-def quant_config(jobs: list[ShardJob], weight_only: bool) -> dict:
-    """ModelOpt's MIXED_PRECISION config of the planned conversion (inkling_quant.export)."""
-    return quantization(((s.name[: -len(".weight")], FORMATS[u.format]) for j in jobs for u in j.units
-                         for s in u.sources), weight_only)
+def quant_config(jobs: list[ShardJob], weight_only: bool, original_layout: bool = False) -> dict:
+    """ModelOpt's MIXED_PRECISION config of the planned conversion (inkling_quant.export): a
+    legacy module per `<module>.weight`; a stacked expert tensor's module is its layer's
+    `mlp.experts` (w13 and w2 share the layer's format)."""
+    def module(u: Unit, s: SrcTensor) -> str:
+        return s.name[: -len(f".{u.stacked}_weight")] if u.stacked else s.name[: -len(".weight")]
+
+    return quantization(((module(u, s), FORMATS[u.format]) for j in jobs for u in j.units for s in u.sources),
+                        weight_only, EXCLUDE_MODULES_ORIGINAL if original_layout else EXCLUDE_MODULES)
 
 
 def _write_configs(out: Path, prep: Prepared, opts: Options) -> list[str]:
     """hf_quant_config.json (with a `converter` entry naming who wrote it), then config.json with
     `quantization_config`; a conversion that quantizes nothing (scheme `none`) writes config.json
     as the source has it, as ModelOpt leaves an unquantized model. Returns the names written."""
-    q = quant_config(prep.jobs, opts.weight_only)
+    q = quant_config(prep.jobs, opts.weight_only, isinstance(prep.cfg, Inkling2Config))
     if not q["quantized_layers"]:
         write_json_atomic(out / CONFIG_NAME, prep.cfg.raw)
         return [CONFIG_NAME]

@@ -9,9 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import hub
-from ..errors import CheckpointError, FormatError, InklingQuantError, UsageError, printable
+from ..errors import CheckpointError, ConfigError, FormatError, InklingQuantError, UsageError, printable
 from ..formats import FORMATS, SCALE_SUFFIXES
-from ..io.checkpoint import Checkpoint, read_json, shard_name
+from ..formats.stacked import projection_specs
+from ..inkling2 import Inkling2Config, checkpoint_tensors
+from ..inkling2 import classify as classify_original
+from ..io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child, shard_name
 from ..io.safetensors import DTYPE_NAMES, DTYPES, ShardReader
 from ..io.shards import plan_shards
 from ..layout import FUSED_PROJECTIONS, ModelConfig, TensorName, classify, expected_tensors, source_spec, source_tensor_count
@@ -33,12 +36,15 @@ class SrcTensor:
 
 @dataclass(frozen=True)
 class Unit:
-    """Tensors converted together: one tensor, or an NVFP4 expert's gate+up sharing a global scale."""
+    """Tensors converted together: one tensor, an NVFP4 expert's gate+up sharing a global scale
+    (legacy layout), or one stacked expert tensor of the published layout, converted expert by
+    expert (`stacked` names its projection, "w13" or "w2")."""
 
     sources: tuple[SrcTensor, ...]
     format: str
     input_amax: tuple[float | None, ...]
     amax_origin: tuple[str | None, ...] = ()  # per source: "calibrated", "source" or "default"
+    stacked: str | None = None
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ class Prepared:
     root: Path
     repo: str | None
     revision: str | None
-    cfg: ModelConfig
+    cfg: ModelConfig | Inkling2Config
     jobs: list[ShardJob]
     other_files: list[Path]
     fingerprint: str
@@ -90,8 +96,21 @@ def list_source(root: Path, repo: str | None, revision: str | None) -> tuple[Lis
     return listing, ckpt.other_files(), stat
 
 
-def validate_source(cfg: ModelConfig, listing: Listing, root: str) -> list[SrcTensor]:
+def load_config(root: Path) -> ModelConfig | Inkling2Config:
+    """The source's config.json: the published model's (text_config nested) or the legacy layout's."""
+    path = safe_child(root, CONFIG_NAME)
+    d = read_json(path, CONFIG_NAME, ConfigError)
+    return Inkling2Config.from_dict(d, str(path)) if Inkling2Config.describes(d) else ModelConfig.from_dict(d, str(path))
+
+
+def _classify(cfg: ModelConfig | Inkling2Config, name: str) -> TensorName:
+    return classify_original(name) if isinstance(cfg, Inkling2Config) else classify(name)
+
+
+def validate_source(cfg: ModelConfig | Inkling2Config, listing: Listing, root: str) -> list[SrcTensor]:
     """Every tensor must be in the layout, float, with the shape the config implies; nothing missing."""
+    if isinstance(cfg, Inkling2Config):
+        return _validate_original(cfg, listing, root)
     tensors, seen = [], set()
     for shard, entries in listing.items():
         for name, (dtype, shape) in entries.items():
@@ -121,6 +140,42 @@ def validate_source(cfg: ModelConfig, listing: Listing, root: str) -> list[SrcTe
         more = f" (and {n_missing - 1} more)" if n_missing > 1 else ""
         raise CheckpointError(f"tensor {first!r}{more} required by config.json is missing", path=root, tensor=first)
     return tensors
+
+
+def _validate_original(cfg: Inkling2Config, listing: Listing, root: str) -> list[SrcTensor]:
+    """The published layout: every tensor one of `checkpoint_tensors(cfg)` (a list bounded by
+    layers, not experts), float, of its shape; none missing."""
+    expected = {s.name: s for s in checkpoint_tensors(cfg)}
+    tensors = []
+    for shard, entries in listing.items():
+        for name, (dtype, shape) in entries.items():
+            spec = expected.get(name)
+            if spec is None:
+                raise CheckpointError(f"tensor {name!r} is not a tensor of the Inkling 2 layout with this config "
+                                      f"(docs/layout.md)", path=f"{root}/{shard}", tensor=name)
+            if DTYPES[dtype] not in FLOAT_SOURCES:
+                raise CheckpointError(f"tensor {name!r}: source is already quantized ({dtype}); convert takes "
+                                      f"BF16/FP16/FP32 checkpoints", path=f"{root}/{shard}", tensor=name)
+            if tuple(shape) != spec.shape:
+                raise CheckpointError(f"tensor {name!r}: shape {list(shape)} disagrees with config.json (expected "
+                                      f"{list(spec.shape)})", path=f"{root}/{shard}", tensor=name)
+            tensors.append(SrcTensor(name, shard, dtype, tuple(shape)))
+    seen = {t.name for t in tensors}
+    missing = [n for n in expected if n not in seen]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"tensor {missing[0]!r}{more} required by config.json is missing", path=root,
+                              tensor=missing[0])
+    return tensors
+
+
+def activation_module(cfg: ModelConfig | Inkling2Config, name: str) -> str | None:
+    """The module an activation amax is keyed by for the source tensor `name`: `<module>` of a
+    legacy `<module>.weight`, the stacked tensor's own name in the published layout (vLLM reads
+    its scale as `<name>.input_amax`); None for tensors that take none."""
+    if isinstance(cfg, Inkling2Config):
+        return name if classify_original(name).part == "expert" else None
+    return name[: -len(".weight")] if name.endswith(".weight") else None
 
 
 # --------------------------------------------------------------------------- calibration
@@ -173,10 +228,11 @@ def _amax_from_json(p: Path) -> dict[str, float]:
     return out
 
 
-def load_calibration(path: str | None, tensors: list[SrcTensor], src: str) -> dict[str, float]:
+def load_calibration(path: str | None, cfg: ModelConfig | Inkling2Config, tensors: list[SrcTensor],
+                     src: str) -> dict[str, float]:
     """--activation-scales: every module it names must be one of the source's."""
     calibrated = load_activation_amax(path)
-    modules = {t.name[: -len(".weight")] for t in tensors if t.name.endswith(".weight")}
+    modules = {m for t in tensors if (m := activation_module(cfg, t.name)) is not None}
     unknown = sorted(k for k in calibrated if k not in modules)
     if unknown:
         raise CheckpointError(f"{len(unknown)} of {len(calibrated)} module name(s) match "
@@ -186,7 +242,7 @@ def load_calibration(path: str | None, tensors: list[SrcTensor], src: str) -> di
 
 
 # --------------------------------------------------------------------------- units and shards
-def plan(cfg: ModelConfig, tensors: list[SrcTensor], scheme: Scheme, opts: Options,
+def plan(cfg: ModelConfig | Inkling2Config, tensors: list[SrcTensor], scheme: Scheme, opts: Options,
          calibrated: dict[str, float], from_source: dict[str, float] | None = None, root: str = ".") -> list[ShardJob]:
     """Units (a tensor, or an NVFP4 gate/up pair) packed into output shards. An NVFP4 module's
     activation amax comes from `calibrated` (--activation-scales), else `from_source` (the
@@ -196,7 +252,7 @@ def plan(cfg: ModelConfig, tensors: list[SrcTensor], scheme: Scheme, opts: Optio
     return _pack(units, opts)
 
 
-def _units(cfg: ModelConfig, tensors: list[SrcTensor], scheme: Scheme, opts: Options,
+def _units(cfg: ModelConfig | Inkling2Config, tensors: list[SrcTensor], scheme: Scheme, opts: Options,
            calibrated: dict[str, float], from_source: dict[str, float], root: str) -> list[Unit]:
     """Each tensor's unit, format and activation amax, in source order; a format error names the
     tensor at once, missing activation amaxes are reported together at the end."""
@@ -207,10 +263,13 @@ def _units(cfg: ModelConfig, tensors: list[SrcTensor], scheme: Scheme, opts: Opt
     for t in tensors:
         if t.name in done:
             continue
-        rec = classify(t.name)
+        rec = _classify(cfg, t.name)
         if rec.suffix == "input_scale":  # calibration carried in the source: consumed, not copied
             continue
         fmt = scheme.format_name(cfg, rec)
+        if isinstance(cfg, Inkling2Config) and rec.part == "expert":
+            units.append(_stacked_unit(t, rec.projection, fmt, opts, calibrated, from_source, root, missing_amax))
+            continue
         group = _group(t, rec, fmt, by_name)
         amax: list[float | None] = []
         origin: list[str | None] = []
@@ -237,6 +296,29 @@ def _units(cfg: ModelConfig, tensors: list[SrcTensor], scheme: Scheme, opts: Opt
             f" and {len(missing_amax) - 1} more. Pass --activation-scales FILE (calibration amax per module),"
             f" --default-activation-amax X, or --weight-only for W4A16 output")
     return units
+
+
+def _stacked_unit(t: SrcTensor, proj: str, fmt: str, opts: Options, calibrated: dict[str, float],
+                  from_source: dict[str, float], root: str, missing_amax: list[str]) -> Unit:
+    """One stacked expert tensor (all experts of a layer's w13 or w2), its activation amax keyed
+    by its own name; its format checked against every expert's shape here."""
+    try:
+        _stacked_names(t, proj, fmt, opts.weight_only)
+    except FormatError as e:
+        raise FormatError(f"tensor {t.name!r}: {e}", path=f"{root}/{t.shard}", tensor=t.name) from None
+    a, o = None, None
+    if FORMATS[fmt].static_activation_scale and not opts.weight_only:
+        a, o = _activation_amax(t.name, fmt, opts, calibrated, from_source)
+        if a is None:
+            missing_amax.append(t.name)
+    return Unit((t,), fmt, (a,), (o,), stacked=proj)
+
+
+def _stacked_names(src: SrcTensor, proj: str, fmt: str, weight_only: bool) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The tensors written for a stacked source (formats.stacked names them under its module)."""
+    prefix = src.name[: -len(f"{proj}_weight")]
+    specs = projection_specs(FORMATS[fmt], proj, src.shape, dtype=DTYPES[src.dtype], activation_scale=not weight_only)
+    return [(prefix + k, DTYPE_NAMES[o.dtype], tuple(o.shape)) for k, o in specs.items()]
 
 
 def _group(t: SrcTensor, rec: TensorName, fmt: str, by_name: dict[str, SrcTensor]) -> list[SrcTensor]:
@@ -288,6 +370,8 @@ def _job(index: int, count: int, units: list[Unit], weight_only: bool) -> ShardJ
 
 
 def _unit_specs(u: Unit, weight_only: bool) -> list[tuple[str, str, tuple[int, ...]]]:
+    if u.stacked is not None:
+        return _stacked_names(u.sources[0], u.stacked, u.format, weight_only)
     return [s for src in u.sources for s in _out_names(src, u.format, weight_only)]
 
 

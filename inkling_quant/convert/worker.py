@@ -4,16 +4,18 @@ worker process of the pool (inkling_quant.convert.runner); knows nothing of sign
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from .. import hub
 from ..errors import FormatError
 from ..formats import FORMATS
+from ..formats.stacked import projection_specs, slab_slices
 from ..io.safetensors import DTYPES, ShardWriter, TensorBuffer
 from ..io.shards import ShardReaders
 from .planner import ShardJob, SrcTensor, Unit, spec_nbytes
@@ -59,14 +61,15 @@ def source_input_amax(tensors: list[SrcTensor], root: Path, repo: str | None, re
 def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str | None, out_dir: str,
                   device: str = "cpu", buffered_io: bool = False, progress=None,
                   stop: Callable[[], None] | None = None) -> ShardResult:
-    """One output shard. Writing (sha256 + write, both GIL-free) runs on a second thread one unit
-    behind the reading and quantizing, so the I/O of unit k overlaps the arithmetic of unit k+1.
-    Two sets of read buffers alternate: pass-through outputs are views into them, and the write
-    of unit k has finished before unit k+2 reads into its set. `stop` is called before each unit
+    """One output shard. Writing (sha256 + write, both GIL-free) runs on a second thread one step
+    behind the reading and quantizing (a step: a unit, or one expert of a stacked unit), so the
+    I/O of step k overlaps the arithmetic of step k+1. Two sets of read buffers alternate:
+    pass-through outputs are views into them, and the write of step k has finished before step
+    k+2 reads into its set. `stop` is called before each unit
     (it raises to stop the shard: a signal in the converting process)."""
     start = time.perf_counter()
     sources = _sources(Path(src_root), repo, revision)
-    buffer_sets = ((TensorBuffer(), TensorBuffer()), (TensorBuffer(), TensorBuffer()))
+    buffer_sets = itertools.cycle(((TensorBuffer(), TensorBuffer()), (TensorBuffer(), TensorBuffer())))
     counts: dict[str, int] = {}
     writer = ShardWriter(Path(out_dir) / job.file, [(n, DTYPES[d], s) for n, d, s in job.specs], SHARD_METADATA,
                          direct=not buffered_io)
@@ -75,13 +78,13 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
     try:
         with writer:
             try:
-                for k, u in enumerate(job.units):
+                for u in job.units:
                     if stop is not None:
                         stop()
-                    outputs = _convert_unit(u, sources, buffer_sets[k % 2], device, counts, progress)
-                    if pending is not None:
-                        pending.result()  # an I/O error of the previous unit surfaces here
-                    pending = io.submit(_write_all, writer, outputs)
+                    for outputs in _steps(u, sources, buffer_sets, device, counts, progress):
+                        if pending is not None:
+                            pending.result()  # an I/O error of the previous step surfaces here
+                        pending = io.submit(_write_all, writer, outputs)
                 if pending is not None:
                     pending.result()
             finally:
@@ -93,6 +96,49 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
     finally:
         sources.close()
     return ShardResult(job.file, sha, job.out_bytes, job.src_bytes, counts, time.perf_counter() - start)
+
+
+def _steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, counts: dict[str, int],
+           progress) -> Iterator[list[tuple[str, torch.Tensor, bool]]]:
+    """The unit's writes, step by step: (name, tensor, whole) where `whole` is False for the next
+    piece of a tensor written in pieces."""
+    if u.stacked is None:
+        yield [(n, t, True) for n, t in _convert_unit(u, sources, next(buffer_sets), device, counts, progress)]
+    else:
+        yield from _stacked_steps(u, sources, buffer_sets, device, counts, progress)
+
+
+def _stacked_steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, counts: dict[str, int],
+                   progress) -> Iterator[list[tuple[str, torch.Tensor, bool]]]:
+    """A stacked expert tensor ([E, ...], published layout), one expert at a time: read only its
+    slice, quantize it as stored (formats.stacked.slab_slices: gate/up rows stay interleaved),
+    write its weight slice as the next piece; the scales (an eighth of the weight or less) are
+    gathered and written after the last expert. Memory: one expert plus the layer's scales."""
+    src, fmt, proj = u.sources[0], FORMATS[u.format], u.stacked
+    reader = sources.get(src.shard)
+    prefix, weight = src.name[: -len(f"{proj}_weight")], f"{proj}_weight"
+    specs = projection_specs(fmt, proj, src.shape, dtype=DTYPES[src.dtype],
+                             activation_scale=u.input_amax[0] is not None)
+    gathered = {k: torch.empty(o.shape, dtype=o.dtype) for k, o in specs.items() if k != weight}
+    for e in range(src.shape[0]):
+        slab = reader.get_slice(src.name, e, next(buffer_sets)[0])
+        if u.format == "passthrough":
+            _check_finite(slab, reader.path, src.name)
+        x = slab if device == "cpu" else slab.to(device)
+        try:
+            q = fmt.quantize(x, global_amax=fmt.fused_global_amax([x]), input_amax=u.input_amax[0])
+            slices = slab_slices(fmt, proj, {k: t.cpu() for k, t in q.items()}, name=f"expert {e}: ")
+        except FormatError as err:
+            raise FormatError(f"tensor {src.name!r}, expert {e}: {err.message}", path=reader.path,
+                              tensor=src.name) from None
+        for k, t in slices.items():
+            if k != weight:
+                gathered[k][e] = t
+        counts[u.format] = counts.get(u.format, 0) + 1
+        if progress is not None:
+            progress(slab.numel() * slab.element_size())
+        yield [(prefix + weight, slices[weight], False)]
+    yield [(prefix + k, t, True) for k, t in gathered.items()]
 
 
 def _convert_unit(u: Unit, sources: ShardReaders, buffers, device: str, counts: dict[str, int],
@@ -131,6 +177,9 @@ def _check_finite(t: torch.Tensor, path, name: str) -> None:
         raise FormatError(f"tensor {name!r}: contains NaN or Inf", path=path, tensor=name)
 
 
-def _write_all(writer: ShardWriter, outputs: list[tuple[str, torch.Tensor]]) -> None:
-    for name, t in outputs:
-        writer.write(name, t)
+def _write_all(writer: ShardWriter, outputs: list[tuple[str, torch.Tensor, bool]]) -> None:
+    for name, t, whole in outputs:
+        if whole:
+            writer.write(name, t)
+        else:
+            writer.write_part(name, t)

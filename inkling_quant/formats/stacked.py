@@ -75,7 +75,7 @@ from ..errors import FormatError
 from .base import Format, OutSpec
 from .nvfp4 import GLOBAL_DIV
 
-__all__ = ["PROJECTIONS", "OUTER_SCALE_DENOMINATOR", "stacked_specs", "expert_slices", "slab_slices",
+__all__ = ["PROJECTIONS", "OUTER_SCALE_DENOMINATOR", "stacked_specs", "projection_specs", "expert_slices", "slab_slices",
            "write_expert", "stack_experts", "unstack_expert", "unstack_experts"]
 
 #: stacked projection -> the per-expert modules it holds, in row-interleave order
@@ -94,13 +94,16 @@ def _row_suffixes(fmt: Format) -> tuple[str, ...]:
 
 
 def stacked_specs(fmt: Format, num_experts: int, intermediate: int, hidden: int, *,
-                  dtype: torch.dtype = torch.bfloat16, activation_scale: bool = True) -> dict[str, OutSpec]:
+                  dtype: torch.dtype = torch.bfloat16, activation_scale: bool = True,
+                  projections: Sequence[str] = tuple(PROJECTIONS)) -> dict[str, OutSpec]:
     """name -> OutSpec of every stacked tensor of one layer (see the module doc), from the sizes
     alone. ``dtype`` is the source weights' dtype (the pass-through format keeps it);
-    ``activation_scale`` adds NVFP4's ``.input_amax`` (W4A4)."""
+    ``activation_scale`` adds NVFP4's ``.input_amax`` (W4A4); ``projections`` picks w13, w2."""
     E = num_experts
     out: dict[str, OutSpec] = {}
     for proj, shape in (("w13", (intermediate, hidden)), ("w2", (hidden, intermediate))):
+        if proj not in projections:
+            continue
         rows = len(PROJECTIONS[proj]) * shape[0]
         for suffix, o in fmt.out_specs(shape, dtype, activation_scale).items():
             if o.shape:
@@ -113,6 +116,18 @@ def stacked_specs(fmt: Format, num_experts: int, intermediate: int, hidden: int,
             else:
                 raise FormatError(f"{fmt.name}: no stacked form for the per-tensor {suffix!r}")
     return out
+
+
+def projection_specs(fmt: Format, proj: str, shape: Sequence[int], *, dtype: torch.dtype = torch.bfloat16,
+                     activation_scale: bool = True) -> dict[str, OutSpec]:
+    """The stacked tensors written for one source tensor ``<proj>_weight`` of ``shape`` (w13:
+    [E, 2I, H], w2: [E, H, I]), the stored weight first, then its scales in stacked_specs' order."""
+    if proj not in PROJECTIONS or len(shape) != 3 or shape[1] % len(PROJECTIONS[proj]):
+        raise FormatError(f"{proj}_weight of shape {list(shape)} is not a stacked expert tensor "
+                          f"(w13 [E, 2I, H], w2 [E, H, I])")
+    E, rows, cols = shape
+    inter, hidden = (rows // 2, cols) if proj == "w13" else (cols, rows)
+    return stacked_specs(fmt, E, inter, hidden, dtype=dtype, activation_scale=activation_scale, projections=(proj,))
 
 
 def _preimage(target: torch.Tensor, quotient: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:

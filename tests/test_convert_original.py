@@ -1,0 +1,141 @@
+"""convert on the published Inkling 2 layout (synth --layout original: transformers' names,
+stacked row-interleaved experts) into the Inkling stacked form (formats/stacked.py), checked
+against independent paths: the per-module quantization of each expert's gate, up and down
+taken apart from the source, and transformers' own inkling2_loop dequantization ops."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from inkling_quant.convert import Options, convert
+from inkling_quant.errors import CheckpointError
+from inkling_quant.formats import FORMATS, unstack_expert
+from inkling_quant.formats.stacked import projection_specs
+from inkling_quant.inkling2 import Inkling2Config
+from inkling_quant.synth import write_checkpoint
+
+LAYERS, AMAX = 6, 4.0  # the default scheme: NVFP4 experts in layers 0-4, MXFP8 in layer 5
+
+
+def tensors(root) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(root.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("orig")
+    src = write_checkpoint(tmp / "src", "tiny", layers=LAYERS, layout="original")
+    report = convert(src, tmp / "out", Options(default_activation_amax=AMAX, max_shard_bytes=1 << 17), quiet=True)
+    return src, tmp / "out", report
+
+
+def expert_format(layer: int) -> str:
+    return "nvfp4" if layer < 5 else "mxfp8"
+
+
+def test_everything_but_the_experts_is_bit_exact_and_experts_are_stacked(pair):
+    src, out, report = pair
+    s, o = tensors(src), tensors(out)
+    assert report["shards"] > 1
+    experts = {n for n in s if ".mlp.experts." in n}
+    for name in set(s) - experts:
+        assert o[name].dtype == s[name].dtype and torch.equal(bits(o[name]), bits(s[name])), name
+    want = set(s) - experts
+    for layer in range(LAYERS):
+        fmt = FORMATS[expert_format(layer)]
+        for proj in ("w13", "w2"):
+            name = f"model.llm.layers.{layer}.mlp.experts.{proj}_weight"
+            for k, spec in projection_specs(fmt, proj, tuple(s[name].shape)).items():
+                got = o[f"model.llm.layers.{layer}.mlp.experts.{k}"]
+                assert (tuple(got.shape), got.dtype) == (tuple(spec.shape), spec.dtype), k
+                want.add(f"model.llm.layers.{layer}.mlp.experts.{k}")
+    assert set(o) == want
+
+
+def test_expert_values_equal_quantizing_gate_up_down_apart(pair):
+    """Unstacked, every expert's tensors are bit for bit what the format writes for its gate, up
+    (under their fused amax) and down taken out of the source on their own, with the activation
+    amax given."""
+    src, out, _ = pair
+    s, o = tensors(src), tensors(out)
+    for layer in range(LAYERS):
+        fmt = FORMATS[expert_format(layer)]
+        p = f"model.llm.layers.{layer}.mlp.experts."
+        stacked = {k[len(p):]: v for k, v in o.items() if k.startswith(p)}
+        w13, w2 = s[p + "w13_weight"], s[p + "w2_weight"]
+        ia = AMAX if fmt.static_activation_scale else None
+        for e in range(w13.shape[0]):
+            gate, up = w13[e, 0::2].contiguous(), w13[e, 1::2].contiguous()
+            ga = fmt.fused_global_amax([gate, up])
+            want = {"gate_proj": fmt.quantize(gate, global_amax=ga, input_amax=ia),
+                    "up_proj": fmt.quantize(up, global_amax=ga, input_amax=ia),
+                    "down_proj": fmt.quantize(w2[e].contiguous(), input_amax=ia)}
+            got = unstack_expert(fmt, stacked, e)
+            for mod in want:
+                assert set(got[mod]) == set(want[mod])
+                for k in want[mod]:
+                    assert torch.equal(bits(got[mod][k]), bits(want[mod][k])), (layer, e, mod, k)
+
+
+def test_transformers_reads_the_experts(pair):
+    """transformers' inkling2_loop ops (Inkling2LoopDequantizeExperts + Interleave) on our
+    output give our formats' dequantization of the same experts (MXFP8 bit for bit; NVFP4 within
+    the one-ulp rounding-order difference test_stacked documents)."""
+    test_stacked = pytest.importorskip("test_stacked")
+    src, out, _ = pair
+    o = tensors(out)
+    for layer in (0, 5):
+        fmt = FORMATS[expert_format(layer)]
+        p = f"model.llm.layers.{layer}.mlp.experts."
+        stacked = {k[len(p):]: v for k, v in o.items() if k.startswith(p)}
+        gate_up, down = test_stacked.transformers_dequant(stacked)
+        experts = [unstack_expert(fmt, stacked, e) for e in range(gate_up.shape[0])]
+        ours_gu, ours_d = test_stacked.expected_from_experts(experts, lambda t: fmt.dequantize(t, torch.float32))
+        if fmt.name == "mxfp8":
+            assert torch.equal(bits(gate_up), bits(ours_gu)) and torch.equal(bits(down), bits(ours_d))
+        else:
+            for got, ours, mods in ((gate_up, ours_gu, ("gate_proj", "up_proj")), (down, ours_d, ("down_proj",))):
+                packed = torch.stack([torch.cat([x[m]["weight"] for m in mods]) for x in experts])
+                test_stacked.assert_one_ulp_on_odd_codes(ours, got, packed)
+
+
+def test_quantization_config_names_each_layers_experts(pair):
+    src, out, _ = pair
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert q["quant_algo"] == "MIXED_PRECISION"
+    assert q["quantized_layers"] == {f"model.llm.layers.{i}.mlp.experts": {"quant_algo": "NVFP4", "group_size": 16}
+                                     for i in range(5)} | {"model.llm.layers.5.mlp.experts":
+                                                           {"quant_algo": "MXFP8", "group_size": 32}}
+    assert "model.llm.layers.*.attn*" in q["exclude_modules"]
+    hq = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert hq["quantized_layers"] == q["quantized_layers"]
+    cfg = Inkling2Config.load(out)  # the rest of config.json is the source's
+    assert cfg == Inkling2Config.load(src)
+
+
+def test_parallel_and_resumed_runs_are_byte_identical(pair, tmp_path):
+    src, out, _ = pair
+    convert(src, tmp_path / "w2", Options(default_activation_amax=AMAX, max_shard_bytes=1 << 17, workers=2),
+            quiet=True)
+    assert (tmp_path / "w2" / "checksums.sha256").read_text() == (out / "checksums.sha256").read_text()
+
+
+def test_a_wrong_source_is_refused_naming_the_tensor(pair, tmp_path):
+    import shutil
+
+    src, _, _ = pair
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["text_config"]["moe_intermediate_size"] = 64
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"w13_weight.*disagrees with config.json"):
+        convert(bad, tmp_path / "o", Options(default_activation_amax=AMAX), quiet=True)
+    assert not (tmp_path / "o").exists()
