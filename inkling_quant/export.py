@@ -36,6 +36,41 @@ def quantization(module_formats: Iterable[tuple[str, Format]], weight_only: bool
             "quantized_layers": dict(sorted(layers.items(), key=lambda kv: natural_key(kv[0])))}
 
 
+# config_groups entries of ModelOpt's config.json form, per quant_algo: (weight bits, activation
+# bits or None for weight-only); ModelOpt 0.47 export/convert_hf_config.py:23-118
+_GROUP_BITS = {"NVFP4": (4, 4), "W4A16_NVFP4": (4, None), "MXFP8": (8, 8)}
+
+
+def modelopt_quantization_config(q: dict) -> dict:
+    """config.json's `quantization_config` exactly as ModelOpt's exporter writes it for a
+    MIXED_PRECISION `q` (hf_quant_config.json's `quantization`): layers grouped by their entry
+    into compressed-tensors `config_groups`, `ignore` from exclude_modules (ModelOpt 0.47
+    export/convert_hf_config.py:236-282)."""
+    by_entry: dict[tuple, list[str]] = {}
+    for layer, entry in q["quantized_layers"].items():
+        by_entry.setdefault(tuple(sorted(entry.items())), []).append(layer)
+    groups = {}
+    for i, (key, layers) in enumerate(by_entry.items()):
+        entry = dict(key)
+        wbits, abits = _GROUP_BITS[entry["quant_algo"]]
+        gs = entry.get("group_size")
+        group = {"input_activations": {"dynamic": False, "num_bits": abits, "type": "float", "group_size": gs}} \
+            if abits is not None else {}
+        group["weights"] = {"dynamic": False, "num_bits": wbits, "type": "float", "group_size": gs}
+        groups[f"group_{i}"] = {**group, "targets": sorted(layers)}
+    return {"config_groups": groups, "quantized_layers": q["quantized_layers"], "ignore": q.get("exclude_modules") or [],
+            "quant_algo": q["quant_algo"], "producer": {"name": QUANT_METHOD, "version": PRODUCER_VERSION},
+            "quant_method": QUANT_METHOD}
+
+
+def modelopt_hf_quant_config(q: dict) -> dict:
+    """hf_quant_config.json as ModelOpt's exporter writes it (no exclusions in MIXED_PRECISION:
+    a module not in quantized_layers is unquantized)."""
+    return {"producer": {"name": QUANT_METHOD, "version": PRODUCER_VERSION},
+            "quantization": {"quant_algo": q["quant_algo"], "kv_cache_quant_algo": None,
+                             "quantized_layers": q["quantized_layers"]}}
+
+
 def config_with_quantization(config: dict, q: dict) -> dict:
     """config.json with `quantization_config` as vLLM's ModelOpt loader reads it."""
     return {**config, "quantization_config": {"quant_method": QUANT_METHOD, **q}}

@@ -476,3 +476,16 @@ def classify(name: str):
 def experts_module(layer: int) -> str:
     """The MoE module of `layer` as quantization configs key it (vLLM maps model.llm.layers.)."""
     return f"{TEXT_PREFIX}layers.{layer}.mlp.experts"
+
+
+_MODELOPT_EXPERT = re.compile(r"(model\.language_model\.layers\.\d+\.mlp\.experts)\.\d+\.(gate_proj|up_proj|down_proj)")
+
+
+def stacked_of_expert_module(module: str) -> str | None:
+    """The original stacked tensor that holds a per-expert module as ModelOpt exports the model
+    (`model.language_model.layers.N.mlp.experts.E.gate_proj` -> `model.llm.layers.N.mlp.experts.
+    w13_weight`; down_proj -> w2_weight), None for any other name."""
+    m = _MODELOPT_EXPERT.fullmatch(module)
+    if m is None:
+        return None
+    return original_name(f"{m.group(1)}.{'down_proj' if m.group(2) == 'down_proj' else 'gate_up_proj'}")

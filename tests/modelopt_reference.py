@@ -41,9 +41,10 @@ def quant_config(mxfp8_layers):
     return cfg
 
 
-def export_tiny(out: Path, seed: int = 0, batches: int = 3, seq: int = 24) -> Path:
+def export_tiny(out: Path, seed: int = 0, batches: int = 3, seq: int = 24, source: Path | None = None) -> Path:
     """Quantize the tiny Inkling 2 with ModelOpt (NVFP4 experts, MXFP8 in the last layer) and
-    export it to `out` with `export_hf_checkpoint`."""
+    export it to `out` with `export_hf_checkpoint`; with `source`, the BF16 model is first saved
+    there by transformers' save_pretrained (the original layout our converter reads)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import modelopt.torch.quantization as mtq
@@ -57,6 +58,8 @@ def export_tiny(out: Path, seed: int = 0, batches: int = 3, seq: int = 24) -> Pa
             if name.endswith(("static_weight", ".query")) or "conv1d" in name:
                 p.normal_(0.0, 0.02)
     model.config.architectures = [type(model).__name__]  # see the module doc (TypeError otherwise)
+    if source is not None:  # on a copy: save_pretrained turns config.dtype into a string ModelOpt's export
+        copy.deepcopy(model).save_pretrained(source)  # then passes to Tensor.to ("Invalid device string")
     n = cfg.text_config.num_hidden_layers
     g = torch.Generator().manual_seed(seed + 1)
     ids = [torch.randint(0, cfg.text_config.unpadded_vocab_size - 2, (1, seq), generator=g) for _ in range(batches)]

@@ -293,6 +293,9 @@ def test_stacked_tensor_written_in_pieces_and_read_by_slice(tmp_path):
             assert torch.equal(r.get_slice("w", e, buf), w[e]) and torch.equal(r.get_slice("s", e), s[e])
         with pytest.raises(CheckpointError, match=r"has no slice 5"):
             r.get_slice("w", 5)
+        assert torch.equal(r.get_rows("w", 3, buf), w[:3]) and r.get_rows("w", 0).shape == (0, 6, 8)
+        with pytest.raises(CheckpointError, match=r"has no 6 rows"):
+            r.get_rows("w", 6)
 
 
 def test_write_part_refuses_what_was_not_declared(tmp_path):

@@ -25,14 +25,15 @@ from .. import __version__, hub
 from ..cli_common import int_range, parse_size, positive_float
 from ..errors import CheckpointError, OutputError, UsageError
 from ..export import PRODUCER_VERSION as MODELOPT_FORMAT_VERSION
-from ..export import EXCLUDE_MODULES, EXCLUDE_MODULES_ORIGINAL, config_with_quantization, hf_quant_config, quantization
+from ..export import (EXCLUDE_MODULES, EXCLUDE_MODULES_ORIGINAL, config_with_quantization, hf_quant_config,
+                      modelopt_hf_quant_config, modelopt_quantization_config, quantization)
 from ..formats import FORMATS
 from ..io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG, INDEX_NAME, copy_file_atomic, write_json_atomic
 from ..io.output import CHECKSUMS, OutputLock, check_paths, write_checksums, write_report
 from ..io.safetensors import fsync_files, sha256_file
-from ..inkling2 import Inkling2Config
+from ..inkling2 import Inkling2Config, transformers_name
 from ..schemes import get_scheme
-from .planner import (FLOAT_SOURCES, Options, Prepared, ShardJob, SrcTensor, Unit, list_source, load_activation_amax,
+from .planner import (FLOAT_SOURCES, OUTPUT_FORMATS, Options, Prepared, ShardJob, SrcTensor, Unit, list_source, load_activation_amax,
                       load_calibration, load_config, plan, validate_source)
 from .runner import (MANIFEST, MANIFEST_GLOB, confirm_complete, fingerprint, manifest_path, manifests, part_jobs,
                      previous_output, recorded_checksums, refuse_symlinks, remove_temps, run_jobs, start_output,
@@ -51,6 +52,11 @@ def prepare(src: str, opts: Options) -> Prepared:
     decided before any byte is written (the same for every part and every resume)."""
     root, repo, revision = hub.resolve(str(src))
     cfg = load_config(root)
+    if opts.output_format not in OUTPUT_FORMATS:
+        raise UsageError(f"--output-format {opts.output_format!r}: known {', '.join(OUTPUT_FORMATS)}")
+    if opts.output_format != "inkling" and not isinstance(cfg, Inkling2Config):
+        raise UsageError(f"--output-format {opts.output_format} needs a source in the published Inkling 2 layout "
+                         f"(config.json with text_config); {src} has the legacy layout")
     scheme = get_scheme(opts.scheme)
     listing, other_files, stat = list_source(root, repo, revision)
     tensors = validate_source(cfg, listing, str(src))
@@ -142,6 +148,8 @@ def quant_config(jobs: list[ShardJob], weight_only: bool, original_layout: bool 
     legacy module per `<module>.weight`; a stacked expert tensor's module is its layer's
     `mlp.experts` (w13 and w2 share the layer's format)."""
     def module(u: Unit, s: SrcTensor) -> str:
+        if u.per_expert:  # ModelOpt keys its experts module by transformers' name
+            return transformers_name(s.name).rsplit(".", 1)[0]
         return s.name[: -len(f".{u.stacked}_weight")] if u.stacked else s.name[: -len(".weight")]
 
     return quantization(((module(u, s), FORMATS[u.format]) for j in jobs for u in j.units for s in u.sources),
@@ -153,6 +161,12 @@ def _write_configs(out: Path, prep: Prepared, opts: Options) -> list[str]:
     `quantization_config`; a conversion that quantizes nothing (scheme `none`) writes config.json
     as the source has it, as ModelOpt leaves an unquantized model. Returns the names written."""
     q = quant_config(prep.jobs, opts.weight_only, isinstance(prep.cfg, Inkling2Config))
+    if opts.output_format == "modelopt-hf":  # exactly ModelOpt's two files, nothing of ours
+        q.pop("exclude_modules")
+        write_json_atomic(out / HF_QUANT_CONFIG, modelopt_hf_quant_config(q))
+        write_json_atomic(out / CONFIG_NAME, {**prep.cfg.raw, "quantization_config": modelopt_quantization_config(
+            modelopt_hf_quant_config(q)["quantization"])})
+        return [HF_QUANT_CONFIG, CONFIG_NAME]
     if not q["quantized_layers"]:
         write_json_atomic(out / CONFIG_NAME, prep.cfg.raw)
         return [CONFIG_NAME]
@@ -210,9 +224,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="output shard size (default 5GB)")
     p.add_argument("--buffered-io", action="store_true",
                    help="write shards through the page cache instead of O_DIRECT (docs/convert.md)")
+    p.add_argument("--output-format", choices=OUTPUT_FORMATS, default="inkling",
+                   help="published-layout sources: 'inkling' (original names, stacked experts, the release's form) "
+                        "or 'modelopt-hf' (exactly what ModelOpt's exporter writes: transformers' names, per-expert "
+                        "tensors, its config)")
     a = p.add_argument_group("NVFP4 activation scales (W4A4 needs one input_scale per expert projection)")
-    a.add_argument("--activation-scales", metavar="FILE",
-                   help="calibration amax per module: JSON {module: amax} or safetensors {module.input_amax}")
+    a.add_argument("--activation-scales", metavar="FILE|DIR",
+                   help="calibration amax per module: JSON {module: amax}, safetensors {module.input_amax}, or a "
+                        "quantized checkpoint (ModelOpt's export, the release, ours) whose scales are taken verbatim")
     a.add_argument("--default-activation-amax", type=positive_float, metavar="X",
                    help="use amax X for every module without a calibrated value")
     a.add_argument("--weight-only", action="store_true", help="W4A16 NVFP4 (no input_scale; vLLM's W4A16_NVFP4)")
@@ -233,7 +252,8 @@ def run(args) -> int:
     opts = Options(scheme=args.scheme, weight_only=args.weight_only,
                    default_activation_amax=args.default_activation_amax,
                    activation_scales=args.activation_scales, max_shard_bytes=args.max_shard_size,
-                   workers=args.workers, device=args.device, buffered_io=args.buffered_io)
+                   workers=args.workers, device=args.device, buffered_io=args.buffered_io,
+                   output_format=args.output_format)
     if args.finalize:
         if args.part:
             raise UsageError("--finalize runs once, after all --part runs: drop --part")

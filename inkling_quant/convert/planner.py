@@ -12,11 +12,12 @@ from .. import hub
 from ..errors import CheckpointError, ConfigError, FormatError, InklingQuantError, UsageError, printable
 from ..formats import FORMATS, SCALE_SUFFIXES
 from ..formats.stacked import projection_specs
-from ..inkling2 import Inkling2Config, checkpoint_tensors
+from ..formats.stacked import PROJECTIONS
+from ..inkling2 import TEXT_PREFIX, Inkling2Config, checkpoint_tensors, transformers_name
 from ..inkling2 import classify as classify_original
 from ..io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child, shard_name
 from ..io.safetensors import DTYPE_NAMES, DTYPES, ShardReader
-from ..io.shards import plan_shards
+from ..io.shards import ShardReaders, plan_shards
 from ..layout import FUSED_PROJECTIONS, ModelConfig, TensorName, classify, expected_tensors, source_spec, source_tensor_count
 from ..schemes import Scheme
 
@@ -45,6 +46,11 @@ class Unit:
     input_amax: tuple[float | None, ...]
     amax_origin: tuple[str | None, ...] = ()  # per source: "calibrated", "source" or "default"
     stacked: str | None = None
+    # modelopt-hf output: the name the tensor is written under (transformers'), and for the
+    # unembedding the rows kept (transformers' lm_head drops the vocabulary padding)
+    out_name: str | None = None
+    rows: int | None = None
+    per_expert: bool = False  # a stacked unit written as ModelOpt's per-expert modules
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,9 @@ class ShardJob:
     out_bytes: int
 
 
+OUTPUT_FORMATS = ("inkling", "modelopt-hf")
+
+
 @dataclass
 class Options:
     scheme: str = "default"
@@ -67,6 +76,7 @@ class Options:
     workers: int = 1
     device: str = "cpu"
     buffered_io: bool = False  # how the bytes are written, not which: left out of the resume fingerprint
+    output_format: str = "inkling"  # published layout: "inkling" (stacked, original names) or "modelopt-hf"
 
 
 @dataclass
@@ -185,7 +195,10 @@ def load_activation_amax(path: str | None) -> dict[str, float]:
     if not path:
         return {}
     p = Path(path)
-    out = _amax_from_safetensors(p) if p.suffix == ".safetensors" else _amax_from_json(p)
+    if p.is_dir():
+        out = _amax_from_checkpoint(p)
+    else:
+        out = _amax_from_safetensors(p) if p.suffix == ".safetensors" else _amax_from_json(p)
     for k, v in out.items():
         if not (v > 0 and v < float("inf")):
             raise CheckpointError(f"module {k[:200]!r}: activation amax must be finite and positive, got {v}",
@@ -208,6 +221,41 @@ def _amax_from_safetensors(p: Path) -> dict[str, float]:
                                       f"{DTYPE_NAMES[e.dtype]} shape {list(e.shape)}", path=p, tensor=name)
             out[module] = float(r.get(name).float().reshape(-1)[0])
     return out
+
+
+def _amax_from_checkpoint(root: Path) -> dict[str, float]:
+    """module -> amax from a quantized checkpoint's own activation scales, taken verbatim (the
+    format's exact inverse, so the scale is written back bit for bit): ModelOpt's per-module
+    `<module>.input_scale` (its per-expert export of the published model keyed by the stacked
+    tensor that holds the expert: one scale per layer and projection) and the Inkling form's
+    `<stacked>.input_amax` [E]. Where experts differ, the largest (vLLM takes the max)."""
+    from ..inkling2 import stacked_of_expert_module
+
+    scaled = next(f for f in FORMATS.values() if f.static_activation_scale)
+    out: dict[str, float] = {}
+    ckpt = Checkpoint.open(root)
+    headers = ckpt.headers()
+    with ShardReaders(root, headers) as readers:
+        for shard, h in headers.items():
+            for name, e in h.tensors.items():
+                if name.endswith(".input_scale"):
+                    module = name[: -len(".input_scale")]
+                    module = stacked_of_expert_module(module) or module
+                    values = [scaled.activation_amax(v) for v in _floats(readers.get(shard), name, e, root)]
+                elif name.endswith(".input_amax"):
+                    module, values = name[: -len(".input_amax")], _floats(readers.get(shard), name, e, root)
+                else:
+                    continue
+                out[module] = max(out.get(module, 0.0), *values)
+    if not out:
+        raise CheckpointError("holds no activation scales (no '.input_scale' or '.input_amax' tensor)", path=root)
+    return out
+
+
+def _floats(reader: ShardReader, name: str, e, root: Path) -> list[float]:
+    if not e.dtype.is_floating_point or e.nbytes == 0:
+        raise CheckpointError(f"tensor {name!r}: an activation scale is a floating-point value", path=root, tensor=name)
+    return [float(v) for v in reader.get(name).float().reshape(-1)]
 
 
 def _amax_from_json(p: Path) -> dict[str, float]:
@@ -270,6 +318,9 @@ def _units(cfg: ModelConfig | Inkling2Config, tensors: list[SrcTensor], scheme: 
         if isinstance(cfg, Inkling2Config) and rec.part == "expert":
             units.append(_stacked_unit(t, rec.projection, fmt, opts, calibrated, from_source, root, missing_amax))
             continue
+        if isinstance(cfg, Inkling2Config) and opts.output_format == "modelopt-hf":
+            units.append(_renamed_unit(cfg, t, fmt))
+            continue
         group = _group(t, rec, fmt, by_name)
         amax: list[float | None] = []
         origin: list[str | None] = []
@@ -302,8 +353,11 @@ def _stacked_unit(t: SrcTensor, proj: str, fmt: str, opts: Options, calibrated: 
                   from_source: dict[str, float], root: str, missing_amax: list[str]) -> Unit:
     """One stacked expert tensor (all experts of a layer's w13 or w2), its activation amax keyed
     by its own name; its format checked against every expert's shape here."""
+    if opts.output_format == "modelopt-hf" and fmt == "passthrough":
+        raise UsageError(f"--output-format modelopt-hf writes quantized experts as ModelOpt exports them; the "
+                         f"scheme leaves {t.name!r} unquantized: use --output-format inkling", tensor=t.name)
     try:
-        _stacked_names(t, proj, fmt, opts.weight_only)
+        _stacked_names(t, proj, fmt, opts.weight_only, opts.output_format == "modelopt-hf")
     except FormatError as e:
         raise FormatError(f"tensor {t.name!r}: {e}", path=f"{root}/{t.shard}", tensor=t.name) from None
     a, o = None, None
@@ -311,14 +365,40 @@ def _stacked_unit(t: SrcTensor, proj: str, fmt: str, opts: Options, calibrated: 
         a, o = _activation_amax(t.name, fmt, opts, calibrated, from_source)
         if a is None:
             missing_amax.append(t.name)
-    return Unit((t,), fmt, (a,), (o,), stacked=proj)
+    return Unit((t,), fmt, (a,), (o,), stacked=proj, per_expert=opts.output_format == "modelopt-hf")
 
 
-def _stacked_names(src: SrcTensor, proj: str, fmt: str, weight_only: bool) -> list[tuple[str, str, tuple[int, ...]]]:
-    """The tensors written for a stacked source (formats.stacked names them under its module)."""
-    prefix = src.name[: -len(f"{proj}_weight")]
-    specs = projection_specs(FORMATS[fmt], proj, src.shape, dtype=DTYPES[src.dtype], activation_scale=not weight_only)
-    return [(prefix + k, DTYPE_NAMES[o.dtype], tuple(o.shape)) for k, o in specs.items()]
+def _stacked_names(src: SrcTensor, proj: str, fmt: str, weight_only: bool,
+                   per_expert: bool = False) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The tensors written for a stacked source: the Inkling stacked form (formats.stacked names
+    them under its module), or ModelOpt's per-expert modules under transformers' names
+    (`<experts module>.<e>.<gate_proj|up_proj|down_proj>.<suffix>`, expert by expert)."""
+    if not per_expert:
+        prefix = src.name[: -len(f"{proj}_weight")]
+        specs = projection_specs(FORMATS[fmt], proj, src.shape, dtype=DTYPES[src.dtype],
+                                 activation_scale=not weight_only)
+        return [(prefix + k, DTYPE_NAMES[o.dtype], tuple(o.shape)) for k, o in specs.items()]
+    return [spec for _, _, _, spec in expert_modules(src, proj, fmt, weight_only)]
+
+
+def expert_modules(src: SrcTensor, proj: str, fmt: str,
+                   weight_only: bool) -> list[tuple[int, str, str, tuple[str, str, tuple[int, ...]]]]:
+    """(expert, module, suffix, output spec) of every tensor ModelOpt exports for a stacked
+    source, in write order: per expert, its modules, each module's tensors in the format's order."""
+    f, mods = FORMATS[fmt], PROJECTIONS[proj]
+    E, rows, cols = src.shape
+    prefix = transformers_name(src.name).rsplit(".", 1)[0]  # model.language_model.layers.N.mlp.experts
+    specs = f.out_specs((rows // len(mods), cols), DTYPES[src.dtype], not weight_only)
+    return [(e, m, k, (f"{prefix}.{e}.{m}.{k}", DTYPE_NAMES[o.dtype], tuple(o.shape)))
+            for e in range(E) for m in mods for k, o in specs.items()]
+
+
+def _renamed_unit(cfg: Inkling2Config, t: SrcTensor, fmt: str) -> Unit:
+    """A pass-through tensor of a modelopt-hf output: transformers' name; the unembedding cut to
+    the rows transformers' lm_head keeps (core_model_loading.py Inkling2UnpadVocab)."""
+    if t.name == TEXT_PREFIX + "unembed.weight":
+        return Unit((t,), fmt, (None,), (None,), out_name=transformers_name(t.name), rows=cfg.text.unpadded_vocab_size)
+    return Unit((t,), fmt, (None,), (None,), out_name=transformers_name(t.name))
 
 
 def _group(t: SrcTensor, rec: TensorName, fmt: str, by_name: dict[str, SrcTensor]) -> list[SrcTensor]:
@@ -371,7 +451,10 @@ def _job(index: int, count: int, units: list[Unit], weight_only: bool) -> ShardJ
 
 def _unit_specs(u: Unit, weight_only: bool) -> list[tuple[str, str, tuple[int, ...]]]:
     if u.stacked is not None:
-        return _stacked_names(u.sources[0], u.stacked, u.format, weight_only)
+        return _stacked_names(u.sources[0], u.stacked, u.format, weight_only, u.per_expert)
+    if u.out_name is not None:
+        src = u.sources[0]
+        return [(u.out_name, src.dtype, (u.rows, *src.shape[1:]) if u.rows is not None else src.shape)]
     return [s for src in u.sources for s in _out_names(src, u.format, weight_only)]
 
 

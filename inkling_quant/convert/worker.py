@@ -15,10 +15,10 @@ import torch
 from .. import hub
 from ..errors import FormatError
 from ..formats import FORMATS
-from ..formats.stacked import projection_specs, slab_slices
+from ..formats.stacked import projection_specs, slab_modules, slab_slices
 from ..io.safetensors import DTYPES, ShardWriter, TensorBuffer
 from ..io.shards import ShardReaders
-from .planner import ShardJob, SrcTensor, Unit, spec_nbytes
+from .planner import ShardJob, SrcTensor, Unit, expert_modules, spec_nbytes
 
 SHARD_METADATA = {"format": "pt"}
 # the format whose activation-scale rule a source's own input_scale tensors follow (ModelOpt's NVFP4)
@@ -102,10 +102,28 @@ def _steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, counts: dic
            progress) -> Iterator[list[tuple[str, torch.Tensor, bool]]]:
     """The unit's writes, step by step: (name, tensor, whole) where `whole` is False for the next
     piece of a tensor written in pieces."""
-    if u.stacked is None:
-        yield [(n, t, True) for n, t in _convert_unit(u, sources, next(buffer_sets), device, counts, progress)]
-    else:
+    if u.stacked is not None:
         yield from _stacked_steps(u, sources, buffer_sets, device, counts, progress)
+    elif u.out_name is not None:
+        yield [_renamed(u, sources, next(buffer_sets)[0], counts, progress)]
+    else:
+        yield [(n, t, True) for n, t in _convert_unit(u, sources, next(buffer_sets), device, counts, progress)]
+
+
+def _renamed(u: Unit, sources: ShardReaders, buffer, counts: dict[str, int], progress) -> tuple[str, torch.Tensor, bool]:
+    """A pass-through tensor under another name, its leading `u.rows` rows only when set (only
+    those bytes are read)."""
+    src = u.sources[0]
+    reader = sources.get(src.shard)
+    if u.rows is None:
+        t = reader.get(src.name, buffer)
+    else:
+        t = reader.get_rows(src.name, u.rows, buffer)
+    _check_finite(t, reader.path, src.name)
+    counts[u.format] = counts.get(u.format, 0) + 1
+    if progress is not None:
+        progress(t.numel() * t.element_size())
+    return u.out_name, t, True
 
 
 def _stacked_steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, counts: dict[str, int],
@@ -115,6 +133,9 @@ def _stacked_steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, cou
     write its weight slice as the next piece; the scales (an eighth of the weight or less) are
     gathered and written after the last expert. Memory: one expert plus the layer's scales."""
     src, fmt, proj = u.sources[0], FORMATS[u.format], u.stacked
+    if u.per_expert:
+        yield from _per_expert_steps(u, sources, buffer_sets, device, counts, progress)
+        return
     reader = sources.get(src.shard)
     prefix, weight = src.name[: -len(f"{proj}_weight")], f"{proj}_weight"
     specs = projection_specs(fmt, proj, src.shape, dtype=DTYPES[src.dtype],
@@ -139,6 +160,30 @@ def _stacked_steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, cou
             progress(slab.numel() * slab.element_size())
         yield [(prefix + weight, slices[weight], False)]
     yield [(prefix + k, t, True) for k, t in gathered.items()]
+
+
+def _per_expert_steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, counts: dict[str, int],
+                      progress) -> Iterator[list[tuple[str, torch.Tensor, bool]]]:
+    """A stacked expert tensor written as ModelOpt exports it (--output-format modelopt-hf): per
+    expert, its slab quantized as stored, then split into ModelOpt's modules (gate_proj, up_proj
+    from w13's interleaved rows; down_proj from w2), in the order the plan declared them."""
+    src, fmt, proj = u.sources[0], FORMATS[u.format], u.stacked
+    reader = sources.get(src.shard)
+    layout = expert_modules(src, proj, u.format, u.input_amax[0] is None)
+    per = len(layout) // src.shape[0]  # tensors per expert
+    for e in range(src.shape[0]):
+        slab = reader.get_slice(src.name, e, next(buffer_sets)[0])
+        x = slab if device == "cpu" else slab.to(device)
+        try:
+            q = fmt.quantize(x, global_amax=fmt.fused_global_amax([x]), input_amax=u.input_amax[0])
+        except FormatError as err:
+            raise FormatError(f"tensor {src.name!r}, expert {e}: {err.message}", path=reader.path,
+                              tensor=src.name) from None
+        mods = slab_modules(fmt, proj, {k: t.cpu() for k, t in q.items()})
+        counts[u.format] = counts.get(u.format, 0) + 1
+        if progress is not None:
+            progress(slab.numel() * slab.element_size())
+        yield [(spec[0], mods[m][k], True) for _, m, k, spec in layout[e * per:(e + 1) * per]]
 
 
 def _convert_unit(u: Unit, sources: ShardReaders, buffers, device: str, counts: dict[str, int],

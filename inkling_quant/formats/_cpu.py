@@ -112,3 +112,24 @@ def _const(key: str, n: int, dtype, value) -> np.ndarray:
 
 def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
+
+
+def fp32_preimage(target: torch.Tensor, quotient: Callable[[torch.Tensor], torch.Tensor],
+                  divisor: float) -> torch.Tensor | None:
+    """An fp32 ``a`` with ``quotient(a) == target`` bit for bit, where ``quotient`` divides by
+    ``divisor`` (e.g. amax -> amax / 2688), searched from ``target * divisor`` two ulps either way
+    (``a -> a / 2688`` moves less than 1.6 ulp per ulp of ``a``), or None. Of several, the one
+    with the shortest mantissa: a BF16 weight's amax comes back as itself."""
+    t = target.reshape(()).to(torch.float32)
+    start = t * torch.tensor(divisor, dtype=torch.float32)
+    cands, up, down = [start], start, start
+    for _ in range(2):
+        up, down = torch.nextafter(up, up + 1), torch.nextafter(down, down - 1)
+        cands += [up, down]
+    ok = [a for a in cands
+          if torch.isfinite(a) and torch.equal(quotient(a).reshape(()).view(torch.int32), t.view(torch.int32))]
+    return max(ok, key=lambda a: _trailing_zeros(int(a.view(torch.int32))), default=None)
+
+
+def _trailing_zeros(b: int) -> int:
+    return (b & -b).bit_length() if b else 32

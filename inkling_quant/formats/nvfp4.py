@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..errors import FormatError
-from ._cpu import _BITS, _buf, _check_dtype, _check_shape, _const, _nonfinite, _np, _run_chunks, _where
+from ._cpu import _BITS, _buf, _check_dtype, _check_shape, _const, _nonfinite, _np, _run_chunks, _where, fp32_preimage
 from .base import Format, OutSpec
 
 __all__ = [
@@ -428,7 +428,11 @@ class NVFP4(Format):
         return nvfp4_input_scale(amax, name)
 
     def activation_amax(self, scale):
-        return float(scale) * GLOBAL_DIV
+        # exact: an amax whose activation_scale is `scale` bit for bit, so a scale taken from
+        # another checkpoint is written back unchanged
+        s = torch.as_tensor(scale, dtype=torch.float32)
+        a = fp32_preimage(s, lambda x: self.activation_scale(float(x)), GLOBAL_DIV)
+        return float(a) if a is not None else float(scale) * GLOBAL_DIV
 
     def value_rule(self, suffix):
         return "positive" if suffix in ("weight_scale", "weight_scale_2", "input_scale") else None

@@ -67,15 +67,17 @@ copies them into preallocated stacked tensors, so a converter streams one expert
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, MutableMapping, Sequence
+from typing import Mapping, MutableMapping, Sequence
 
 import torch
 
 from ..errors import FormatError
 from .base import Format, OutSpec
+from ._cpu import fp32_preimage
 from .nvfp4 import GLOBAL_DIV
 
-__all__ = ["PROJECTIONS", "OUTER_SCALE_DENOMINATOR", "stacked_specs", "projection_specs", "expert_slices", "slab_slices",
+__all__ = ["PROJECTIONS", "OUTER_SCALE_DENOMINATOR", "stacked_specs", "projection_specs", "expert_slices",
+           "slab_slices", "slab_modules",
            "write_expert", "stack_experts", "unstack_expert", "unstack_experts"]
 
 #: stacked projection -> the per-expert modules it holds, in row-interleave order
@@ -130,29 +132,10 @@ def projection_specs(fmt: Format, proj: str, shape: Sequence[int], *, dtype: tor
     return stacked_specs(fmt, E, inter, hidden, dtype=dtype, activation_scale=activation_scale, projections=(proj,))
 
 
-def _preimage(target: torch.Tensor, quotient: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
-    """An fp32 ``a`` with ``quotient(a) == target`` bit for bit, searched from ``target * 2688``
-    two ulps either way (``a -> a/2688`` moves less than 1.6 ulp per ulp of ``a``), or None.
-    Of several, the one with the shortest mantissa: a BF16 weight's amax comes back as itself."""
-    t = target.reshape(()).to(_F32)
-    start = t * torch.tensor(GLOBAL_DIV, dtype=_F32)
-    cands, up, down = [start], start, start
-    for _ in range(2):
-        up, down = torch.nextafter(up, up + 1), torch.nextafter(down, down - 1)
-        cands += [up, down]
-    ok = [a for a in cands
-          if torch.isfinite(a) and torch.equal(quotient(a).view(torch.int32), t.view(torch.int32))]
-    return max(ok, key=lambda a: _trailing_zeros(int(a.view(torch.int32))), default=None)
-
-
-def _trailing_zeros(b: int) -> int:
-    return (b & -b).bit_length() if b else 32
-
-
 def _global_pair(s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(amax, denominator) with transformers' ``amax.float() / denominator.float()`` == s2."""
     den = torch.tensor(OUTER_SCALE_DENOMINATOR, dtype=_F32)
-    a = _preimage(s2, lambda x: x / den)
+    a = fp32_preimage(s2, lambda x: x / den, GLOBAL_DIV)
     if a is None:  # a scale no fp32 amax / 2688 gives (not one ModelOpt writes): exact all the same
         return s2.reshape(()).to(_F32).clone(), torch.tensor(1.0, dtype=_F32)
     return a, den
@@ -197,12 +180,21 @@ def _scalar_slices(fmt: Format, proj: str, scale2: torch.Tensor | None, input_sc
     if scale2 is not None:
         out[proj + _AMAX], out[proj + _DEN] = _global_pair(scale2)
     if input_scale is not None:
-        a = _preimage(input_scale, lambda x: fmt.activation_scale(float(x), name))
+        a = fp32_preimage(input_scale, lambda x: fmt.activation_scale(float(x), name), GLOBAL_DIV)
         if a is None:
             raise FormatError(f"{name}{proj} input_scale {float(input_scale):.9g} is no fp32 amax / 2688: "
                               f"the stacked form's input_amax cannot hold it")
         out[proj + _INPUT] = a
     return out
+
+
+def slab_modules(fmt: Format, proj: str, quantized: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """The same quantized slab as ModelOpt's per-expert modules (gate_proj/up_proj from w13's
+    interleaved rows, down_proj from w2), each module's scalars shared: what ModelOpt exports."""
+    mods = PROJECTIONS[proj]
+    rows = set(_row_suffixes(fmt))
+    return {m: {k: (t[i::len(mods)].contiguous() if k in rows else t.clone()) for k, t in quantized.items()}
+            for i, m in enumerate(mods)}
 
 
 def slab_slices(fmt: Format, proj: str, quantized: Mapping[str, torch.Tensor], *,
