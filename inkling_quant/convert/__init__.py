@@ -152,7 +152,8 @@ def quant_config(jobs: list[ShardJob], weight_only: bool, original_layout: bool 
             return transformers_name(s.name).rsplit(".", 1)[0]
         return s.name[: -len(f".{u.stacked}_weight")] if u.stacked else s.name[: -len(".weight")]
 
-    return quantization(((module(u, s), FORMATS[u.format]) for j in jobs for u in j.units for s in u.sources),
+    return quantization(((module(u, s), FORMATS[u.format]) for j in jobs for u in j.units
+                         for s in (u.sources[:1] if u.stacked else u.sources)),
                         weight_only, EXCLUDE_MODULES_ORIGINAL if original_layout else EXCLUDE_MODULES)
 
 

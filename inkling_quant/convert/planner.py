@@ -13,7 +13,7 @@ from ..errors import CheckpointError, ConfigError, FormatError, InklingQuantErro
 from ..formats import FORMATS, SCALE_SUFFIXES
 from ..formats.stacked import projection_specs
 from ..formats.stacked import PROJECTIONS
-from ..inkling2 import TEXT_PREFIX, Inkling2Config, checkpoint_tensors, transformers_name
+from ..inkling2 import TEXT_PREFIX, Inkling2Config, Spec, checkpoint_tensors, transformers_name
 from ..inkling2 import classify as classify_original
 from ..io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child, shard_name
 from ..io.safetensors import DTYPE_NAMES, DTYPES, ShardReader
@@ -51,6 +51,7 @@ class Unit:
     out_name: str | None = None
     rows: int | None = None
     per_expert: bool = False  # a stacked unit written as ModelOpt's per-expert modules
+    source_format: str | None = None  # a quantized source's format (the MXFP8 release); None: float
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class ShardJob:
 
 
 OUTPUT_FORMATS = ("inkling", "modelopt-hf")
+RELEASE_FORMAT = "mxfp8"  # Inkling-2-Small-MXFP8 stores every routed expert so; convert also takes it
 
 
 @dataclass
@@ -156,6 +158,13 @@ def _validate_original(cfg: Inkling2Config, listing: Listing, root: str) -> list
     """The published layout: every tensor one of `checkpoint_tensors(cfg)` (a list bounded by
     layers, not experts), float, of its shape; none missing."""
     expected = {s.name: s for s in checkpoint_tensors(cfg)}
+    listed = {name for entries in listing.values() for name in entries}
+    for name, spec in list(expected.items()):  # experts stored as the MXFP8 release stores them
+        rec = classify_original(name)
+        if rec.part == "expert" and name + "_scale" in listed:
+            prefix = name[: -len(f"{rec.projection}_weight")]
+            for k, o in projection_specs(FORMATS[RELEASE_FORMAT], rec.projection, spec.shape).items():
+                expected[prefix + k] = Spec(prefix + k, tuple(o.shape), o.dtype)
     tensors = []
     for shard, entries in listing.items():
         for name, (dtype, shape) in entries.items():
@@ -163,9 +172,10 @@ def _validate_original(cfg: Inkling2Config, listing: Listing, root: str) -> list
             if spec is None:
                 raise CheckpointError(f"tensor {name!r} is not a tensor of the Inkling 2 layout with this config "
                                       f"(docs/layout.md)", path=f"{root}/{shard}", tensor=name)
-            if DTYPES[dtype] not in FLOAT_SOURCES:
-                raise CheckpointError(f"tensor {name!r}: source is already quantized ({dtype}); convert takes "
-                                      f"BF16/FP16/FP32 checkpoints", path=f"{root}/{shard}", tensor=name)
+            if (DTYPES[dtype] not in FLOAT_SOURCES) if spec.dtype in FLOAT_SOURCES else DTYPES[dtype] != spec.dtype:
+                raise CheckpointError(f"tensor {name!r}: dtype {dtype}; convert takes BF16/FP16/FP32 tensors, with the "
+                                      f"routed experts also as the MXFP8 release stores them (e4m3 weight + uint8 "
+                                      f"e8m0 scale)", path=f"{root}/{shard}", tensor=name)
             if tuple(shape) != spec.shape:
                 raise CheckpointError(f"tensor {name!r}: shape {list(shape)} disagrees with config.json (expected "
                                       f"{list(spec.shape)})", path=f"{root}/{shard}", tensor=name)
@@ -316,7 +326,10 @@ def _units(cfg: ModelConfig | Inkling2Config, tensors: list[SrcTensor], scheme: 
             continue
         fmt = scheme.format_name(cfg, rec)
         if isinstance(cfg, Inkling2Config) and rec.part == "expert":
-            units.append(_stacked_unit(t, rec.projection, fmt, opts, calibrated, from_source, root, missing_amax))
+            if rec.suffix == "weight":  # a quantized source's scales go with their weight
+                scale = by_name.get(t.name + "_scale") if DTYPES[t.dtype] not in FLOAT_SOURCES else None
+                units.append(_stacked_unit(t, scale, rec.projection, fmt, opts, calibrated, from_source, root,
+                                           missing_amax))
             continue
         if isinstance(cfg, Inkling2Config) and opts.output_format == "modelopt-hf":
             units.append(_renamed_unit(cfg, t, fmt))
@@ -349,10 +362,15 @@ def _units(cfg: ModelConfig | Inkling2Config, tensors: list[SrcTensor], scheme: 
     return units
 
 
-def _stacked_unit(t: SrcTensor, proj: str, fmt: str, opts: Options, calibrated: dict[str, float],
-                  from_source: dict[str, float], root: str, missing_amax: list[str]) -> Unit:
-    """One stacked expert tensor (all experts of a layer's w13 or w2), its activation amax keyed
-    by its own name; its format checked against every expert's shape here."""
+def _stacked_unit(t: SrcTensor, scale: SrcTensor | None, proj: str, fmt: str, opts: Options,
+                  calibrated: dict[str, float], from_source: dict[str, float], root: str,
+                  missing_amax: list[str]) -> Unit:
+    """One stacked expert tensor (all experts of a layer's w13 or w2; with `scale`, stored in the
+    MXFP8 release form), its activation amax keyed by its own name; its format checked against
+    every expert's shape here. An MXFP8 source kept MXFP8 (or left as is) is copied bit-exact."""
+    source_format = None if scale is None else RELEASE_FORMAT
+    if source_format is not None and fmt == "passthrough":
+        fmt = source_format  # nothing to quantize: the stored experts pass through
     if opts.output_format == "modelopt-hf" and fmt == "passthrough":
         raise UsageError(f"--output-format modelopt-hf writes quantized experts as ModelOpt exports them; the "
                          f"scheme leaves {t.name!r} unquantized: use --output-format inkling", tensor=t.name)
@@ -365,7 +383,8 @@ def _stacked_unit(t: SrcTensor, proj: str, fmt: str, opts: Options, calibrated: 
         a, o = _activation_amax(t.name, fmt, opts, calibrated, from_source)
         if a is None:
             missing_amax.append(t.name)
-    return Unit((t,), fmt, (a,), (o,), stacked=proj, per_expert=opts.output_format == "modelopt-hf")
+    return Unit((t,) if scale is None else (t, scale), fmt, (a,), (o,), stacked=proj,
+                per_expert=opts.output_format == "modelopt-hf", source_format=source_format)
 
 
 def _stacked_names(src: SrcTensor, proj: str, fmt: str, weight_only: bool,

@@ -142,24 +142,51 @@ def _stacked_steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, cou
                              activation_scale=u.input_amax[0] is not None)
     gathered = {k: torch.empty(o.shape, dtype=o.dtype) for k, o in specs.items() if k != weight}
     for e in range(src.shape[0]):
-        slab = reader.get_slice(src.name, e, next(buffer_sets)[0])
-        if u.format == "passthrough":
-            _check_finite(slab, reader.path, src.name)
-        x = slab if device == "cpu" else slab.to(device)
+        q = _expert(u, sources, e, next(buffer_sets), device, counts, progress)
         try:
-            q = fmt.quantize(x, global_amax=fmt.fused_global_amax([x]), input_amax=u.input_amax[0])
-            slices = slab_slices(fmt, proj, {k: t.cpu() for k, t in q.items()}, name=f"expert {e}: ")
+            slices = slab_slices(fmt, proj, q, name=f"expert {e}: ")
         except FormatError as err:
             raise FormatError(f"tensor {src.name!r}, expert {e}: {err.message}", path=reader.path,
                               tensor=src.name) from None
         for k, t in slices.items():
             if k != weight:
                 gathered[k][e] = t
-        counts[u.format] = counts.get(u.format, 0) + 1
-        if progress is not None:
-            progress(slab.numel() * slab.element_size())
         yield [(prefix + weight, slices[weight], False)]
     yield [(prefix + k, t, True) for k, t in gathered.items()]
+
+
+def _expert(u: Unit, sources: ShardReaders, e: int, buffers, device: str, counts: dict[str, int],
+            progress) -> dict[str, torch.Tensor]:
+    """Expert e's slab of a stacked unit in the unit's format, as `Format.quantize` returns it:
+    a float slab quantized as stored; an MXFP8-release slab copied bit-exact when the format is
+    kept, else dequantized exactly (e4m3 x 2^k is exact in fp32) and quantized."""
+    src = u.sources[0]
+    reader = sources.get(src.shard)
+    slab = reader.get_slice(src.name, e, buffers[0])
+    nbytes = slab.numel() * slab.element_size()
+    if u.source_format is not None:
+        stored = {"weight": slab, "weight_scale": sources.get(u.sources[1].shard).get_slice(u.sources[1].name, e,
+                                                                                            buffers[1])}
+        nbytes += stored["weight_scale"].numel()
+        if u.source_format == u.format:
+            q = stored
+        else:
+            slab = FORMATS[u.source_format].dequantize(stored, torch.float32)
+    elif u.format == "passthrough":
+        _check_finite(slab, reader.path, src.name)
+    if u.source_format is None or u.source_format != u.format:
+        fmt = FORMATS[u.format]
+        x = slab if device == "cpu" else slab.to(device)
+        try:
+            q = {k: t.cpu() for k, t in fmt.quantize(x, global_amax=fmt.fused_global_amax([x]),
+                                                      input_amax=u.input_amax[0]).items()}
+        except FormatError as err:
+            raise FormatError(f"tensor {src.name!r}, expert {e}: {err.message}", path=reader.path,
+                              tensor=src.name) from None
+    counts[u.format] = counts.get(u.format, 0) + 1
+    if progress is not None:
+        progress(nbytes)
+    return q
 
 
 def _per_expert_steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, counts: dict[str, int],
@@ -168,21 +195,10 @@ def _per_expert_steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, 
     expert, its slab quantized as stored, then split into ModelOpt's modules (gate_proj, up_proj
     from w13's interleaved rows; down_proj from w2), in the order the plan declared them."""
     src, fmt, proj = u.sources[0], FORMATS[u.format], u.stacked
-    reader = sources.get(src.shard)
     layout = expert_modules(src, proj, u.format, u.input_amax[0] is None)
     per = len(layout) // src.shape[0]  # tensors per expert
     for e in range(src.shape[0]):
-        slab = reader.get_slice(src.name, e, next(buffer_sets)[0])
-        x = slab if device == "cpu" else slab.to(device)
-        try:
-            q = fmt.quantize(x, global_amax=fmt.fused_global_amax([x]), input_amax=u.input_amax[0])
-        except FormatError as err:
-            raise FormatError(f"tensor {src.name!r}, expert {e}: {err.message}", path=reader.path,
-                              tensor=src.name) from None
-        mods = slab_modules(fmt, proj, {k: t.cpu() for k, t in q.items()})
-        counts[u.format] = counts.get(u.format, 0) + 1
-        if progress is not None:
-            progress(slab.numel() * slab.element_size())
+        mods = slab_modules(fmt, proj, _expert(u, sources, e, next(buffer_sets), device, counts, progress))
         yield [(spec[0], mods[m][k], True) for _, m, k, spec in layout[e * per:(e + 1) * per]]
 
 
