@@ -209,7 +209,7 @@ def weight_bytes(cfg: Inkling2Config, scheme_name: str, tp: int, ep: bool = True
     from .schemes import get_scheme
 
     scheme, t, w = get_scheme(scheme_name), cfg.text, Weights()
-    for s in checkpoint_tensors(cfg, include_experts=False):
+    for s in checkpoint_tensors(cfg, include_experts=False, include_draft=False):
         part, split = split_of(s.name)
         layer = int(m.group(1)) if (m := re.match(r"layers\.(\d+)\.", s.name[len(TEXT_PREFIX):])) else None
         fmt = scheme.format_for(t, TensorName(s.name, part, layer))

@@ -1,12 +1,15 @@
 """DSpark draft: extract the bundled speculator as a checkpoint of its own, or strip it off.
 
-  inkling-quant draft extract SRC OUT   OUT = the drafter: config.json (model_type "dspark"),
-                                        its `dspark.*` tensors in shards, index, checksums
+  inkling-quant draft extract SRC OUT   OUT = the drafter: config.json, its tensors in shards,
+                                        index, checksums
   inkling-quant draft strip SRC OUT     OUT = the target without `dspark.*` tensors and without
                                         `dspark_config`; shards without draft tensors hardlinked
 
-Both work on a BF16 source and on a converted checkpoint (the converter passes the draft
-through unchanged). Bytes are copied, never re-encoded: one tensor at a time through one
+Two layouts, told apart by config.json as convert does (`Inkling2Config.describes`): the
+published one (inkling_quant.dspark: the draft named as vLLM's DSpark drafter names it; extract
+writes the speculators-format config and the names without `dspark.`) and the legacy invented
+one (layout.draft_tensors; extract keeps the names). Both work on a BF16 source and on a
+converted checkpoint (the converter passes the draft through unchanged). Bytes are copied, never re-encoded: one tensor at a time through one
 reused buffer. OUT is built in OUT.partial and renamed into place when complete.
 docs/draft.md has the layout and the reasons for each choice.
 """
@@ -19,6 +22,7 @@ from types import SimpleNamespace
 
 from tqdm import tqdm
 
+from . import dspark
 from .errors import CheckpointError, ConfigError, InklingQuantError, UnknownTensorError, UsageError
 from .formats import FORMATS
 from .io.checkpoint import HF_QUANT_CONFIG, INDEX_NAME, Checkpoint, read_json, safe_child, shard_name, write_json_atomic
@@ -26,6 +30,8 @@ from .io.derive import carry_checksums, copy_other_files, rewrite_shard, source_
 from .io.output import CHECKSUMS, check_paths, link_or_copy, staged_output, write_checksums, write_report
 from .io.safetensors import DTYPE_NAMES, ShardWriter, TensorBuffer, TensorEntry
 from .io.shards import ShardReaders, plan_shards
+from .inkling2 import TEXT_PREFIX, Inkling2Config
+from .inkling2 import classify as classify_original
 from .layout import DraftConfig, ModelConfig, TensorSpec, classify, draft_tensors
 
 DRAFT_PREFIX = "dspark."
@@ -43,8 +49,12 @@ def is_draft(name: str) -> bool:
 
 # --------------------------------------------------------------------------- source
 class Source(SimpleNamespace):
-    """A validated source checkpoint: ckpt, headers, config (dict), cfg (ModelConfig), and
-    draft = [(shard, TensorEntry)] of its `dspark.*` tensors in file order."""
+    """A validated source checkpoint: ckpt, headers, config (dict), cfg (ModelConfig or
+    Inkling2Config), and draft = [(shard, TensorEntry)] of its `dspark.*` tensors in file order."""
+
+    @property
+    def original(self) -> bool:
+        return isinstance(self.cfg, Inkling2Config)
 
 
 def open_source(src: str | Path) -> Source:
@@ -54,7 +64,8 @@ def open_source(src: str | Path) -> Source:
     headers = ckpt.headers()
     config_path = safe_child(ckpt.root, "config.json")
     config = read_json(config_path, "config.json")
-    cfg = ModelConfig.from_dict(config, str(config_path))
+    original = Inkling2Config.describes(config)
+    cfg = (Inkling2Config if original else ModelConfig).from_dict(config, str(config_path))
     draft = [(s, e) for s in ckpt.shards for e in headers[s].tensors.values() if is_draft(e.name)]
     if cfg.draft is None:
         if draft:
@@ -65,23 +76,28 @@ def open_source(src: str | Path) -> Source:
     if not draft:
         raise CheckpointError(f"no DSpark draft tensors: config.json has a 'dspark_config' "
                               f"but no tensor name starts with {DRAFT_PREFIX!r}", path=ckpt.root)
-    _check_draft(ckpt.root, cfg, draft)
+    if original:
+        expected = {s.name: s for s in dspark.draft_tensors(cfg.draft, DRAFT_PREFIX)}
+        _check_draft(ckpt.root, expected, draft, classify_original, f"layers={cfg.draft.num_hidden_layers}")
+    else:
+        expected = {s.name: s for s in draft_tensors(cfg)}
+        _check_draft(ckpt.root, expected, draft, classify, f"num_hidden_layers={cfg.draft.num_hidden_layers}")
     return Source(ckpt=ckpt, headers=headers, config=config, cfg=cfg, draft=draft)
 
 
-def _check_draft(root: Path, cfg: ModelConfig, draft: list[tuple[str, TensorEntry]]) -> None:
+def _check_draft(root: Path, expected: dict[str, TensorSpec], draft: list[tuple[str, TensorEntry]],
+                 classify_fn, depth: str) -> None:
     """Every draft tensor is one dspark_config implies, with its shape, unquantized; none missing."""
-    expected = {s.name: s for s in draft_tensors(cfg)}
     for shard, e in draft:
         path, where = root / shard, f"tensor {e.name!r}"
         try:
-            classify(e.name)
+            classify_fn(e.name)
         except UnknownTensorError as err:
             raise UnknownTensorError(f"{err} (the draft is never quantized)", path=path, tensor=err.tensor) from None
         spec = expected.get(e.name)
         if spec is None:
             raise UnknownTensorError(f"{where} does not exist in a draft with this dspark_config "
-                                     f"(num_hidden_layers={cfg.draft.num_hidden_layers})", path=path, tensor=e.name)
+                                     f"({depth})", path=path, tensor=e.name)
         if tuple(e.shape) != spec.shape:
             raise CheckpointError(f"{where}: shape {list(e.shape)}, dspark_config implies {list(spec.shape)}",
                                   path=path, tensor=e.name)
@@ -94,8 +110,10 @@ def _check_draft(root: Path, cfg: ModelConfig, draft: list[tuple[str, TensorEntr
                               f"e.g. {missing[0]!r}", path=root)
 
 
-def shared_tensor_names(cfg: ModelConfig) -> dict[str, str]:
+def shared_tensor_names(cfg: ModelConfig | Inkling2Config) -> dict[str, str]:
     """The target tensors the drafter uses but does not own, by role."""
+    if isinstance(cfg, Inkling2Config):  # vLLM shares them (VL/v1/worker/gpu/spec_decode/dspark/utils.py:133-149)
+        return {"embed_tokens": TEXT_PREFIX + "embed.weight", "lm_head": TEXT_PREFIX + "unembed.weight"}
     embed = "model.embed_tokens.weight"
     return {"embed_tokens": embed, "lm_head": embed if cfg.tie_word_embeddings else "lm_head.weight"}
 
@@ -122,6 +140,8 @@ def draft_config(config: dict, cfg: ModelConfig, shared: dict[str, dict]) -> dic
 
 def draft_specs(dc: dict, source: str = "draft config.json") -> list[TensorSpec]:
     """The tensors an extracted draft's config.json implies (same rule as the bundled draft)."""
+    if isinstance(dc, dict) and "speculators_model_type" in dc:  # the published layout's draft
+        return list(dspark.draft_tensors(dspark.DSparkConfig.from_dict(dc, source)))
     def dim(obj, key: str, limit: int = 1 << 24) -> int:
         v = obj[key]
         if type(v) is not int or not 0 < v <= limit:  # untrusted: true, 64.0, "64", -64, 10**12 refused
@@ -157,7 +177,10 @@ def extract(src: str | Path, out: str | Path, *, overwrite: bool = False, progre
             raise CheckpointError(f"the drafter shares the target's {name!r}, which the checkpoint lacks", path=root)
         e = headers[shard].tensors[name]
         shared[role] = {"name": name, "shape": list(e.shape), "dtype": DTYPE_NAMES[e.dtype]}
-    dconf = draft_config(source.config, source.cfg, shared)
+    if source.original:  # vLLM's speculators config, verbatim; names without the bundle's prefix
+        dconf, rename = source.config[dspark.CONFIG_KEY], (lambda n: n[len(DRAFT_PREFIX):])
+    else:
+        dconf, rename = draft_config(source.config, source.cfg, shared), (lambda n: n)
     plan = plan_shards(source.draft, max_shard_bytes, size=lambda item: item[1].nbytes)
     total = sum(e.nbytes for _, e in source.draft)
 
@@ -169,11 +192,11 @@ def extract(src: str | Path, out: str | Path, *, overwrite: bool = False, progre
             tqdm(total=total, unit="B", unit_scale=True, desc="draft extract", disable=not progress) as bar:
         for i, group in enumerate(plan):
             name = shard_name(i, len(plan))
-            specs = [(e.name, e.dtype, e.shape) for _, e in group]
+            specs = [(rename(e.name), e.dtype, e.shape) for _, e in group]
             with ShardWriter(tmp / name, specs, {"format": "pt"}, direct=True) as w:
                 for shard, e in group:
-                    w.write(e.name, readers.get(shard).get(e.name, buf))
-                    weight_map[e.name] = name
+                    w.write(rename(e.name), readers.get(shard).get(e.name, buf))
+                    weight_map[rename(e.name)] = name
                     bar.update(e.nbytes)
                 sums[name] = w.commit()
         write_json_atomic(tmp / "config.json", dconf)

@@ -25,7 +25,7 @@ EXCLUDE_MODULES = ["lm_head", "model.embed_tokens", "model.layers.*.self_attn*",
                    "model.layers.*.mlp.input_conv", "model.visual*", "dspark*"]
 #: the same for the published layout's original names (inkling_quant.inkling2)
 EXCLUDE_MODULES_ORIGINAL = ["model.llm.unembed", "model.llm.embed", "model.llm.layers.*.attn*",
-                            "model.llm.layers.*.mlp.gate", "model.visual*"]
+                            "model.llm.layers.*.mlp.gate", "model.visual*", "dspark*"]
 
 
 def quantization(module_formats: Iterable[tuple[str, Format]], weight_only: bool,

@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 
+from . import dspark
 from .errors import ConfigError, UnknownTensorError
 from .errors import short_repr as _short
 
@@ -152,6 +153,7 @@ class Inkling2Config:
     text: TextConfig
     vision: VisionConfig | None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+    draft: dspark.DSparkConfig | None = None  # a bundled DSpark draft (`dspark_config`; ours, not published)
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "Inkling2Config":
@@ -187,7 +189,11 @@ class Inkling2Config:
             if vision.text_hidden_size != text.hidden_size:  # Inkling2Config.validate_architecture
                 raise ConfigError(f"vision_config.text_hidden_size ({vision.text_hidden_size}) must "
                                   f"match text_config.hidden_size ({text.hidden_size})", path=source)
-        return cls(text, vision, dict(d))
+        draft = None
+        if d.get(dspark.CONFIG_KEY) is not None:
+            draft = dspark.DSparkConfig.from_dict(d[dspark.CONFIG_KEY], source, dspark.CONFIG_KEY + ".")
+            draft.check_target(text, source)
+        return cls(text, vision, dict(d), draft)
 
     @property
     def num_hidden_layers(self) -> int:  # what a scheme's layer ranges are fractions of
@@ -301,11 +307,14 @@ def vision_tensors(v: VisionConfig) -> Iterator[Spec]:
             yield Spec(p + f"{name}.bias", (out,), BF16)
 
 
-def checkpoint_tensors(cfg: Inkling2Config, include_experts: bool = True) -> Iterator[Spec]:
-    """Every tensor of a BF16 checkpoint in the original layout, text model then vision tower."""
+def checkpoint_tensors(cfg: Inkling2Config, include_experts: bool = True, include_draft: bool = True) -> Iterator[Spec]:
+    """Every tensor of a BF16 checkpoint in the original layout, text model then vision tower,
+    then the DSpark draft when the config bundles one (`dspark.draft_tensors`, docs/draft.md)."""
     yield from text_tensors(cfg.text, include_experts)
     if cfg.vision is not None:
         yield from vision_tensors(cfg.vision)
+    if include_draft and cfg.draft is not None:
+        yield from dspark.draft_tensors(cfg.draft, dspark.PREFIX)
 
 
 # --------------------------------------------------------------------------- parameter counts
@@ -465,6 +474,8 @@ def classify(name: str):
     a name outside the layout."""
     from .layout import TensorName
 
+    if dspark.is_draft(name):
+        return dspark.classify(name)
     for rx, part in _RULES:
         if m := rx.fullmatch(name):
             g = m.groupdict()

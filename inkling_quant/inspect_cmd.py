@@ -5,7 +5,14 @@ a multi-hundred-GB checkpoint. Each module's format is recognized by asking ever
 `formats` which tensors (suffixes, shapes, dtypes) it would write for the module's source
 shape (from config.json); nothing about a format is re-derived here.
 
-Exit status 0, or 1 when a tensor is outside the layout or matches no format (listed)."""
+Two layouts, told apart by config.json as convert does (`Inkling2Config.describes`): the
+published one (inkling_quant.inkling2: stacked experts, one format per layer's w13/w2 from
+`formats.stacked.projection_specs`, checked against the format the quantization config declares
+for `model.llm.layers.N.mlp.experts`; the bundled DSpark draft of inkling_quant.dspark) and the
+legacy invented one (layout.classify, per-expert modules).
+
+Exit status 0, or 1 when a tensor is outside the layout, matches no format or not the format
+the quantization config declares (listed)."""
 from __future__ import annotations
 
 import argparse
@@ -18,10 +25,13 @@ from pathlib import Path
 import torch
 
 from .cli_common import human_bytes
-from .errors import InklingQuantError, printable
-from .export import read_quantization
+from .errors import ConfigError, InklingQuantError, printable
+from .export import format_of, read_quantization
 from .formats import FORMATS, SCALE_SUFFIXES, detect
-from .io.checkpoint import Checkpoint
+from .formats.stacked import projection_specs
+from .inkling2 import Inkling2Config, experts_module
+from .inkling2 import classify as classify_original
+from .io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child
 from .io.output import check_paths, write_report
 from .io.safetensors import TensorEntry
 from .layout import ModelConfig, TensorName, classify, expert_shape, source_spec
@@ -43,16 +53,19 @@ class Summary:
     draft: dict = field(default_factory=dict)
     unknown: list[str] = field(default_factory=list)            # names outside the layout
     unrecognized: list[str] = field(default_factory=list)       # modules no format would write
+    mismatched: list[str] = field(default_factory=list)         # format found != format declared
+    layout: str = "legacy"
 
     @property
     def ok(self) -> bool:
-        return not self.unknown and not self.unrecognized
+        return not self.unknown and not self.unrecognized and not self.mismatched
 
     def to_dict(self) -> dict:
         return {"checkpoint": self.root, "shards": self.shards, "file_bytes": self.file_bytes,
                 "tensors": self.tensors, "quant_algo": self.quant_algo, "parts": self.parts,
                 "expert_layers": self.expert_layers, "draft": self.draft,
-                "unknown_tensors": self.unknown, "unrecognized_modules": self.unrecognized}
+                "unknown_tensors": self.unknown, "unrecognized_modules": self.unrecognized,
+                "format_mismatches": self.mismatched, "layout": self.layout}
 
 
 class FormatDetector:
@@ -93,7 +106,11 @@ def summarize(root: str | Path) -> Summary:
     """Read the index, config.json and every shard header (never tensor data) and summarize."""
     root = Path(root)
     ckpt = Checkpoint.open(root)
-    cfg = ModelConfig.load(root)
+    path = safe_child(root, CONFIG_NAME)
+    raw = read_json(path, CONFIG_NAME, ConfigError)
+    if Inkling2Config.describes(raw):
+        return summarize_original(root, ckpt, Inkling2Config.from_dict(raw, str(path)))
+    cfg = ModelConfig.from_dict(raw, str(path))
     headers = ckpt.headers()
     entries = [e for h in headers.values() for e in h.tensors.values()]
     q = read_quantization(root, cfg.raw)
@@ -149,13 +166,90 @@ def summarize(root: str | Path) -> Summary:
         p["params"] += math.prod(e.shape)
         p["formats"]["passthrough"] += e.nbytes
 
+    _finish(s, parts, {i: (" + ".join(sorted(f)), len(expert_ids[i])) for i, f in expert_fmt.items()},
+            cfg.draft is not None)
+    return s
+
+
+def _stacked_format(proj: str, shape: tuple[int, ...], observed: dict[str, TensorEntry]) -> tuple[str, bool | None]:
+    """(format, carries an activation scale) whose stacked tensors for a source `<proj>_weight`
+    of `shape` are exactly `observed` (name under the experts module -> entry)."""
+    w = observed.get(f"{proj}_weight")
+    dtype = w.dtype if w is not None and w.dtype in SOURCE_DTYPES else torch.bfloat16
+    got = {k: (tuple(e.shape), e.dtype) for k, e in observed.items()}
+    for fmt in FORMATS.values():
+        for act in (True, False):
+            try:
+                want = projection_specs(fmt, proj, shape, dtype=dtype, activation_scale=act)
+            except InklingQuantError:
+                continue
+            if {k: (tuple(o.shape), o.dtype) for k, o in want.items()} == got:
+                return fmt.name, (act if fmt.quant_algo else None)
+    return UNRECOGNIZED, None
+
+
+def _label(fmt: str, act: bool | None) -> str:
+    return fmt if act is None else f"{fmt}{'' if act else ' (weight-only)'}"
+
+
+def summarize_original(root: Path, ckpt: Checkpoint, cfg: Inkling2Config) -> Summary:
+    """The published layout: each layer's stacked w13 / w2 recognized as a unit, everything
+    else float and passed through."""
+    headers = ckpt.headers()
+    entries = [e for h in headers.values() for e in h.tensors.values()]
+    q = read_quantization(root, cfg.raw)
+    s = Summary(str(root), len(headers), sum(h.file_size for h in headers.values()), len(entries),
+                q["quant_algo"] if q else None, layout="original")
+    t = cfg.text
+    shapes = {"w13": (t.n_routed_experts, 2 * t.moe_intermediate_size, t.hidden_size),
+              "w2": (t.n_routed_experts, t.hidden_size, t.moe_intermediate_size)}
+    stacked: dict[tuple[int, str], dict[str, TensorEntry]] = defaultdict(dict)
+    parts: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "params": 0, "bytes": 0, "formats": defaultdict(int)})
+    for e in entries:
+        try:
+            n = classify_original(e.name)
+        except InklingQuantError:
+            s.unknown.append(e.name)
+            continue
+        if n.part == "expert":
+            stacked[(n.layer, n.projection)][f"{n.projection}_{n.suffix}"] = e
+            continue
+        label = "passthrough" if e.dtype in SOURCE_DTYPES else UNRECOGNIZED
+        if label == UNRECOGNIZED:
+            s.unrecognized.append(f"{e.name} ({e.dtype} {list(e.shape)})")
+        p = parts[n.part]
+        p["tensors"], p["bytes"], p["params"] = p["tensors"] + 1, p["bytes"] + e.nbytes, p["params"] + math.prod(e.shape)
+        p["formats"][label] += e.nbytes
+    per_layer: dict[int, set[str]] = defaultdict(set)
+    for (layer, proj), observed in sorted(stacked.items()):
+        fmt, act = _stacked_format(proj, shapes[proj], observed)
+        label, module = _label(fmt, act), experts_module(layer)
+        if fmt == UNRECOGNIZED:
+            found = ", ".join(f"{k} {e.dtype} {list(e.shape)}" for k, e in sorted(observed.items()))
+            s.unrecognized.append(f"{module}.{proj} ({found})")
+        else:
+            declared = format_of(q, module)
+            if (declared.name if declared is not None else "passthrough") != fmt:
+                s.mismatched.append(f"{module}.{proj}: tensors are {fmt}, the quantization config declares "
+                                    f"{declared.name if declared is not None else 'none (unquantized)'}")
+        nbytes = sum(e.nbytes for e in observed.values())
+        p = parts["expert"]
+        p["tensors"], p["bytes"], p["params"] = p["tensors"] + len(observed), p["bytes"] + nbytes, \
+            p["params"] + math.prod(shapes[proj])
+        p["formats"][label] += nbytes
+        per_layer[layer].add(label)
+    _finish(s, parts, {i: (" + ".join(sorted(f)), t.n_routed_experts) for i, f in per_layer.items()},
+            cfg.draft is not None)
+    return s
+
+
+def _finish(s: Summary, parts: dict, per_layer: dict[int, tuple[str, int]], draft_expected: bool) -> None:
     s.parts = {k: {**v, "formats": dict(v["formats"])} for k, v in
                sorted(parts.items(), key=lambda kv: -kv[1]["bytes"])}
-    s.expert_layers = _ranges({i: (" + ".join(sorted(f)), len(expert_ids[i])) for i, f in expert_fmt.items()})
+    s.expert_layers = _ranges(per_layer)
     d = s.parts.get("draft")
     s.draft = {"present": d is not None, "tensors": d["tensors"] if d else 0, "bytes": d["bytes"] if d else 0,
-               "expected_by_config": cfg.draft is not None}
-    return s
+               "expected_by_config": draft_expected}
 
 
 def _ranges(per_layer: dict[int, tuple[str, int]]) -> list[dict]:
@@ -192,7 +286,8 @@ def render(s: Summary) -> str:
                                   else "absent" + (" (config.json has a dspark_config)" if d["expected_by_config"]
                                                    else "")))
     for what, items in (("tensor(s) outside the layout", s.unknown),
-                        ("module(s) no format would write", s.unrecognized)):
+                        ("module(s) no format would write", s.unrecognized),
+                        ("module(s) not in the format the quantization config declares", s.mismatched)):
         if items:
             out.append(f"{len(items)} {what}: " + "; ".join(items[:5]) + (" ..." if len(items) > 5 else ""))
     return "\n".join(printable(line) for line in out)  # a name read from a file cannot forge a line

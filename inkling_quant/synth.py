@@ -28,7 +28,7 @@ from .io.checkpoint import INDEX_NAME, copy_file_atomic, shard_name, write_json_
 from .io.output import check_paths, staged_output, write_report
 from .io.safetensors import ShardWriter
 from .io.shards import plan_shards
-from . import inkling2
+from . import dspark, inkling2
 from .layout import REFERENCE_CONFIG, ModelConfig, TensorSpec, expected_tensors
 
 FILES = Path(__file__).parent / "configs" / "files"  # tokenizer, chat template, ... (tiny stand-ins)
@@ -76,11 +76,19 @@ ORIGINAL_PRESETS: dict[str, dict] = {
         "image_token_id": 15999,
     },
 }
+# The bundled DSpark draft's own choices per preset (dspark.DRAFT_DEFAULTS otherwise); its
+# target-derived dimensions follow text_config (docs/draft.md)
+ORIGINAL_DRAFT_PRESETS: dict[str, dict] = {
+    "tiny": {"markov_rank": 16},
+    "bench": {"num_hidden_layers": 1},
+}
 LAYOUTS = ("legacy", "original")
 
 
-def make_original_config(preset: str, layers: int | None = None, experts: int | None = None) -> dict:
-    """config.json of the published model (Inkling2Config's keys) for a preset."""
+def make_original_config(preset: str, layers: int | None = None, experts: int | None = None,
+                         draft: bool = True) -> dict:
+    """config.json of the published model (Inkling2Config's keys) for a preset, with a bundled
+    DSpark draft (`dspark_config`, our naming: docs/draft.md) unless `draft` is false."""
     if preset not in ORIGINAL_PRESETS:
         raise UsageError(f"unknown preset {preset!r}; known: {', '.join(ORIGINAL_PRESETS)}")
     cfg = json.loads(inkling2.REFERENCE_CONFIG.read_text())
@@ -95,6 +103,9 @@ def make_original_config(preset: str, layers: int | None = None, experts: int | 
     # Inkling2TextConfig's default rule (configuration_inkling2.py:123-128): every 6th layer full
     text["layer_types"] = [inkling2.FULL if (i + 1) % 6 == 0 else inkling2.SLIDING
                            for i in range(text["num_hidden_layers"])]
+    if draft:
+        target = inkling2.Inkling2Config.from_dict(cfg, f"preset {preset}").text
+        cfg[dspark.CONFIG_KEY] = dspark.make_draft_config(target, text, ORIGINAL_DRAFT_PRESETS.get(preset))
     return cfg
 
 
@@ -125,7 +136,7 @@ def make_config(preset: str, layers: int | None = None, experts: int | None = No
 # always generated them) and the published layout's (weights; LayerNorm biases stay near 0)
 _NORMS = {"norm", "norm1", "norm2", "ln_q", "input_layernorm", "post_attention_layernorm"}
 _ORIGINAL_NORMS = {"embed_norm", "attn_norm", "mlp_norm", "q_input_norm", "k_input_norm", "v_input_norm",
-                   "ln_1", "ln_2", "ln_pre"}
+                   "ln_1", "ln_2", "ln_pre", "q_norm", "k_norm", "hidden_norm"}
 
 
 def synth_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:

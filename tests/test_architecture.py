@@ -14,7 +14,7 @@ LAYERS = [
     ("inkling_quant", "inkling_quant.errors", "inkling_quant.cli_common"),
     ("inkling_quant.io", "inkling_quant.hub"),
     ("inkling_quant.formats",),
-    ("inkling_quant.layout", "inkling_quant.inkling2", "inkling_quant.kernels"),
+    ("inkling_quant.layout", "inkling_quant.inkling2", "inkling_quant.dspark", "inkling_quant.kernels"),
     ("inkling_quant.schemes",),
     ("inkling_quant.export", "inkling_quant.kvcache", "inkling_quant.moe_checks"),
 ]

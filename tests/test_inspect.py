@@ -257,3 +257,67 @@ def test_cli_json(source, tmp_path, capsys):
     assert d["draft"]["present"] and d["unknown_tensors"] == [] and d["shards"] >= 1
     assert run_cli(source, "--json", "-") == 0
     assert json.loads(capsys.readouterr().out)["tensors"] == d["tensors"]
+
+
+# --------------------------------------------------------------------------- the published layout
+@pytest.fixture(scope="module")
+def original(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("orig") / "tiny", preset="tiny", layers=6, layout="original")
+
+
+@pytest.fixture(scope="module")
+def original_converted(original, tmp_path_factory) -> Path:
+    convert = pytest.importorskip("inkling_quant.convert", exc_type=ImportError)
+    out = tmp_path_factory.mktemp("orig-conv") / "tiny-default"
+    convert.convert(str(original), out, convert.Options(scheme="default", default_activation_amax=4.0), quiet=True)
+    return out
+
+
+def test_original_source(original):
+    from inkling_quant import dspark
+    from inkling_quant.inkling2 import Inkling2Config
+
+    s = inspect_cmd.summarize(original)
+    cfg = Inkling2Config.load(original)
+    t = cfg.text
+    assert s.ok and s.layout == "original" and s.quant_algo is None
+    assert s.tensors == len(Checkpoint.open(original).weight_map)
+    assert all(set(p["formats"]) == {"passthrough"} for p in s.parts.values())
+    assert s.expert_layers == [{"first": 0, "last": 5, "format": "passthrough", "experts": t.n_routed_experts}]
+    assert s.parts["expert"]["tensors"] == 2 * 6
+    assert s.parts["expert"]["params"] == 6 * t.n_routed_experts * 3 * t.hidden_size * t.moe_intermediate_size
+    spec = list(dspark.draft_tensors(cfg.draft))
+    assert s.draft == {"present": True, "tensors": len(spec), "bytes": sum(x.nbytes for x in spec),
+                       "expected_by_config": True}
+    assert "DSpark draft: present" in inspect_cmd.render(s)
+
+
+def test_original_converted(original, original_converted):
+    s = inspect_cmd.summarize(original_converted)
+    assert s.ok, (s.unknown, s.unrecognized, s.mismatched)
+    assert s.quant_algo == "MIXED_PRECISION"
+    assert [(r["first"], r["last"], r["format"]) for r in s.expert_layers] == [(0, 4, "nvfp4"), (5, 5, "mxfp8")]
+    src = inspect_cmd.summarize(original)
+    assert s.parts["expert"]["params"] == src.parts["expert"]["params"]
+    assert s.parts["expert"]["bytes"] < src.parts["expert"]["bytes"]
+    for part in set(src.parts) - {"expert"}:
+        assert s.parts[part] == src.parts[part], part
+    assert s.draft == src.draft
+    assert run_cli(original_converted, "--quiet") == 0
+
+
+def test_original_weight_only_and_declared_mismatch(original, tmp_path):
+    convert = pytest.importorskip("inkling_quant.convert", exc_type=ImportError)
+    wo = tmp_path / "wo"
+    convert.convert(str(original), wo, convert.Options(scheme="mxfp8", weight_only=True), quiet=True)
+    convert.convert(str(original), tmp_path / "nv", convert.Options(scheme="nvfp4", weight_only=True), quiet=True)
+    s = inspect_cmd.summarize(tmp_path / "nv")
+    assert s.ok and {r["format"] for r in s.expert_layers} == {"nvfp4 (weight-only)"}
+    # a quantization config that says MXFP8 over NVFP4 tensors: named, exit status 1
+    config = json.loads((tmp_path / "nv" / "config.json").read_text())
+    config["quantization_config"] = json.loads((wo / "config.json").read_text())["quantization_config"]
+    (tmp_path / "nv" / "config.json").write_text(json.dumps(config))
+    s = inspect_cmd.summarize(tmp_path / "nv")
+    assert not s.ok and len(s.mismatched) == 2 * 6
+    assert "tensors are nvfp4, the quantization config declares mxfp8" in s.mismatched[0]
+    assert run_cli(tmp_path / "nv", "--quiet") == 1
