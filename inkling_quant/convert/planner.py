@@ -414,9 +414,13 @@ def expert_modules(src: SrcTensor, proj: str, fmt: str,
 
 def _renamed_unit(cfg: Inkling2Config, t: SrcTensor, fmt: str) -> Unit:
     """A pass-through tensor of a modelopt-hf output: transformers' name; the unembedding cut to
-    the rows transformers' lm_head keeps (core_model_loading.py Inkling2UnpadVocab)."""
+    the rows transformers' lm_head keeps (core_model_loading.py Inkling2UnpadVocab). A bundled
+    DSpark draft, which transformers' model (and so ModelOpt's export) does not have, keeps its
+    own names: nothing of the source is dropped."""
     if t.name == TEXT_PREFIX + "unembed.weight":
         return Unit((t,), fmt, (None,), (None,), out_name=transformers_name(t.name), rows=cfg.text.unpadded_vocab_size)
+    if classify_original(t.name).part == "draft":  # not a transformers module: kept under its own name
+        return Unit((t,), fmt, (None,), (None,), out_name=t.name)
     return Unit((t,), fmt, (None,), (None,), out_name=transformers_name(t.name))
 
 
