@@ -164,17 +164,18 @@ def _expert(u: Unit, sources: ShardReaders, e: int, buffers, device: str, counts
     reader = sources.get(src.shard)
     slab = reader.get_slice(src.name, e, buffers[0])
     nbytes = slab.numel() * slab.element_size()
-    if u.source_format is not None:
-        stored = {"weight": slab, "weight_scale": sources.get(u.sources[1].shard).get_slice(u.sources[1].name, e,
-                                                                                            buffers[1])}
+    q = None
+    if u.source_format is not None:  # the MXFP8 release: weight + e8m0 scale
+        scale = u.sources[1]
+        stored = {"weight": slab, "weight_scale": sources.get(scale.shard).get_slice(scale.name, e, buffers[1])}
         nbytes += stored["weight_scale"].numel()
         if u.source_format == u.format:
-            q = stored
+            q = stored  # kept: copied bit-exact
         else:
             slab = FORMATS[u.source_format].dequantize(stored, torch.float32)
     elif u.format == "passthrough":
         _check_finite(slab, reader.path, src.name)
-    if u.source_format is None or u.source_format != u.format:
+    if q is None:
         fmt = FORMATS[u.format]
         x = slab if device == "cpu" else slab.to(device)
         try:
