@@ -15,6 +15,8 @@ from .checkpoint import Checkpoint, copy_file_atomic, safe_child
 from .output import CHECKSUMS, read_checksums, write_checksums
 from .safetensors import ShardReader, ShardWriter, TensorBuffer, TensorEntry, sha256_file
 
+SliceTransform = Callable[[int, torch.Tensor], torch.Tensor]  # (index along dim 0, slice) -> new slice
+
 
 def source_checksums(root: Path) -> dict[str, str] | None:
     """The source's checksums.sha256 ({file: sha256}), None when it has none."""
@@ -29,10 +31,14 @@ def _as_tensor(mv: memoryview, e: TensorEntry) -> torch.Tensor:
 
 def rewrite_shard(reader: ShardReader, dst: Path, *, drop: Callable[[str], bool] | None = None,
                   transform: Callable[[TensorEntry, torch.Tensor], torch.Tensor] | None = None,
+                  sliced: Callable[[TensorEntry], SliceTransform | None] | None = None,
                   expected: str | None = None, buf: TensorBuffer | None = None, bar=None) -> str:
     """dst = the shard `reader` reads, streamed one tensor at a time in file order, its header
     metadata kept: tensors whose name `drop` selects are left out, `transform(entry, tensor)`
-    gives each kept tensor's value (same dtype and shape; default: the bytes as they are). With
+    gives each kept tensor's value (same dtype and shape; default: the bytes as they are). Where
+    `sliced(entry)` gives a function f, the tensor is instead read and written one slice along
+    its first dimension at a time, f(index, slice) giving each slice's value: memory one expert
+    of a stacked [E, ...] tensor, not the stack. With
     `expected`, the whole source file is hashed on the way (dropped tensors included) and checked
     against it. `buf` is reused for every tensor; `bar` counts the bytes written. Returns dst's
     sha256."""
@@ -48,6 +54,12 @@ def rewrite_shard(reader: ShardReader, dst: Path, *, drop: Callable[[str], bool]
             dropped = drop is not None and drop(e.name)
             if dropped and h is None:
                 continue
+            per_slice = sliced(e) if sliced is not None and not dropped else None
+            if per_slice is not None and e.shape and e.nbytes:
+                _rewrite_sliced(reader, w, e, per_slice, buf, h)
+                if bar is not None:
+                    bar.update(e.nbytes)
+                continue
             mv = reader.read_bytes(e, buf.view(e.nbytes)) if e.nbytes else memoryview(b"")
             if h is not None:
                 h.update(mv)
@@ -61,6 +73,21 @@ def rewrite_shard(reader: ShardReader, dst: Path, *, drop: Callable[[str], bool]
             raise CheckpointError(f"sha256 {h.hexdigest()} does not match {CHECKSUMS} "
                                   f"({expected}): the shard is corrupt", path=header.path)
         return w.commit()
+
+
+def _rewrite_sliced(reader: ShardReader, w: ShardWriter, e: TensorEntry, f: SliceTransform, buf: TensorBuffer,
+                    h) -> None:
+    """Tensor `e` through `f`, one first-dimension slice at a time (hashed on the way when `h`)."""
+    step = e.nbytes // e.shape[0]
+    for i in range(e.shape[0]):
+        mv = reader.read_bytes(e, buf.view(step), start=i * step, nbytes=step)
+        if h is not None:
+            h.update(mv)
+        piece = f(i, torch.frombuffer(mv, dtype=e.dtype).reshape(e.shape[1:]))
+        if piece.dtype != e.dtype or tuple(piece.shape) != tuple(e.shape[1:]):
+            raise CheckpointError(f"slice {i} of {e.name!r} came back {piece.dtype} {list(piece.shape)}",
+                                  path=reader.path, tensor=e.name)
+        w.write_part(e.name, piece)
 
 
 def copy_other_files(ckpt: Checkpoint, dst: Path, also: Iterable[str] = ()) -> None:

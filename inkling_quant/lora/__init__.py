@@ -5,7 +5,10 @@
   inkling-quant lora merge CKPT ADAPTER OUT      OUT = CKPT with W' = W + scale * B @ A merged
                                                  into every module the adapter targets
 
-CKPT is a converted checkpoint (NVFP4/MXFP8 routed experts, BF16 attention) or a BF16 source.
+CKPT is a converted checkpoint (NVFP4/MXFP8 routed experts, BF16 attention) or a BF16 source,
+in the published Inkling 2 layout (config.json with text_config: lora/published.py; adapters as
+PEFT writes them for transformers' Inkling2 models, routed experts via target_parameters) or the
+legacy layout (merge.py), dispatched on config.json.
 ADAPTER is a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) or
 a hub repo id org/name[@revision]. The merge is computed in FP32 and rounded once to the stored
 dtype. Routed-expert adapters are merged only where the experts are BF16 (a source, before

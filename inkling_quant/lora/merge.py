@@ -21,47 +21,34 @@ from ..io.derive import carry_checksums, copy_other_files, rewrite_shard, source
 from ..io.output import link_or_copy, staged_output
 from ..io.safetensors import DTYPE_NAMES, Header, ShardReader, TensorEntry
 from ..io.shards import ShardReaders
+from ..inkling2 import Inkling2Config
 from ..layout import ModelConfig, TensorName
+from .published import plan_targets, sliced_merge
+from .target import DTYPES, Target, merged_weight
 from .peft import (ADAPTER_CONFIG, MERGEABLE, MERGEABLE_PARTS, PEFT_PREFIX, Adapter, classify_module,
                    open_adapter, read_lora)
 
 QUANT_CONFIG = HF_QUANT_CONFIG
 PROVENANCE_KEY = "lora_merged"          # config.json: the adapters merged into this checkpoint
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 # --------------------------------------------------------------------------- plan
-@dataclass(frozen=True)
-class Target:
-    module: str
-    part: str           # "attention" or "expert"
-    layer: int
-    tensor: str         # the checkpoint tensor merged into (module + ".weight")
-    shard: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    rank: int
-    alpha: float
-    scaling: float      # PEFT's scaling (alpha/r or alpha/sqrt(r))
-    scale: float        # scaling * --scale: what multiplies B @ A
-
-    def row(self) -> dict:
-        return {"module": self.module, "part": self.part, "shard": self.shard, "shape": list(self.shape),
-                "dtype": DTYPE_NAMES[self.dtype], "rank": self.rank, "alpha": self.alpha,
-                "scaling": self.scaling, "scale": self.scale}
-
-
 @dataclass
 class Plan:
     ckpt: Checkpoint
     headers: dict[str, Header]
     config: dict
-    cfg: ModelConfig
+    cfg: ModelConfig | Inkling2Config
     adapter: Adapter
     targets: list[Target]
     user_scale: float
     warnings: list[str]
     quantization: dict | None = None  # what the checkpoint declares (export.read_quantization)
+
+    @property
+    def published(self) -> bool:
+        """The published Inkling 2 layout (lora/published.py), not the legacy invented one."""
+        return isinstance(self.cfg, Inkling2Config)
 
     @property
     def rewrite(self) -> list[str]:
@@ -203,6 +190,22 @@ def _check_complete(plan: Plan, selected: list[tuple[str, TensorName]]) -> None:
                           f"{missing[0][0]!r}: incomplete adapter or another model", path=aw)
 
 
+def _legacy_targets(plan: Plan, dtype: str, scale: float) -> None:
+    """The legacy layout's plan (one Linear per projection and per expert)."""
+    acfg = plan.adapter.config
+    if acfg.target_parameters:
+        raise ConfigError(f"target_parameters={json.dumps(acfg.target_parameters)} is not supported on this "
+                          f"layout, which has one Linear per expert projection (LoRA on fused nn.Parameter experts "
+                          f"belongs to the published layout's stacked experts)", path=plan.adapter.root / ADAPTER_CONFIG)
+    # 1. target_modules must select some mergeable module of this checkpoint
+    selected = _selected_modules(plan)
+    # 2. every adapter module is a mergeable module of this model, which target_modules selects
+    for module, (a, b) in plan.adapter.modules.items():
+        plan.targets.append(_target(plan, module, a, b, dtype, scale))
+    # 3. modules target_modules selects here but the adapter lacks: another (smaller) model
+    _check_complete(plan, selected)
+
+
 def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0, dtype: str = "bf16") -> Plan:
     """Validate the adapter against the checkpoint and plan the merge; raise on anything we refuse."""
     if not (isinstance(scale, (int, float)) and math.isfinite(scale)):
@@ -213,20 +216,18 @@ def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0,
     headers = ckpt.headers()
     config_path = safe_child(ckpt.root, "config.json")
     config = read_json(config_path, "config.json")
-    cfg = ModelConfig.from_dict(config, str(config_path))
+    published = Inkling2Config.describes(config)
+    cfg = (Inkling2Config if published else ModelConfig).from_dict(config, str(config_path))
     adapter = open_adapter(adapter_spec)
     acfg = adapter.config
     plan = Plan(ckpt, headers, config, cfg, adapter, [], float(scale), [], read_quantization(ckpt.root, config))
     if acfg.fan_in_fan_out:
         plan.warnings.append("fan_in_fan_out=true ignored, as PEFT does for nn.Linear layers: the projections are "
                              "stored [out, in], so the delta is B @ A")
-    # 1. target_modules must select some mergeable module of this checkpoint
-    selected = _selected_modules(plan)
-    # 2. every adapter module is a mergeable module of this model, which target_modules selects
-    for module, (a, b) in adapter.modules.items():
-        plan.targets.append(_target(plan, module, a, b, dtype, scale))
-    # 3. modules target_modules selects here but the adapter lacks: another (smaller) model
-    _check_complete(plan, selected)
+    if published:  # the published layout's names and stacked experts
+        plan_targets(plan, dtype, scale)
+    else:
+        _legacy_targets(plan, dtype, scale)
     # 4. adapter values: finite (one tensor at a time; adapters are small beside the model)
     with ShardReader(adapter.path, adapter.header) as reader:
         for a, b in adapter.modules.values():
@@ -243,27 +244,15 @@ def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0,
 
 
 # --------------------------------------------------------------------------- merge
-def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """W + scale * (B @ A), computed in FP32 and rounded once (to nearest even) to W's dtype.
-
-    The same operations, in the same order, as PEFT's merge with FP32 adapter weights
-    (`get_delta_weight`: (B @ A) * scaling in FP32; then `weight.data += delta`, which adds in FP32
-    and rounds once), so the bits match PEFT's `merge_and_unload()` exactly."""
-    delta = b.float() @ a.float()
-    delta.mul_(scale)
-    delta.add_(w)  # FP32 += BF16: the weight is widened exactly, the sum is FP32
-    return delta.to(w.dtype)
-
-
 def _merge_into(plan: Plan, factors: ShardReader):
     """rewrite_shard's transform: a targeted weight merged (W + scale * B @ A), any other as it is."""
     targets = {t.tensor: t for t in plan.targets}
 
     def transform(e: TensorEntry, t: torch.Tensor) -> torch.Tensor:
         tgt = targets.get(e.name)
-        if tgt is None:
+        if tgt is None or tgt.param is not None:  # stacked experts: merged slice by slice (published.py)
             return t
-        a_e, b_e = plan.adapter.modules[tgt.module]
+        a_e, b_e = plan.adapter.modules[tgt.adapter_module]
         merged = merged_weight(t, read_lora(factors, a_e), read_lora(factors, b_e), tgt.scale)
         if not bool(torch.isfinite(merged).all()):
             raise CheckpointError(f"tensor {e.name!r}: the merged weight has Inf/NaN (overflow of "
@@ -303,10 +292,14 @@ def merge(ckpt_dir: str | Path, adapter_spec: str | Path, out: str | Path, *, sc
             ShardReader(plan.adapter.path, plan.adapter.header) as factors, \
             tqdm(total=bar_total, unit="B", unit_scale=True, desc="lora merge", disable=not progress) as bar:
         transform = _merge_into(plan, factors)
+        sliced = None
+        if plan.published:
+            sliced = sliced_merge(plan, factors)
         for s in ckpt.shards:
             expected = sums_in.get(s) if sums_in is not None else None
             if s in rewrite:
-                digest = rewrite_shard(readers.get(s), tmp / s, transform=transform, expected=expected, bar=bar)
+                digest = rewrite_shard(readers.get(s), tmp / s, transform=transform, sliced=sliced,
+                                       expected=expected, bar=bar)
                 counts["rewritten"] += 1
             else:
                 digest, how = link_or_copy(safe_child(root, s, "shard"), tmp / s, copy, expected, False, bar)

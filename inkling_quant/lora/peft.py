@@ -49,8 +49,6 @@ _UNSUPPORTED: dict[str, str] = {
     "kasa_config": "KaSA is a LoRA variant this tool does not implement",
     "use_qalora": "QA-LoRA adapters belong to a quantized (group-pooled) base; merge them with their own tools",
     "layer_replication": "layer_replication changes the base model's layer stack",
-    "target_parameters": "target_parameters (LoRA on fused nn.Parameter experts) is not supported; "
-                         "this layout has one Linear per expert projection",
     "trainable_token_indices": "trainable_token_indices edits embedding rows; only LoRA deltas are merged",
     "modules_to_save": "modules_to_save stores full replacement modules, not LoRA deltas; only LoRA deltas "
                        "are merged (dropping them silently would change the model)",
@@ -66,6 +64,7 @@ _KNOWN_KEYS = {
     "bias", "use_rslora", "init_lora_weights", "layers_to_transform", "layers_pattern", "rank_pattern",
     "alpha_pattern", "megatron_config", "megatron_core", "loftq_config", "eva_config", "corda_config",
     "lora_ga_config", "qalora_group_size", "runtime_config", "ensure_weight_tying",
+    "target_parameters",  # LoRA on nn.Parameters: the published layout's stacked experts (lora/published.py)
 } | set(_UNSUPPORTED)
 
 # Tensors of adapter_model.safetensors that are not plain LoRA deltas: (key fragments, why).
@@ -143,6 +142,7 @@ class AdapterConfig:
     layers_pattern: list[str] | str | None
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
+    target_parameters: list[str]      # PEFT's `target_parameters`: parameters (not modules) it wraps
     fan_in_fan_out: bool
     base_model: str | None
     raw: dict = field(compare=False, repr=False)
@@ -180,7 +180,10 @@ class AdapterConfig:
                     re.compile(v)
                 except (re.error, RecursionError, OverflowError) as e:
                     raise ConfigError(f"{name} {v!r} is not a valid pattern: {e}", path=path) from None
-        if not targets:
+        params = d.get("target_parameters") or []
+        if not (isinstance(params, list) and all(isinstance(x, str) for x in params)):
+            raise ConfigError(f"'target_parameters' must be a list of parameter names, got {params!r}", path=path)
+        if not targets and not params:
             raise ConfigError("'target_modules' is empty: the adapter targets no module", path=path)
         layers = d.get("layers_to_transform")
         if layers is not None and not (type(layers) is int or (isinstance(layers, list)
@@ -195,12 +198,17 @@ class AdapterConfig:
                    exclude_modules=list(excludes) if isinstance(excludes, list) else excludes,
                    layers_to_transform=layers, layers_pattern=pattern,
                    rank_pattern={k: int(v) for k, v in rank_pattern.items()},
-                   alpha_pattern=dict(alpha_pattern), fan_in_fan_out=bool(d.get("fan_in_fan_out", False)),
+                   alpha_pattern=dict(alpha_pattern), target_parameters=list(params),
+                   fan_in_fan_out=bool(d.get("fan_in_fan_out", False)),
                    base_model=d.get("base_model_name_or_path"), raw=dict(d))
 
     # PEFT's own rules (peft.tuners.tuners_utils.check_target_module_exists, peft.utils.other.get_pattern_key)
-    def targets(self, module: str) -> bool:
-        """Whether PEFT would put a LoRA layer on `module` (its name in the base model)."""
+    def targets(self, module: str, is_linear=None) -> bool:
+        """Whether PEFT would put a LoRA layer on `module` (its name in the base model).
+        `is_linear(module)` decides "all-linear" (default: a module of the legacy layout)."""
+        tm = self.target_modules
+        if not tm:  # target_parameters only
+            return False
         ex = self.exclude_modules
         if ex:
             if isinstance(ex, str):
@@ -208,10 +216,9 @@ class AdapterConfig:
                     return False
             elif module in ex or any(module.endswith("." + k) for k in ex):
                 return False
-        tm = self.target_modules
         if isinstance(tm, str):
             if tm.lower() == "all-linear":  # every Linear but the output layer
-                return classify_module(module) is not None
+                return (is_linear or (lambda m: classify_module(m) is not None))(module)
             return _user_match(tm, module, full=True) is not None
         if module in tm:
             return True
@@ -232,6 +239,12 @@ class AdapterConfig:
             return False
         layer = int(m.group("idx"))
         return layer == idx if isinstance(idx, int) else layer in idx
+
+    def targets_parameter(self, key: str) -> bool:
+        """Whether PEFT would wrap the parameter `key` (module + "." + parameter name) for
+        `target_parameters` (peft.tuners.tuners_utils._inject_parameters: the key equals an
+        entry or ends with "." + it; exclude_modules and layers_to_transform do not apply)."""
+        return any(key == k or key.endswith("." + k) for k in self.target_parameters)
 
     def rank_alpha(self, module: str) -> tuple[int, float]:
         def key(patterns):
