@@ -118,11 +118,13 @@ def format_of(q: dict | None, module: str) -> Format | None:
     return None if q.get("quant_algo") == MIXED_PRECISION else format_for_quant_algo(q.get("quant_algo"))
 
 
-def quantization_problems(q: dict, want: dict[str, dict], key: str) -> list[tuple[str | None, str]]:
+def quantization_problems(q: dict, want: dict[str, dict], key: str,
+                          tensor_of: Callable[[str], str] = lambda m: f"{m}.weight") -> list[tuple[str | None, str]]:
     """(tensor or None, message) for every way the quantization config `q` (config.json's
     `quantization_config` or hf_quant_config.json's `quantization`, named `key` in messages)
     disagrees with `want` (module -> the `quantized_layers` entry its tensors imply), as vLLM's
-    ModelOpt config classes would resolve it."""
+    ModelOpt config classes would resolve it. `tensor_of(module)` is the tensor a problem names
+    (`<module>.weight`; the published layout's stacked `<module>.w13_weight`)."""
     out: list[tuple[str | None, str]] = []
 
     def fail(tensor: str | None, message: str) -> None:
@@ -137,10 +139,10 @@ def quantization_problems(q: dict, want: dict[str, dict], key: str) -> list[tupl
         fail(None, f"{key}.quantized_layers must be a non-empty object (vLLM refuses an empty one)")
         return out
     for module, entry in want.items():
-        _check_layer(fail, key, module, entry, layers.get(module))
+        _check_layer(fail, key, module, tensor_of(module), entry, layers.get(module))
     for module in layers:
         if module not in want:
-            fail(f"{module}.weight", f"{key}.quantized_layers names {module!r}, which the tensors "
+            fail(tensor_of(module), f"{key}.quantized_layers names {module!r}, which the tensors "
                    f"do not quantize")
     excl = q.get("exclude_modules", [])
     if not isinstance(excl, list) or not all(isinstance(p, str) for p in excl):
@@ -152,7 +154,7 @@ def quantization_problems(q: dict, want: dict[str, dict], key: str) -> list[tupl
         pat = excluded(module)
         if pat is not None and pat not in hit:  # one problem per pattern
             hit.add(pat)
-            fail(f"{module}.weight", f"{key}.exclude_modules pattern {pat!r} excludes the "
+            fail(tensor_of(module), f"{key}.exclude_modules pattern {pat!r} excludes the "
                    f"quantized module {module!r} (vLLM would load it as BF16)")
     if "group_size" in q:  # ModelOpt's top-level group_size is the NVFP4 block
         nv = [e.get("group_size") for e in want.values() if format_for_quant_algo(e.get("quant_algo")) is _NVFP4]
@@ -161,17 +163,18 @@ def quantization_problems(q: dict, want: dict[str, dict], key: str) -> list[tupl
     return out
 
 
-def _check_layer(fail: Callable[[str | None, str], None], key: str, module: str, entry: dict, got) -> None:
+def _check_layer(fail: Callable[[str | None, str], None], key: str, module: str, tensor: str, entry: dict,
+                 got) -> None:
     """One module's quantized_layers entry `got` against the entry its tensors imply."""
     if got is None:
-        fail(f"{module}.weight", f"{key}.quantized_layers lacks {module!r} "
+        fail(tensor, f"{key}.quantized_layers lacks {module!r} "
                f"(the tensors are {entry['quant_algo']}: vLLM would load them as BF16)")
         return
     if not isinstance(got, dict):
-        fail(f"{module}.weight", f"{key}.quantized_layers[{module!r}] must be an object")
+        fail(tensor, f"{key}.quantized_layers[{module!r}] must be an object")
         return
     if got.get("quant_algo") != entry.get("quant_algo"):
-        fail(f"{module}.weight", f"{key}.quantized_layers[{module!r}].quant_algo is "
+        fail(tensor, f"{key}.quantized_layers[{module!r}].quant_algo is "
                f"{got.get('quant_algo')!r}, the tensors are {entry.get('quant_algo')!r}"
                + _activation_note(entry.get("quant_algo")))
         return
@@ -179,7 +182,7 @@ def _check_layer(fail: Callable[[str | None, str], None], key: str, module: str,
     fmt = format_for_quant_algo(entry.get("quant_algo"))
     block = entry.get("group_size", fmt.block_size if fmt else None)
     if gs is not None and gs != block:
-        fail(f"{module}.weight", f"{key}.quantized_layers[{module!r}].group_size is {gs}, "
+        fail(tensor, f"{key}.quantized_layers[{module!r}].group_size is {gs}, "
                f"the tensors use blocks of {block}")
 
 

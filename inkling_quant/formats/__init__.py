@@ -6,6 +6,7 @@ from .mxfp8 import MXFP8
 from .nvfp4 import NVFP4
 from .stacked import (expert_slices, slab_slices, stack_experts, stacked_specs, unstack_expert, unstack_experts,
                       write_expert)
+from .stacked import value_rule as stacked_value_rule
 
 FORMATS: dict[str, Format] = {f.name: f for f in (NVFP4(), MXFP8(), Passthrough())}
 
@@ -17,8 +18,10 @@ VALUE_RULES = {"positive": "finite and positive (a scale)", "e8m0": "e8m0 expone
 
 
 def value_rules(suffix: str) -> set[str]:
-    """The value rules (VALUE_RULES' keys) some format puts on tensors named `*.{suffix}`."""
-    return {r for f in FORMATS.values() if (r := f.value_rule(suffix)) is not None}
+    """The value rules (VALUE_RULES' keys) some format puts on tensors named `*.{suffix}` (per
+    module) or `*_{suffix}` (the stacked expert form: formats.stacked.value_rule)."""
+    return {r for f in FORMATS.values() for r in (f.value_rule(suffix), stacked_value_rule(f, suffix))
+            if r is not None}
 
 
 def format_for_quant_algo(quant_algo) -> Format | None:

@@ -77,8 +77,8 @@ from ._cpu import fp32_preimage
 from .nvfp4 import GLOBAL_DIV
 
 __all__ = ["PROJECTIONS", "OUTER_SCALE_DENOMINATOR", "stacked_specs", "projection_specs", "expert_slices",
-           "slab_slices", "slab_modules",
-           "write_expert", "stack_experts", "unstack_expert", "unstack_experts"]
+           "slab_slices", "slab_modules", "write_expert", "stack_experts", "unstack_expert", "unstack_experts",
+           "value_rule"]
 
 #: stacked projection -> the per-expert modules it holds, in row-interleave order
 PROJECTIONS: dict[str, tuple[str, ...]] = {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}
@@ -130,6 +130,15 @@ def projection_specs(fmt: Format, proj: str, shape: Sequence[int], *, dtype: tor
     E, rows, cols = shape
     inter, hidden = (rows // 2, cols) if proj == "w13" else (cols, rows)
     return stacked_specs(fmt, E, inter, hidden, dtype=dtype, activation_scale=activation_scale, projections=(proj,))
+
+
+def value_rule(fmt: Format, suffix: str) -> str | None:
+    """The value rule (formats.VALUE_RULES' key) of a stacked tensor ``<proj>_<suffix>`` of
+    ``fmt``: a per-row tensor's (weight, block scales) is the format's own; ``weight_amax`` and
+    ``weight_outer_scale_denominator`` encode the global scale (amax / denominator) and
+    ``weight.input_amax`` the activation scale, so they follow those scales' rule."""
+    per = {_AMAX[1:]: fmt.global_scale, _DEN[1:]: fmt.global_scale, _INPUT[1:]: "input_scale"}.get(suffix, suffix)
+    return fmt.value_rule(per) if per is not None else None
 
 
 def _global_pair(s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,6 +29,8 @@ Python: `verify(ckpt, against=...) -> VerifyReport` (`.ok`, `.exit_code`, `.chec
 #   values     values[F], gate_up (visitors)
 #   numerics   passthrough (a visitor), numerics[layer L]
 #   integrity  checksums, --write-checksums
+#   published  the published Inkling 2 layout's layout, config expectations and numerics[layer L]
+#              (stacked experts); the steps above dispatch to it on config.json (Conf.published)
 from __future__ import annotations
 
 import argparse
@@ -43,7 +45,7 @@ from ..errors import UsageError
 from ..formats import FORMATS
 from ..io.output import CHECKSUMS, check_paths, write_report
 from ..schemes import get_scheme
-from . import config, integrity, numerics, stream, structure, values
+from . import config, integrity, numerics, published, stream, structure, values
 from .config import QUANT_CONFIG, check_config_files
 from .inventory import DISAGREES, UNQUANTIZED, Inventory
 from .numerics import ACT_ROWS, activations, sample_experts
@@ -105,10 +107,14 @@ def _run_checks(run: Recorder, o: _Options) -> None:
     files = structure.check_index(run, o.root)                                    # index, header[F]
     conf = config.load_config(run, o.root, o.scheme)                              # config (1/2)
     source = structure.check_source(run, src_root, conf) if src_root else None    # source
-    expected = structure.check_layout(run, files, conf, source)                   # layout
+    layout = published if conf.published else structure  # the published layout, or the legacy one
+    expected = layout.check_layout(run, files, conf, source)                      # layout
     inv = Inventory(o.root, files, conf, source, expected)
-    if expected.status != DISAGREES:
-        config.check_config(run, conf, expected.weight_only)                      # config (2/2)
+    if conf.published:
+        config.check_config(run, conf, expected.weight_only, published.quantized_layers(expected),
+                            published.named_tensor)                               # config (2/2)
+    elif expected.status != DISAGREES:
+        config.check_config(run, conf, expected.weight_only)
     # the single read of every file: sha256 + each tensor's bytes through the visitors
     tally, scales = Tally(), values.GateUpScales()
     passthrough = numerics.Passthrough.start(run, inv)                            # passthrough
@@ -117,7 +123,7 @@ def _run_checks(run: Recorder, o: _Options) -> None:
                               o.progress)                                         # values[F], read
     values.check_gate_up(run, inv, scales)                                        # gate_up
     integrity.check_checksums(run, o.root, digests, o.write_checksums)            # checksums
-    numerics.check_numerics(run, inv, o.sample, o.device)                         # numerics[layer L]
+    (published if conf.published else numerics).check_numerics(run, inv, o.sample, o.device)  # numerics[layer L]
     run.report.rows = summary_rows(tally, run.report.numerics, passthrough.check if passthrough else None)
     if o.write_checksums:
         integrity.write_checksums_file(run, o.root, digests)                      # write_checksums

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..errors import InklingQuantError
 from ..export import quantization_problems
+from ..inkling2 import Inkling2Config
 from ..io.checkpoint import HF_QUANT_CONFIG as QUANT_CONFIG
 from ..layout import ModelConfig
 from ..schemes import SCHEMES
@@ -16,7 +17,8 @@ from .report import ERROR, Check, Recorder, VerifyReport
 
 # ============================================================================ load
 def load_config(run: Recorder, root: Path, scheme_arg: str | None) -> Conf:
-    """The first half of the `config` check: config.json parses with the layout's keys, and the
+    """The first half of the `config` check: config.json parses with the layout's keys (the
+    published model's when it nests text_config, as convert's load_config decides), and the
     scheme is known (--scheme, else the converter's record, else default; none if unquantized)."""
     c = run.new("config", "config", "config.json / hf_quant_config.json agree with the tensors")
     config = run.guard(c, load_json, root / "config.json", "config.json", c)
@@ -30,7 +32,7 @@ def load_config(run: Recorder, root: Path, scheme_arg: str | None) -> Conf:
 def _parse(c: Check, root: Path, config: dict, scheme_arg: str | None) -> Conf:
     path = root / "config.json"
     try:
-        cfg = ModelConfig.from_dict(config, str(path))
+        cfg = (Inkling2Config if Inkling2Config.describes(config) else ModelConfig).from_dict(config, str(path))
     except InklingQuantError as e:
         c.fail(path, None, str(e))
         return Conf(root, config)
@@ -40,6 +42,7 @@ def _parse(c: Check, root: Path, config: dict, scheme_arg: str | None) -> Conf:
     name = scheme_arg
     if name is None and isinstance(converter, dict) and isinstance(converter.get("scheme"), str):
         name = converter["scheme"]
+    given = name is not None
     if name is None:
         quantized = "quantization_config" in config or hf_quant is not None
         name = "default" if quantized else UNQUANTIZED
@@ -50,25 +53,38 @@ def _parse(c: Check, root: Path, config: dict, scheme_arg: str | None) -> Conf:
     c.figures["scheme"] = name
     if isinstance(converter, dict) and scheme_arg and converter.get("scheme") not in (None, scheme_arg):
         c.figures["converter_scheme"] = converter.get("scheme")
-    return Conf(root, config, cfg, hf_quant, scheme)
+    return Conf(root, config, cfg, hf_quant, scheme, given)
 
 
 # ============================================================================ against the tensors
-def check_config(run: Recorder, conf: Conf, weight_only: bool) -> None:
+def check_config(run: Recorder, conf: Conf, weight_only: bool, want: dict[str, dict] | None = None,
+                 tensor_of=None) -> None:
     """The second half of the `config` check, once the tensors decided `weight_only`: both
-    quantization configs list exactly the modules the scheme quantizes, with their algorithm."""
+    quantization configs list exactly the modules the scheme quantizes, with their algorithm.
+    `want` (module -> its quantized_layers entry; the published layout's, from its tensors) and
+    `tensor_of` (module -> the tensor a problem names) default to the legacy layout's."""
     c = run.report.check("config")
-    if conf.usable and c.status != ERROR:
-        run.guard(c, _check, c, conf, weight_only)
+    if not conf.usable or c.status == ERROR:
+        return
+    if want is None and conf.published:
+        c.figures["tensors"] = "not compared (the layout check could not list them)"
+        return
+    run.guard(c, _check, c, conf, weight_only, want if want is not None else _scheme_want(conf, weight_only),
+              tensor_of)
 
 
-def _check(c: Check, conf: Conf, weight_only: bool) -> None:
-    path, qpath = conf.root / "config.json", conf.root / QUANT_CONFIG
+def _scheme_want(conf: Conf, weight_only: bool) -> dict[str, dict]:
+    """The legacy layout: every module the scheme quantizes, with its entry."""
     want: dict[str, dict] = {}
     for s, _, fmt in conf.plan:
         entry = fmt.layer_config(weight_only)
         if entry is not None:
             want[s.name[: -len(".weight")]] = entry
+    return want
+
+
+def _check(c: Check, conf: Conf, weight_only: bool, want: dict[str, dict], tensor_of) -> None:
+    path, qpath = conf.root / "config.json", conf.root / QUANT_CONFIG
     qc = conf.config.get("quantization_config")
     if not want:
         if qc is not None:
@@ -79,7 +95,7 @@ def _check(c: Check, conf: Conf, weight_only: bool) -> None:
         return
     if not str(qc.get("quant_method", "")).startswith("modelopt"):
         c.fail(path, None, f"quantization_config.quant_method is {qc.get('quant_method')!r}, expected 'modelopt'")
-    _check_quant_dict(c, path, "quantization_config", qc, want)
+    _check_quant_dict(c, path, "quantization_config", qc, want, tensor_of)
     hq = conf.hf_quant
     if hq is None:
         c.fail(qpath, None, f"{QUANT_CONFIG} missing")
@@ -87,7 +103,7 @@ def _check(c: Check, conf: Conf, weight_only: bool) -> None:
         c.fail(qpath, None, "missing the 'quantization' object")
     else:
         q = hq["quantization"]
-        _check_quant_dict(c, qpath, "quantization", q, want)
+        _check_quant_dict(c, qpath, "quantization", q, want, tensor_of)
         for k in sorted(set(q) | set(qc) - {"quant_method"}):
             if k != "quant_method" and q.get(k) != qc.get(k):
                 c.fail(qpath, None, f"quantization.{k} disagrees with config.json quantization_config.{k}")
@@ -100,9 +116,10 @@ def _check(c: Check, conf: Conf, weight_only: bool) -> None:
     c.figures.update(quantized_layers=len(want), weight_only=weight_only)
 
 
-def _check_quant_dict(c: Check, path: Path, key: str, q: dict, want: dict[str, dict]) -> None:
+def _check_quant_dict(c: Check, path: Path, key: str, q: dict, want: dict[str, dict], tensor_of) -> None:
     """One quantization config (config.json's or hf_quant_config.json's) against `want`."""
-    for tensor, message in quantization_problems(q, want, key):
+    kw = {"tensor_of": tensor_of} if tensor_of is not None else {}
+    for tensor, message in quantization_problems(q, want, key, **kw):
         c.fail(path, tensor, message)
 
 

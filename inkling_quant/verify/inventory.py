@@ -17,6 +17,8 @@ import torch
 
 from ..errors import InklingQuantError
 from ..formats import Format
+from ..inkling2 import Inkling2Config
+from ..inkling2 import classify as classify_published
 from ..io.checkpoint import read_json, safe_child
 from ..io.safetensors import Header, TensorEntry
 from ..layout import ModelConfig, TensorName, TensorSpec, classify, expected_tensors
@@ -62,13 +64,15 @@ def converter_of(hf_quant):
 
 @dataclass(frozen=True)
 class Conf:
-    """config.json, hf_quant_config.json and the scheme. `cfg`/`scheme` None: not usable."""
+    """config.json, hf_quant_config.json and the scheme. `cfg`/`scheme` None: not usable. `cfg`
+    is an Inkling2Config for the published layout (`published`), else the legacy ModelConfig."""
 
     root: Path
     config: dict | None = None
-    cfg: ModelConfig | None = None
+    cfg: ModelConfig | Inkling2Config | None = None
     hf_quant: dict | None = None
     scheme: Scheme | None = None
+    scheme_given: bool = False          # --scheme or the converter's record, not a default
     _formats: dict = field(default_factory=dict, repr=False, compare=False)  # memo of format_for
     _names: dict = field(default_factory=dict, repr=False, compare=False)    # memo of classify
 
@@ -80,11 +84,16 @@ class Conf:
     def converter(self):
         return converter_of(self.hf_quant)
 
+    @property
+    def published(self) -> bool:
+        """The published Inkling 2 layout (inkling2.py), not the legacy one (layout.py)."""
+        return isinstance(self.cfg, Inkling2Config)
+
     def classify(self, name: str) -> TensorName:
-        """layout.classify, memoized for this run (the steps classify the same names)."""
+        """The layout's classify, memoized for this run (the steps classify the same names)."""
         t = self._names.get(name)
         if t is None:
-            t = self._names[name] = classify(name)
+            t = self._names[name] = (classify_published if self.published else classify)(name)
         return t
 
     def format_for(self, t: TensorName) -> Format:

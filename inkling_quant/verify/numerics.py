@@ -119,24 +119,9 @@ class _SameBytes:
 def check_numerics(run: Recorder, inv: Inventory, sample: int, device: str) -> None:
     """A `numerics[layer L]` check per quantized layer (--against): for the sampled experts, every
     projection's y = x @ W^T from the quantized tensors vs the fp32 product with the source."""
-    if inv.source is None:
+    gemm = start(run, inv, device)
+    if gemm is None:
         return
-    if not inv.source.ok:
-        run.new("numerics", "numerics", "sampled experts against the source").skip("the source check failed")
-        return
-    if not inv.conf.usable or inv.expected.status == SKIPPED:
-        run.new("numerics", "numerics", "sampled experts against the source").skip("no usable config")
-        return
-    from .. import kernels
-
-    dev = torch.device(device)
-    # cpu: the torch reference. cuda: the Triton kernel, weight-only (dequantize in registers,
-    # bf16 MMA); the sm100 path also quantizes the activations (W4A4/W8A8), an error the
-    # thresholds (weights vs their BF16 source) do not budget for.
-    path = kernels.PATH_REFERENCE if dev.type == "cpu" else kernels.select_path(dev)
-    if path == kernels.PATH_SM100:
-        path = kernels.PATH_BF16_MMA
-    run.report.kernel_path = path
     cfg = inv.conf.cfg
     by_layer: dict[int, list[tuple[str, str]]] = {}
     for i in range(cfg.num_hidden_layers):
@@ -147,7 +132,6 @@ def check_numerics(run: Recorder, inv: Inventory, sample: int, device: str) -> N
                 if fmt != "passthrough":
                     by_layer.setdefault(i, []).append((module, fmt))
     small = cfg.hidden_size * cfg.moe_intermediate_size < (1 << 22)
-    gemm = _Gemm(inv, dev, path)
     try:
         with torch_threads(1 if small else torch.get_num_threads()):
             for layer, modules in by_layer.items():
@@ -158,7 +142,31 @@ def check_numerics(run: Recorder, inv: Inventory, sample: int, device: str) -> N
         gemm.close()
 
 
-def _check_layer(run: Recorder, c: Check, inv: Inventory, gemm: "_Gemm", layer: int,
+def start(run: Recorder, inv: Inventory, device: str) -> "Gemm | None":
+    """What the numerics checks compute with, or None when they cannot run (no source: no
+    check; a failed source check or no usable config: a skipped `numerics` check)."""
+    if inv.source is None:
+        return None
+    if not inv.source.ok:
+        run.new("numerics", "numerics", "sampled experts against the source").skip("the source check failed")
+        return None
+    if not inv.conf.usable or inv.expected.status == SKIPPED:
+        run.new("numerics", "numerics", "sampled experts against the source").skip("no usable config")
+        return None
+    from .. import kernels
+
+    dev = torch.device(device)
+    # cpu: the torch reference. cuda: the Triton kernel, weight-only (dequantize in registers,
+    # bf16 MMA); the sm100 path also quantizes the activations (W4A4/W8A8), an error the
+    # thresholds (weights vs their BF16 source) do not budget for.
+    path = kernels.PATH_REFERENCE if dev.type == "cpu" else kernels.select_path(dev)
+    if path == kernels.PATH_SM100:
+        path = kernels.PATH_BF16_MMA
+    run.report.kernel_path = path
+    return Gemm(inv, dev, path)
+
+
+def _check_layer(run: Recorder, c: Check, inv: Inventory, gemm: "Gemm", layer: int,
                  modules: list[tuple[str, str]], sample: int) -> None:
     worst_err, worst_cos = 0.0, 1.0
     for module, fmt_name in modules:
@@ -209,7 +217,7 @@ def _quantized_tensors(c: Check, inv: Inventory, module: str, fmt_name: str) -> 
 
 
 @dataclass
-class _Gemm:
+class Gemm:
     """y = x @ W^T of one module from its quantized tensors (the kernels) and from the source."""
 
     inv: Inventory
@@ -225,6 +233,12 @@ class _Gemm:
         q = {n[len(module) + 1:]: self._read(inv.root, inv.files.headers, inv.files.tensors[n], n) for n in names}
         wname = module + ".weight"
         w = self._read(inv.source.root, inv.source.headers, inv.source.tensors[wname], wname)
+        rel, cos = self.errors(module, w, q, fmt)
+        return rel, cos, q
+
+    def errors(self, module: str, w: torch.Tensor, q: dict[str, torch.Tensor], fmt: Format) -> tuple[float, float]:
+        """(relative error, cosine) of y = x @ W^T from the quantized tensors `q` (by suffix)
+        against the source weight `w`, x the module's deterministic activations."""
         x = activations(module, ACT_ROWS, w.shape[-1])
         ref = x.float() @ w.float().T
         y = self._quantized(x, q, fmt).float().cpu().double()
@@ -237,7 +251,7 @@ class _Gemm:
             rel = math.inf
         if not math.isfinite(cos):
             cos = -1.0
-        return rel, cos, q
+        return rel, cos
 
     def _quantized(self, x: torch.Tensor, q: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
         from .. import kernels
@@ -250,11 +264,15 @@ class _Gemm:
         return x.float() @ fmt.dequantize(q, torch.float32).T
 
     def _read(self, root: Path, headers: dict[str, Header], where: Located, name: str) -> torch.Tensor:
-        key = (str(root), where.shard)
+        return self.reader(root, headers, where.shard).get(name)
+
+    def reader(self, root: Path, headers: dict[str, Header], shard: str) -> ShardReader:
+        """The open reader of one shard (of the checkpoint or the source), kept for the run."""
+        key = (str(root), shard)
         r = self.readers.get(key)
         if r is None:
-            r = self.readers[key] = ShardReader(root / where.shard, headers[where.shard])
-        return r.get(name)
+            r = self.readers[key] = ShardReader(root / shard, headers[shard])
+        return r
 
     def close(self) -> None:
         for r in self.readers.values():

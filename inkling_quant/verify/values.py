@@ -46,20 +46,22 @@ class _RuleSink:
             positive = self.rule.key == "positive"
             for i, v in enumerate(vals):
                 if not math.isfinite(v) or (positive and v <= 0):
-                    self._fail(f"{offset // item + i} is {v}")
+                    self._fail(offset // item + i, f"{v}")
                     return
             return
         for lo in range(0, len(piece), SLICE):
             if self.rule.bad(piece[lo:lo + SLICE]):
                 idx, val = _first_bad(torch.frombuffer(piece[lo:lo + SLICE], dtype=self.seen.entry.dtype),
                                       self.rule.key)
-                self._fail(f"{(offset + lo) // item + idx} is {val}")
+                self._fail((offset + lo) // item + idx, val)
                 return
 
-    def _fail(self, element: str) -> None:
-        s, t = self.seen, self.seen.t
-        where = f" ({t.suffix} of {t.module})" if t is not None and t.suffix != "weight" else ""
-        s.check.fail(s.path, s.name, f"must be {self.rule.what}{where}: element {element}")
+    def _fail(self, index: int, value: str) -> None:
+        s, t, shape = self.seen, self.seen.t, self.seen.entry.shape
+        where = f" ({t.suffix} of {t.module})" if t is not None and t.suffix != "weight" and t.module != s.name else ""
+        if t is not None and t.is_expert and t.expert is None and shape and shape[0]:  # stacked [E, ...]
+            where += f" (expert {index // max(1, math.prod(shape[1:]))})"
+        s.check.fail(s.path, s.name, f"must be {self.rule.what}{where}: element {index} is {value}")
         self.bad = True
 
     def done(self) -> None:

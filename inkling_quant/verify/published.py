@@ -1,0 +1,324 @@
+"""The published Inkling 2 layout (inkling2.py) in `verify`: the `layout` check, what the `config`
+check holds the quantization configs to, and `numerics[layer L]`, for checkpoints under the
+original names (`model.llm.*`, `model.visual.*`) whose routed experts are stacked per layer
+(`mlp.experts.w13_weight` [E, 2I, H] with gate/up rows interleaved, `w2_weight` [E, H, I]):
+BF16 sources and their conversions into the Inkling stacked form (formats/stacked.py).
+
+Each layer's experts have one format: the one the checkpoint's quantization config declares for
+`model.llm.layers.N.mlp.experts` (export.read_quantization / format_of; with no quantization
+config, the scheme's: `none` for a BF16 source), cross-checked with the format whose stacked
+tensors (`projection_specs`) the layer holds exactly (`_stored`, the dtype and shape evidence).
+Where the tensors are exactly one format's, the layout follows them and the config check names
+the declaration that disagrees; a scheme given by --scheme or recorded by the converter must
+agree with them too. Everything else passes through: the source's name, shape and dtype.
+
+The other checks are the legacy layout's, unchanged: index and headers, the single read (value
+rules per tensor suffix, formats.value_rules; pass-through bytes against the source), checksums.
+The legacy `gate_up` check has no counterpart: the stacked form stores one global scale per
+expert's w13, so gate and up cannot disagree."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..errors import FormatError, InklingQuantError
+from ..export import format_of, read_quantization
+from ..formats import FORMATS, Format
+from ..formats.stacked import PROJECTIONS, projection_specs, unstack_expert
+from ..inkling2 import checkpoint_tensors, experts_module
+from ..io.checkpoint import INDEX_NAME
+from ..io.safetensors import DTYPE_NAMES
+from ..layout import natural_key
+from .inventory import CHECKED, DISAGREES, FAILED, SKIPPED, Conf, Expected, Files, Inventory, Shape, Source
+from .numerics import Gemm, sample_experts, start
+from .report import Check, Recorder
+from .stream import torch_threads
+
+_PASS = FORMATS["passthrough"]
+_EXPERTS = ".mlp.experts."
+
+# a layer's stacked source tensors: projection -> (name, shape, dtype)
+Sources = dict[str, tuple[str, tuple[int, ...], torch.dtype]]
+
+
+# ============================================================================ layout
+def check_layout(run: Recorder, files: Files, conf: Conf, source: Source | None) -> Expected:
+    """The `layout` check: every tensor of `checkpoint_tensors(config)`, each layer's experts as
+    the stacked tensors of their format, present with its dtype and shape, and no other.
+    Returns what it expected (nothing when it could not check)."""
+    c = run.new("layout", "structure",
+                "every tensor the layout and the quantization config require is present with its dtype and "
+                "shape; no other")
+    if not conf.usable:
+        c.skip("config.json could not be used")
+    elif not files.index_ok and not files.tensors:
+        c.skip("the index could not be read")
+    else:
+        expected = run.guard(c, _check, c, files, conf, source)
+        return expected if expected is not None else Expected(FAILED)
+    return Expected(SKIPPED)
+
+
+def _check(c: Check, files: Files, conf: Conf, source: Source | None) -> Expected:
+    declared = _declared(conf)
+    rest: dict[str, Shape] = {}
+    layers: dict[int, Sources] = {}
+    bound = 4 * (len(files.weight_map) or len(files.tensors)) + 64
+    for k, s in enumerate(checkpoint_tensors(conf.cfg)):
+        if k > bound:  # each source tensor is at least one stored tensor: bound the work by the files
+            c.fail(conf.root / "config.json", None, f"config.json implies more than {bound} tensors, the "
+                   f"checkpoint holds {len(files.tensors)}: they disagree (layer counts?); not checked tensor by tensor")
+            return Expected(DISAGREES)
+        t = conf.classify(s.name)
+        dtype = _source_dtype(s.name, s.dtype, files, source)
+        if t.part == "expert":
+            layers.setdefault(t.layer, {})[t.projection] = (s.name, s.shape, dtype)
+        else:
+            rest[s.name] = (tuple(s.shape), dtype)
+    held = _held_by_layer(files)
+    fmts = {i: _layer_format(c, files, conf, i, srcs, held.get(experts_module(i), {}), declared(i))
+            for i, srcs in layers.items()}
+    weight_only = _weight_only(conf, layers, fmts, held)
+    tensors, fmt_of, module_tensors = dict(rest), dict.fromkeys(rest, _PASS.name), {}
+    for i, srcs in layers.items():
+        want = {f"{experts_module(i)}.{k}": v for k, v in _stacked(srcs, fmts[i], not weight_only, conf).items()}
+        tensors.update(want)
+        fmt_of.update(dict.fromkeys(want, fmts[i].name))
+        if fmts[i] is not _PASS:
+            module_tensors[experts_module(i)] = list(want)
+    expected = Expected(CHECKED, weight_only, (), tensors, fmt_of, module_tensors)
+    _compare(c, files, conf, expected)
+    return expected
+
+
+def _declared(conf: Conf) -> Callable[[int], Format]:
+    """layer -> the format the quantization config declares for its experts (none: pass-through);
+    without a quantization config, the scheme's. A malformed config counts as none here (the
+    config check reports it)."""
+    try:
+        q = read_quantization(conf.root, conf.config)
+    except InklingQuantError:
+        q = None
+    if q is None:
+        return lambda i: conf.format_for(conf.classify(f"{experts_module(i)}.w13_weight"))
+
+    def of(i: int) -> Format:
+        try:
+            return format_of(q, experts_module(i)) or _PASS
+        except (TypeError, AttributeError):  # exclude_modules of the wrong types: the config check says so
+            return _PASS
+    return of
+
+
+def _source_dtype(name: str, dtype: torch.dtype, files: Files, source: Source | None) -> torch.dtype:
+    """The dtype the source holds `name` in: the source's (--against), else the stored one where
+    a source may hold it (pass-through keeps it), else the layout's."""
+    if source is not None and name in source.tensors:
+        return source.tensors[name].entry.dtype
+    got = files.tensors.get(name)
+    return got.entry.dtype if got is not None and got.entry.dtype in _PASS.source_dtypes else dtype
+
+
+def _held_by_layer(files: Files) -> dict[str, dict[str, Shape]]:
+    """experts module -> {stacked key (`w13_weight_scale`...): (shape, dtype)} as the headers hold them."""
+    out: dict[str, dict[str, Shape]] = {}
+    for n, where in files.tensors.items():
+        head, sep, key = n.partition(_EXPERTS)
+        if sep:
+            out.setdefault(head + _EXPERTS[:-1], {})[key] = (tuple(where.entry.shape), where.entry.dtype)
+    return out
+
+
+def _stacked(srcs: Sources, fmt: Format, activation_scale: bool, conf: Conf | None = None) -> dict[str, Shape]:
+    """{stacked key: (shape, dtype)} of one layer's experts in `fmt`. FormatError (naming the
+    source tensor) when the format cannot hold the config's shapes."""
+    out: dict[str, Shape] = {}
+    for proj, (name, shape, dtype) in srcs.items():
+        try:
+            specs = projection_specs(fmt, proj, shape, dtype=dtype, activation_scale=activation_scale)
+        except FormatError as e:
+            if conf is None:
+                raise
+            raise FormatError(f"{name} {list(shape)} cannot be {fmt.name}: {e.message}",
+                              path=conf.root / "config.json", tensor=name) from None
+        out.update({k: (tuple(o.shape), o.dtype) for k, o in specs.items()})
+    return out
+
+
+def _stored(srcs: Sources, held: dict[str, Shape]) -> Format | None:
+    """The format whose stacked tensors (with or without an activation scale) the layer holds
+    exactly, or None."""
+    for fmt in FORMATS.values():
+        for act in (True, False) if fmt.static_activation_scale else (True,):
+            try:
+                if _stacked(srcs, fmt, act) == held:
+                    return fmt
+            except FormatError:
+                break
+    return None
+
+
+def _layer_format(c: Check, files: Files, conf: Conf, layer: int, srcs: Sources, held: dict[str, Shape],
+                  declared: Format) -> Format:
+    """The format layer `layer`'s experts are checked as: the one their tensors are, else the
+    declared one. A scheme given (--scheme, the converter's record) must agree with the tensors."""
+    stored = _stored(srcs, held)
+    if stored is not None and conf.scheme_given:
+        name = srcs["w13"][0]
+        prescribed = conf.format_for(conf.classify(name))
+        if prescribed is not stored:
+            c.fail(conf.root / files.tensors[name].shard, name,
+                   f"the experts of layer {layer} are stored as {stored.name}; scheme {conf.scheme.name!r} "
+                   f"prescribes {prescribed.name}")
+    return stored or declared
+
+
+def _weight_only(conf: Conf, layers: dict[int, Sources], fmts: dict[int, Format],
+                 held: dict[str, dict[str, Shape]]) -> bool:
+    """W4A16 or W4A4: decided by the layers whose format has a static activation scale (most
+    hold it or most do not); without such layers, what the converter recorded."""
+    with_scale = without = 0
+    for i, fmt in fmts.items():
+        if fmt.static_activation_scale:
+            act = set(_stacked(layers[i], fmt, True, conf)) - set(_stacked(layers[i], fmt, False, conf))
+            if act & set(held.get(experts_module(i), {})):
+                with_scale += 1
+            else:
+                without += 1
+    if with_scale or without:
+        return without > with_scale
+    conv = conf.converter
+    return bool(conv.get("weight_only", False)) if isinstance(conv, dict) else False
+
+
+def _compare(c: Check, files: Files, conf: Conf, expected: Expected) -> None:
+    root, unreadable = conf.root, {}
+    for n, (shape, dtype) in expected.tensors.items():
+        got, fmt = files.tensors.get(n), expected.fmt_of[n]
+        if got is None:
+            shard = files.weight_map.get(n)
+            if shard is not None and shard not in files.headers:
+                unreadable.setdefault(shard, []).append(n)  # its header check failed
+            else:
+                c.fail(root / INDEX_NAME, n, f"missing: {fmt} requires it ({DTYPE_NAMES[dtype]} {list(shape)})")
+        elif (tuple(got.entry.shape), got.entry.dtype) != (shape, dtype):
+            c.fail(root / got.shard, n, f"is {DTYPE_NAMES[got.entry.dtype]} {list(got.entry.shape)}, "
+                   f"{fmt} prescribes {DTYPE_NAMES[dtype]} {list(shape)}")
+    for n in sorted(set(files.tensors) - set(expected.tensors), key=natural_key):
+        try:
+            conf.classify(n)
+            why = "not part of the layout for this config.json (a layer past its count, or a tensor its " \
+                  "layer's format does not write)"
+        except InklingQuantError:
+            why = "not a tensor of the Inkling 2 layout (docs/layout.md)"
+        c.fail(root / files.tensors[n].shard, n, f"unexpected tensor: {why}")
+    for shard, names in unreadable.items():
+        c.fail(root / shard, names[0], f"{len(names)} tensor(s) the index puts in this shard could "
+               f"not be checked: its header is malformed (see header[{shard}])")
+    c.figures.update(expected=len(expected.tensors), present=len(files.tensors),
+                     quantized_experts={m: expected.fmt_of[ts[0]] for m, ts in expected.module_tensors.items()})
+
+
+# ============================================================================ config
+def quantized_layers(expected: Expected) -> dict[str, dict] | None:
+    """module -> the `quantized_layers` entry the tensors imply (None: the layout check could
+    not list them)."""
+    if expected.status != CHECKED:
+        return None
+    return {m: FORMATS[expected.fmt_of[names[0]]].layer_config(expected.weight_only)
+            for m, names in expected.module_tensors.items()}
+
+
+def named_tensor(module: str) -> str:
+    """The tensor a config problem about an experts module names: its stacked w13."""
+    return f"{module}.w13_weight"
+
+
+# ============================================================================ numerics[layer L]
+def check_numerics(run: Recorder, inv: Inventory, sample: int, device: str) -> None:
+    """A `numerics[layer L]` check per quantized layer (--against): for the sampled experts,
+    each one's slices of the stacked tensors (ShardReader.get_slice) unstacked into gate, up and
+    down (formats.stacked.unstack_expert), y = x @ W^T against the fp32 product with the same
+    rows of the source's stacked BF16 weights."""
+    gemm = start(run, inv, device)
+    if gemm is None:
+        return
+    t = inv.conf.cfg.text
+    sources = {s.name: tuple(s.shape) for s in checkpoint_tensors(inv.conf.cfg) if _EXPERTS in s.name}
+    small = t.hidden_size * t.moe_intermediate_size < (1 << 22)
+    try:
+        with torch_threads(1 if small else torch.get_num_threads()):
+            for layer in range(t.num_hidden_layers):
+                names = inv.expected.module_tensors.get(experts_module(layer))
+                if names:
+                    c = run.new(f"numerics[layer {layer}]", "numerics",
+                                f"layer {layer}: sampled experts' dequant-GEMM vs the BF16 source")
+                    run.guard(c, _check_layer, run, c, inv, gemm, layer, names, sources, sample)
+    finally:
+        gemm.close()
+
+
+def _check_layer(run: Recorder, c: Check, inv: Inventory, gemm: Gemm, layer: int, names: list[str],
+                 sources: dict[str, tuple[int, ...]], sample: int) -> None:
+    fmt, prefix = FORMATS[inv.expected.fmt_of[names[0]]], experts_module(layer) + "."
+    if not _readable(c, inv, prefix, names, sources):
+        return
+    experts = sample_experts(layer, inv.conf.cfg.text.n_routed_experts, sample)
+    worst_err, worst_cos, compared = 0.0, 1.0, 0
+    for e in experts:
+        got = {n[len(prefix):]: _reader(gemm, inv, n).get_slice(n, e).unsqueeze(0) for n in names}
+        try:
+            per = unstack_expert(fmt, got, 0)
+        except FormatError as err:  # a scale the format cannot read back (a bad input_amax)
+            c.fail(inv.root / inv.files.tensors[names[0]].shard, names[0], f"expert {e}: {err.message}")
+            continue
+        for proj, mods in PROJECTIONS.items():
+            sname = f"{prefix}{proj}_weight"
+            w = gemm.reader(inv.source.root, inv.source.headers, inv.source.tensors[sname].shard).get_slice(sname, e)
+            for i, mod in enumerate(mods):
+                rel, cos = gemm.errors(f"{prefix}{e}.{mod}", w[i::len(mods)], per[mod], fmt)
+                ok = rel <= fmt.max_rel_error and cos >= fmt.min_cosine
+                run.report.numerics.append({"tensor": sname, "expert": e, "module": mod, "format": fmt.name,
+                                            "layer": layer, "rel_error": rel, "cosine": cos,
+                                            "max_rel_error": fmt.max_rel_error, "min_cosine": fmt.min_cosine,
+                                            "pass": ok, "shard": inv.files.tensors[sname].shard})
+                worst_err, worst_cos, compared = max(worst_err, rel), min(worst_cos, cos), compared + 1
+                if not ok:
+                    scale = f"{prefix}{proj}_weight_scale"
+                    c.fail(inv.root / inv.files.tensors[scale].shard, scale,
+                           f"expert {e} {mod} ({fmt.name}) y = x @ W^T vs the BF16 source: relative error "
+                           f"{rel:.4g} (max {fmt.max_rel_error:g}), cosine {cos:.6f} (min {fmt.min_cosine:g}): "
+                           f"expert {e}'s slices of the stacked {proj} tensors do not reproduce the source")
+    c.figures.update(tensors=compared, worst_rel_error=worst_err, worst_cosine=worst_cos, experts=experts)
+
+
+def _reader(gemm: Gemm, inv: Inventory, name: str):
+    return gemm.reader(inv.root, inv.files.headers, inv.files.tensors[name].shard)
+
+
+def _readable(c: Check, inv: Inventory, prefix: str, names: list[str], sources: dict[str, tuple[int, ...]]) -> bool:
+    """Whether the numerics can run on this layer: the source's stacked weights of the config's
+    shapes, the layer's tensors present with their dtype and shape (else the reason, in `c`)."""
+    for proj in PROJECTIONS:
+        sname = f"{prefix}{proj}_weight"
+        src = inv.source.tensors.get(sname)
+        if src is None:
+            c.fail(inv.source.root / INDEX_NAME, sname, "source lacks this tensor")
+            return False
+        if tuple(src.entry.shape) != sources[sname]:
+            c.fail(inv.source.root / src.shard, sname, f"source has shape {list(src.entry.shape)}, config.json "
+                   f"implies {list(sources[sname])}")
+            return False
+    files, expected = inv.files, inv.expected
+    miss = [n for n in names if n not in files.tensors or files.tensors[n].shard not in files.headers]
+    if miss:
+        c.fail(inv.root / INDEX_NAME, miss[0], "cannot run the numerics check: tensor missing")
+        return False
+    wrong = [n for n in names if (tuple(files.tensors[n].entry.shape), files.tensors[n].entry.dtype)
+             != expected.tensors[n]]
+    if wrong:
+        c.fail(inv.root / files.tensors[wrong[0]].shard, wrong[0],
+               "cannot run the numerics check: wrong dtype or shape (see the layout check)")
+        return False
+    return True

@@ -1,0 +1,227 @@
+"""`inkling-quant verify` on the published Inkling 2 layout (synth --layout original): a BF16
+source and its conversion into the Inkling stacked form pass every check; copies broken one
+defect each fail the right check, naming the file and the tensor, never with a traceback."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from inkling_quant.cli import main
+from inkling_quant.convert import Options, convert
+from inkling_quant.formats import FORMATS
+from inkling_quant.io.checkpoint import INDEX_NAME
+from inkling_quant.io.safetensors import ShardReader, ShardWriter, read_header, sha256_file
+from inkling_quant.synth import write_checkpoint
+from inkling_quant.verify import CHECKSUMS, verify
+
+LAYERS, EXPERTS, AMAX = 6, 4, 4.0  # the default scheme: NVFP4 experts in layers 0-4, MXFP8 in layer 5
+P = "model.llm.layers.{}.mlp.experts."
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("verify-orig")
+    src = write_checkpoint(tmp / "src", "tiny", layers=LAYERS, layout="original")
+    convert(src, tmp / "out", Options(default_activation_amax=AMAX, max_shard_bytes=1 << 18), quiet=True)
+    return src, tmp / "out"
+
+
+@pytest.fixture
+def broken(pair, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(pair[1], dst)
+    return dst
+
+
+def _shard_of(root: Path, name: str) -> str:
+    return json.loads((root / INDEX_NAME).read_text())["weight_map"][name]
+
+
+def _patch(root: Path, name: str, at: int, data: bytes) -> str:
+    shard = _shard_of(root, name)
+    with open(root / shard, "r+b") as f:
+        f.seek(read_header(root / shard).tensors[name].begin + at)
+        f.write(data)
+    return shard
+
+
+def _rewrite(root: Path, name: str, edit) -> str:
+    """Rewrite the shard holding `name` with `edit(tensors)` applied; index and checksums follow."""
+    shard = _shard_of(root, name)
+    with ShardReader(root / shard) as r:
+        tensors = {n: r.get(n).clone() for n in r.header.tensors}
+    edit(tensors)
+    (root / shard).unlink()
+    w = ShardWriter(root / shard, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], {"format": "pt"})
+    for n, t in tensors.items():
+        w.write(n, t)
+    w.commit()
+    idx = json.loads((root / INDEX_NAME).read_text())
+    idx["weight_map"] = {n: s for n, s in idx["weight_map"].items() if s != shard or n in tensors}
+    (root / INDEX_NAME).write_text(json.dumps(idx))
+    _reseal(root)
+    return shard
+
+
+def _reseal(root: Path) -> None:
+    """checksums.sha256 for the files as they are now: the defect is a 'clean lie'."""
+    names = [line.split("  ", 1)[1] for line in (root / CHECKSUMS).read_text().splitlines()]
+    (root / CHECKSUMS).write_text("".join(f"{sha256_file(root / n)}  {n}\n" for n in names))
+
+
+def _edit_json(root: Path, name: str, edit) -> None:
+    obj = json.loads((root / name).read_text())
+    edit(obj)
+    (root / name).write_text(json.dumps(obj, indent=2))
+
+
+def _failed(r) -> set[str]:
+    return {c.id for c in r.failures()}
+
+
+def _problem(r, check: str, file: str, tensor: str | None):
+    c = r.check(check)
+    for p in c.problems:
+        if p.file.endswith(file) and p.tensor == tensor:
+            return p
+    raise AssertionError(f"{check}: no problem naming {file} / {tensor}: {[str(p) for p in c.problems[:5]]}")
+
+
+# --------------------------------------------------------------------------- good
+def test_converted_checkpoint_passes_every_check(pair):
+    src, out = pair
+    r = verify(out, against=src, sample=0)
+    assert r.ok and r.exit_code == 0, r.format_summary()
+    ids = [c.id for c in r.checks]
+    shards = sorted(set(json.loads((out / INDEX_NAME).read_text())["weight_map"].values()))
+    assert len(shards) > 1
+    for must in ["input", "index", "config", "source", "layout", "passthrough", "checksums"]:
+        assert must in ids
+    assert "gate_up" not in ids  # one global scale per expert's w13: nothing to compare
+    assert all(f"header[{s}]" in ids and f"values[{s}]" in ids for s in shards)
+    assert [i for i in ids if i.startswith("numerics[")] == [f"numerics[layer {i}]" for i in range(LAYERS)]
+    assert all(c.status == "pass" for c in r.checks) and r.scheme == "default"
+    assert len(r.numerics) == LAYERS * EXPERTS * 3  # every expert's gate, up and down
+    for n in r.numerics:
+        f = FORMATS[n["format"]]
+        assert n["format"] == ("nvfp4" if n["layer"] < 5 else "mxfp8")
+        assert n["rel_error"] <= f.max_rel_error and n["cosine"] >= f.min_cosine
+    assert r.check("layout").figures["quantized_experts"][P.format(5)[:-1]] == "mxfp8"
+    assert r.check("passthrough").figures["tensors_compared"] > 100
+    assert {(row.layers, row.format) for row in r.rows} >= {("0-4", "nvfp4"), ("5", "mxfp8"), ("all", "passthrough")}
+    assert verify(out).ok  # without --against: no numerics, no passthrough
+
+
+def test_the_bf16_source_passes(pair, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(pair[0], src)
+    r = verify(src, write_checksums=True)
+    assert r.ok and r.scheme == "none", r.format_summary()
+    r = verify(src)
+    assert r.ok and r.check("layout").figures["quantized_experts"] == {}
+
+
+def test_cli_json_to_stdout(pair, capsys):
+    src, out = pair
+    rc = main(["verify", str(out), "--against", str(src), "--json", "-"])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0 and rep["ok"] and rep["exit_code"] == 0 and rep["counts"]["fail"] == 0
+    assert len(rep["numerics"]) == LAYERS * 2 * 3  # the default sample: 2 experts a layer
+    assert {"expert", "module", "rel_error", "cosine"} <= set(rep["numerics"][0])
+
+
+# --------------------------------------------------------------------------- broken
+def test_flipped_byte_in_a_block_scale(broken, pair):
+    name = P.format(0) + "w13_weight_scale"
+    shard = _patch(broken, name, 0, b"\x7f")  # expert 0's first e4m3 block scale -> NaN
+    r = verify(broken, against=pair[0], sample=0)
+    assert r.exit_code == 1
+    assert _failed(r) == {f"values[{shard}]", "numerics[layer 0]", "checksums"}
+    p = _problem(r, f"values[{shard}]", shard, name)
+    assert "finite and positive" in p.message and "(expert 0)" in p.message
+    assert "expert 0 gate_proj" in _problem(r, "numerics[layer 0]", shard, name).message
+    _problem(r, "checksums", shard, None)
+
+
+def test_e8m0_byte_255_in_an_mxfp8_scale(broken, pair):
+    name = P.format(5) + "w2_weight_scale"
+    shard = _patch(broken, name, 3, b"\xff")
+    _reseal(broken)
+    r = verify(broken, against=pair[0], sample=0)
+    assert f"values[{shard}]" in _failed(r) and "checksums" not in _failed(r)
+    assert "e8m0" in _problem(r, f"values[{shard}]", shard, name).message
+
+
+def test_missing_w2_weight_amax(broken, pair):
+    name = P.format(1) + "w2_weight_amax"
+    _rewrite(broken, name, lambda t: t.pop(name))
+    r = verify(broken, against=pair[0])
+    assert r.exit_code == 1 and "layout" in _failed(r)
+    assert "missing: nvfp4 requires it" in _problem(r, "layout", INDEX_NAME, name).message
+    assert "tensor missing" in _problem(r, "numerics[layer 1]", INDEX_NAME, name).message
+
+
+def test_wrong_dtype(broken, pair):
+    name = P.format(2) + "w13_weight_amax"
+    shard = _rewrite(broken, name, lambda t: t.update({name: t[name].to(torch.bfloat16)}))
+    r = verify(broken, against=pair[0])
+    assert r.exit_code == 1 and "layout" in _failed(r)
+    msg = _problem(r, "layout", shard, name).message
+    assert "BF16" in msg and "nvfp4 prescribes F32" in msg
+
+
+def test_config_json_edited(broken, pair):
+    _edit_json(broken, "config.json", lambda c: c["text_config"].update(rms_norm_eps=1e-3))
+    _reseal(broken)
+    r = verify(broken, against=pair[0])
+    assert _failed(r) == {"source"}
+    assert "'text_config' differs" in _problem(r, "source", "config.json", None).message
+
+
+def test_quantized_layers_name_the_wrong_format(broken, pair):
+    module = P.format(3)[:-1]
+    for f, key in (("config.json", "quantization_config"), ("hf_quant_config.json", "quantization")):
+        _edit_json(broken, f, lambda c: c[key]["quantized_layers"].update({module: {"quant_algo": "MXFP8",
+                                                                                    "group_size": 32}}))
+    _reseal(broken)
+    r = verify(broken, against=pair[0])
+    assert _failed(r) == {"config"}, r.format_summary()
+    for f in ("config.json", "hf_quant_config.json"):
+        p = _problem(r, "config", f, module + ".w13_weight")
+        assert "'MXFP8', the tensors are 'NVFP4'" in p.message
+
+
+def test_a_scheme_the_tensors_do_not_follow(pair):
+    r = verify(pair[1], scheme="none")
+    name = P.format(0) + "w13_weight"
+    p = _problem(r, "layout", _shard_of(pair[1], name), name)
+    assert "stored as nvfp4; scheme 'none' prescribes passthrough" in p.message
+
+
+def test_a_config_implying_far_more_tensors_is_bounded(broken):
+    def more_layers(c):
+        n = 2000
+        c["text_config"].update(num_hidden_layers=n, layer_types=["hybrid_sliding"] * n)
+    _edit_json(broken, "config.json", more_layers)
+    r = verify(broken)
+    assert "implies more than" in _problem(r, "layout", "config.json", None).message
+    assert r.check("config").status == "pass" and r.exit_code == 1
+
+
+def test_a_malformed_text_config_fails_config(broken, capsys):
+    _edit_json(broken, "config.json", lambda c: c.update(text_config=5))
+    rc = main(["verify", str(broken)])
+    out = capsys.readouterr().out
+    assert rc == 1 and "Traceback" not in out and "FAIL config" in out and "text_config" in out
+
+
+def test_weight_only_and_unquantized_conversions_pass(pair, tmp_path):
+    src = pair[0]
+    convert(src, tmp_path / "w4a16", Options(weight_only=True), quiet=True)
+    r = verify(tmp_path / "w4a16", against=src)
+    assert r.ok and r.check("config").figures["weight_only"] is True, r.format_summary()
+    convert(src, tmp_path / "none", Options(scheme="none"), quiet=True)
+    r = verify(tmp_path / "none", against=src)
+    assert r.ok and not r.numerics and r.check("passthrough").figures["tensors_compared"] > 100
