@@ -1,5 +1,5 @@
-"""Synthesize a tiny Inkling-2-Small-shaped checkpoint in a temporary directory and run the
-whole pipeline on it: convert (default scheme), verify against the source, inspect, extract
+"""Synthesize a tiny checkpoint in the published Inkling 2 layout in a temporary directory and
+run the whole pipeline on it: convert (default scheme), verify against the source, inspect, extract
 the DSpark draft, and plan the full-size model's serving budget from the reference config.
 Prints a short summary of each step; exits non-zero if any step fails."""
 from __future__ import annotations
@@ -36,8 +36,9 @@ def run(args) -> int:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
         src, out, dft = work / "tiny-bf16", work / "tiny-default", work / "tiny-dspark"
-        write_checkpoint(src, "tiny", seed=args.seed, overwrite=True)
-        say(f"[1/6] synth: tiny Inkling-2-Small-shaped BF16 checkpoint (48 layers, 4 experts) at {src}")
+        write_checkpoint(src, "tiny", seed=args.seed, overwrite=True, layout="original")
+        say(f"[1/6] synth: a tiny BF16 checkpoint in the published Inkling 2 layout (48 layers, 4 stacked "
+            f"experts, a DSpark draft) at {src}")
 
         say("[2/6] convert --scheme default --default-activation-amax 4")
         results["convert"] = convert(src, out, Options(default_activation_amax=4.0), overwrite=True, quiet=True)

@@ -9,3 +9,5 @@ def test_demo_runs_the_whole_pipeline(capsys, tmp_path):
                  "recipe: KV cache for 1,048,576 tokens at TP4: 64.47 GiB; NOT reproduced"):
         assert step in out, step
     assert (tmp_path / "tiny-default" / "model.safetensors.index.json").exists()
+    assert "published Inkling 2 layout" in out  # the demo runs on the real layout, stacked experts
+    assert "model.llm.layers.0.mlp.experts.w13_weight" in (tmp_path / "tiny-bf16" / "model.safetensors.index.json").read_text()
