@@ -1,9 +1,9 @@
 """Write a synthetic Inkling-2-Small-shaped BF16 checkpoint from the layout spec.
 
-Two layouts: `original` is the published model (inkling_quant.inkling2: the names, shapes and
-dtypes `Inkling2ForConditionalGeneration.save_pretrained` writes, stacked experts); `legacy` is
-the layout this project invented before the model was published, which the other commands
-still read until they move to the published one (issue 14).
+Two layouts: `original` (the default) is the published model (inkling_quant.inkling2: the
+names, shapes and dtypes `Inkling2ForConditionalGeneration.save_pretrained` writes, stacked
+experts, plus a DSpark draft named as vLLM's drafter loads it); `legacy` is the layout this
+project invented before the model was published, kept until it is removed (issue 14).
 
 Presets: `tiny` keeps all 48 layers with toy dimensions (seconds to make, for tests and the
 demo); `bench` keeps the reference config's real expert and attention shapes with fewer layers
@@ -169,7 +169,7 @@ SEED_MAX = 2**32 - 1
 
 def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, layers: int | None = None,
                      experts: int | None = None, max_shard_bytes: int | None = None,
-                     progress: bool = False, overwrite: bool = False, layout: str = "legacy") -> Path:
+                     progress: bool = False, overwrite: bool = False, layout: str = "original") -> Path:
     """Built in OUT.partial and renamed at the end (`staged_output`): a killed synth leaves
     nothing that looks complete."""
     out = Path(out)
@@ -206,9 +206,9 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, layer
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output directory")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--layout", default="legacy", choices=LAYOUTS,
-                   help="original: the published Inkling 2 layout (stacked experts, model.llm.* names); "
-                        "legacy: the invented layout the other commands still read (default, for now)")
+    p.add_argument("--layout", default="original", choices=LAYOUTS,
+                   help="original (default): the published Inkling 2 layout (stacked experts, model.llm.* names); "
+                        "legacy: the layout this project invented before the model was published")
     p.add_argument("--layers", type=int_range(1, 4096), help="number of decoder layers (default: the preset's)")
     p.add_argument("--experts", type=int_range(1, 65536), help="routed experts per layer (default: the preset's)")
     p.add_argument("--seed", type=int_range(0, SEED_MAX), default=0)

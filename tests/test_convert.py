@@ -166,7 +166,7 @@ def test_existing_output_refused_then_overwrite(tiny_src, tmp_path, capsys):
 
 
 def test_gate_up_in_different_source_shards(tmp_path):
-    src = write_checkpoint(tmp_path / "split", "tiny", layers=2, experts=2, max_shard_bytes=13_000)
+    src = write_checkpoint(tmp_path / "split", "tiny", layers=2, experts=2, max_shard_bytes=13_000, layout="legacy")
     ck = Checkpoint.open(src)
     p = "model.layers.0.mlp.experts.1."
     assert ck.weight_map[p + "gate_proj.weight"] != ck.weight_map[p + "up_proj.weight"]
@@ -319,7 +319,7 @@ def _peak_rss_mb(cmd: list[str]) -> float:
 
 def test_peak_rss_bounded_by_tensors_not_shard(tmp_path):
     # one ~800 MB shard of real-size expert tensors (3488 x 3072 bf16 = 21 MB each)
-    src = write_checkpoint(tmp_path / "big", "bench", layers=1, experts=6, max_shard_bytes=10**10)
+    src = write_checkpoint(tmp_path / "big", "bench", layers=1, experts=6, max_shard_bytes=10**10, layout="legacy")
     (shard,) = Checkpoint.open(src).shards
     shard_mb = (src / shard).stat().st_size / 1e6
     assert shard_mb > 500

@@ -22,7 +22,7 @@ from inkling_quant.synth import write_checkpoint
 @pytest.fixture(scope="module")
 def src(tmp_path_factory) -> Path:
     """The tiny preset: 10 shards of 1 MiB; the draft spans a mixed shard and a draft-only one."""
-    return write_checkpoint(tmp_path_factory.mktemp("draft") / "src", "tiny")
+    return write_checkpoint(tmp_path_factory.mktemp("draft") / "src", "tiny", layout="legacy")
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ def test_strip_then_synth_config_loads(src, stripped):
 
 
 def test_strip_keeps_names_when_no_shard_is_dropped(tmp_path):
-    one = write_checkpoint(tmp_path / "one", "tiny", layers=1, max_shard_bytes=1 << 30)
+    one = write_checkpoint(tmp_path / "one", "tiny", layers=1, max_shard_bytes=1 << 30, layout="legacy")
     assert Checkpoint.open(one).shards == ["model-00001-of-00001.safetensors"]
     r = draft.strip(one, tmp_path / "s", copy=True)
     assert (r["rewritten"], r["dropped"], r["linked"]) == (1, 0, 0)
@@ -158,7 +158,7 @@ def test_strip_keeps_names_when_no_shard_is_dropped(tmp_path):
 
 
 def test_single_file_checkpoint(tmp_path):
-    one = write_checkpoint(tmp_path / "one", "tiny", layers=1, max_shard_bytes=1 << 30)
+    one = write_checkpoint(tmp_path / "one", "tiny", layers=1, max_shard_bytes=1 << 30, layout="legacy")
     (one / INDEX_NAME).unlink()
     (one / "model-00001-of-00001.safetensors").rename(one / "model.safetensors")
     draft.strip(one, tmp_path / "s")

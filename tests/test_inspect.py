@@ -22,7 +22,7 @@ from inkling_quant.synth import make_config, write_checkpoint
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("src") / "tiny", preset="tiny", seed=0)
+    return write_checkpoint(tmp_path_factory.mktemp("src") / "tiny", preset="tiny", seed=0, layout="legacy")
 
 
 @pytest.fixture(scope="module")

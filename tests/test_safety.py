@@ -220,7 +220,7 @@ def base(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def src(base) -> Path:
     """The tiny BF16 source (4 experts). Never modified: tests copy it first."""
-    return write_checkpoint(base / "src", "tiny", experts=4)
+    return write_checkpoint(base / "src", "tiny", experts=4, layout="legacy")
 
 
 @pytest.fixture(autouse=True)
@@ -941,7 +941,7 @@ def test_expert_width_error_names_file_and_tensor(tmp_path):
     from inkling_quant import synth
 
     with mock.patch.dict(synth.PRESETS["tiny"], {"moe_intermediate_size": 40}):
-        s = write_checkpoint(tmp_path / "w40", "tiny", experts=4)
+        s = write_checkpoint(tmp_path / "w40", "tiny", experts=4, layout="legacy")
     assert json.loads((s / "config.json").read_text())["moe_intermediate_size"] == 40
     r = call("convert", s, tmp_path / "out", *AMAX)
     assert_refused(r, 2)

@@ -360,7 +360,7 @@ def _child_synth(spec: dict) -> dict:
 
     t0 = time.perf_counter()
     write_checkpoint(spec["out"], "bench", layers=spec["layers"], experts=spec["experts"],
-                     max_shard_bytes=parse_size(spec["shard_size"]) if spec.get("shard_size") else None)
+                     max_shard_bytes=parse_size(spec["shard_size"]) if spec.get("shard_size") else None, layout="legacy")
     return {"seconds": time.perf_counter() - t0}
 
 

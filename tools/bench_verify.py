@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     if not (src / "model.safetensors.index.json").exists():
         print(f"synth bench checkpoint ({args.layers} layers x {args.experts} experts) -> {src}", flush=True)
-        write_checkpoint(src, "bench", layers=args.layers, experts=args.experts, overwrite=True, progress=True)
+        write_checkpoint(src, "bench", layers=args.layers, experts=args.experts, overwrite=True, progress=True, layout="legacy")
     if not (ckpt / "model.safetensors.index.json").exists():
         print(f"convert (default scheme) -> {ckpt}", flush=True)
         shutil.rmtree(ckpt, ignore_errors=True)
