@@ -137,11 +137,8 @@ def _numel(shape: list[int], limit: int) -> int | None:
     return 0 if zero else n
 
 
-def read_header(path: str | Path) -> Header:
-    """Read and validate a safetensors header; raise CheckpointError naming file and tensor.
-    Nothing is allocated from a length or shape in the file before it is checked against the
-    file's size."""
-    path = Path(path)
+def _header_blob(path: Path) -> tuple[bytes, int]:
+    """(the header's JSON bytes, the file size), its length checked against the cap and the file."""
     try:
         fd = open_regular(path)
         try:
@@ -164,7 +161,17 @@ def read_header(path: str | Path) -> Header:
             os.close(fd)
     except OSError as e:
         raise CheckpointError(f"cannot read: {e.strerror or e}", path=path) from None
-    obj = parse_json_bytes(bytes(blob), path, "header")
+    return bytes(blob), size
+
+
+def read_header(path: str | Path) -> Header:
+    """Read and validate a safetensors header; raise CheckpointError naming file and tensor.
+    Nothing is allocated from a length or shape in the file before it is checked against the
+    file's size."""
+    path = Path(path)
+    blob, size = _header_blob(path)
+    n = len(blob)
+    obj = parse_json_bytes(blob, path, "header")
     if not isinstance(obj, dict):
         raise CheckpointError("header is not a JSON object", path=path)
     metadata = obj.pop("__metadata__", None)
