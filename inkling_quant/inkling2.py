@@ -26,6 +26,9 @@ REFERENCE_CONFIG = Path(__file__).parent / "configs" / "inkling-2-small.json"
 FULL = "hybrid"              # full-attention layers (configuration_inkling2.py: layer_types)
 SLIDING = "hybrid_sliding"   # sliding-window layers
 TEXT_PREFIX = "model.llm."   # conversion_mapping.py "inkling2": model.llm. <-> model.language_model.
+# how Inkling-2-Small-MXFP8 (the release) stores every routed expert: e4m3 + e8m0 per 32,
+# stacked like the BF16 ones (conversion_mapping.py inkling2_text; docs/layout.md)
+RELEASE_EXPERT_FORMAT = "mxfp8"
 VISION_PREFIX = "model.visual."
 BF16, FP32 = torch.bfloat16, torch.float32
 

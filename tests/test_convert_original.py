@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from inkling_quant.convert import Options, convert
-from inkling_quant.errors import CheckpointError
+from inkling_quant.errors import CheckpointError, FormatError
 from inkling_quant.formats import FORMATS, unstack_expert
 from inkling_quant.formats.stacked import projection_specs
 from inkling_quant.inkling2 import Inkling2Config
@@ -213,3 +213,49 @@ def test_release_round_trips_and_feeds_modelopt_hf(pair, release, tmp_path):
     convert(release, tmp_path / "hf", Options(output_format="modelopt-hf", default_activation_amax=AMAX), quiet=True)
     hf = tensors(tmp_path / "hf")
     assert "lm_head.weight" in hf and "model.language_model.layers.5.mlp.experts.0.gate_proj.weight_scale" in hf
+
+
+def test_verify_against_the_release_and_a_corrupt_release_is_refused(release, tmp_path):
+    """verify --against the MXFP8 release compares with its exact dequantization; a release
+    whose kept MXFP8 expert holds an e8m0 255 scale is refused, naming the tensor."""
+    import shutil
+
+    from inkling_quant.io.safetensors import read_header
+    from inkling_quant.verify import verify
+
+    convert(release, tmp_path / "out", Options(default_activation_amax=AMAX), quiet=True)
+    assert verify(tmp_path / "out", against=release).exit_code == 0
+    bad = tmp_path / "bad"
+    shutil.copytree(release, bad)
+    name = "model.llm.layers.5.mlp.experts.w2_weight_scale"
+    shard = json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"][name]
+    entry = read_header(bad / shard).tensors[name]
+    with open(bad / shard, "r+b") as f:
+        f.seek(entry.begin)
+        f.write(b"\xff")
+    with pytest.raises(FormatError, match=r"w2_weight.*NaN or Inf"):
+        convert(bad, tmp_path / "o", Options(default_activation_amax=AMAX), quiet=True)
+    assert not (tmp_path / "o" / "model.safetensors.index.json").exists()  # nothing that looks complete
+
+
+def test_a_failure_in_a_fresh_process_reports_itself(pair, tmp_path):
+    """Regression: with one worker, an error raised while converting (here a NaN in a pass-through
+    tensor) was masked by "module 'concurrent.futures' has no attribute 'process'" in a process
+    that had never started a pool (the except clause named cf.process.BrokenProcessPool)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from inkling_quant.io.safetensors import read_header
+
+    src, _, _ = pair
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    name = "model.llm.layers.1.attn.wq_du.weight"
+    shard = json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"][name]
+    with open(bad / shard, "r+b") as f:
+        f.seek(read_header(bad / shard).tensors[name].begin)
+        f.write(b"\xc0\x7f")  # bf16 NaN
+    r = subprocess.run([sys.executable, "-m", "inkling_quant.cli", "convert", str(bad), str(tmp_path / "o"),
+                        "--default-activation-amax", "4", "--quiet"], capture_output=True, text=True)
+    assert r.returncode == 2 and f"tensor '{name}': contains NaN or Inf" in r.stderr, r.stderr

@@ -1,5 +1,6 @@
-"""Convert a BF16/FP32 Inkling 2 Small checkpoint: routed experts to NVFP4/MXFP8 per the scheme,
-everything else passed through bit-exact, in ModelOpt's MIXED_PRECISION Hugging Face layout.
+"""Convert an Inkling 2 Small checkpoint (BF16/FP16/FP32, or the MXFP8 release; the published
+layout or the legacy one): routed experts to NVFP4/MXFP8 per the scheme, everything else passed
+through bit-exact, as the Inkling stacked form or ModelOpt's MIXED_PRECISION Hugging Face export.
 
 A pipeline read top to bottom: validate the source against the layout -> plan output shards
 (fused gate/up pairs kept together so they share one NVFP4 global scale) -> convert shards in
@@ -194,7 +195,7 @@ def _report(src, out: Path, opts: Options, jobs: list[ShardJob], todo: list[Shar
     act = {"calibrated": 0, "source": 0, "default": 0}  # where each module's activation amax came from
     for j in jobs:
         for u in j.units:
-            counts[u.format] = counts.get(u.format, 0) + len(u.sources)
+            counts[u.format] = counts.get(u.format, 0) + (1 if u.stacked else len(u.sources))
             for o in u.amax_origin:
                 if o is not None:
                     act[o] += 1

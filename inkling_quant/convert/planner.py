@@ -13,7 +13,7 @@ from ..errors import CheckpointError, ConfigError, FormatError, InklingQuantErro
 from ..formats import FORMATS, SCALE_SUFFIXES
 from ..formats.stacked import projection_specs
 from ..formats.stacked import PROJECTIONS
-from ..inkling2 import TEXT_PREFIX, Inkling2Config, Spec, checkpoint_tensors, transformers_name
+from ..inkling2 import RELEASE_EXPERT_FORMAT, TEXT_PREFIX, Inkling2Config, Spec, checkpoint_tensors, transformers_name
 from ..inkling2 import classify as classify_original
 from ..io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child, shard_name
 from ..io.safetensors import DTYPE_NAMES, DTYPES, ShardReader
@@ -65,7 +65,6 @@ class ShardJob:
 
 
 OUTPUT_FORMATS = ("inkling", "modelopt-hf")
-RELEASE_FORMAT = "mxfp8"  # Inkling-2-Small-MXFP8 stores every routed expert so; convert also takes it
 
 
 @dataclass
@@ -163,7 +162,7 @@ def _validate_original(cfg: Inkling2Config, listing: Listing, root: str) -> list
         rec = classify_original(name)
         if rec.part == "expert" and name + "_scale" in listed:
             prefix = name[: -len(f"{rec.projection}_weight")]
-            for k, o in projection_specs(FORMATS[RELEASE_FORMAT], rec.projection, spec.shape).items():
+            for k, o in projection_specs(FORMATS[RELEASE_EXPERT_FORMAT], rec.projection, spec.shape).items():
                 expected[prefix + k] = Spec(prefix + k, tuple(o.shape), o.dtype)
     tensors = []
     for shard, entries in listing.items():
@@ -251,9 +250,9 @@ def _amax_from_checkpoint(root: Path) -> dict[str, float]:
                 if name.endswith(".input_scale"):
                     module = name[: -len(".input_scale")]
                     module = stacked_of_expert_module(module) or module
-                    values = [scaled.activation_amax(v) for v in _floats(readers.get(shard), name, e, root)]
+                    values = [scaled.activation_amax(v) for v in _floats(readers.get(shard), name, e)]
                 elif name.endswith(".input_amax"):
-                    module, values = name[: -len(".input_amax")], _floats(readers.get(shard), name, e, root)
+                    module, values = name[: -len(".input_amax")], _floats(readers.get(shard), name, e)
                 else:
                     continue
                 out[module] = max(out.get(module, 0.0), *values)
@@ -262,10 +261,17 @@ def _amax_from_checkpoint(root: Path) -> dict[str, float]:
     return out
 
 
-def _floats(reader: ShardReader, name: str, e, root: Path) -> list[float]:
+def _floats(reader: ShardReader, name: str, e) -> list[float]:
+    """An activation scale tensor's values, each finite and > 0 (a corrupt one is named, never
+    lost in a max)."""
     if not e.dtype.is_floating_point or e.nbytes == 0:
-        raise CheckpointError(f"tensor {name!r}: an activation scale is a floating-point value", path=root, tensor=name)
-    return [float(v) for v in reader.get(name).float().reshape(-1)]
+        raise CheckpointError(f"tensor {name!r}: an activation scale is a floating-point value", path=reader.path,
+                              tensor=name)
+    values = [float(v) for v in reader.get(name).float().reshape(-1)]
+    if not all(0 < v < float("inf") for v in values):
+        raise CheckpointError(f"tensor {name!r}: activation scales must be finite and > 0, got "
+                              f"{next(v for v in values if not 0 < v < float('inf'))}", path=reader.path, tensor=name)
+    return values
 
 
 def _amax_from_json(p: Path) -> dict[str, float]:
@@ -368,7 +374,7 @@ def _stacked_unit(t: SrcTensor, scale: SrcTensor | None, proj: str, fmt: str, op
     """One stacked expert tensor (all experts of a layer's w13 or w2; with `scale`, stored in the
     MXFP8 release form), its activation amax keyed by its own name; its format checked against
     every expert's shape here. An MXFP8 source kept MXFP8 (or left as is) is copied bit-exact."""
-    source_format = None if scale is None else RELEASE_FORMAT
+    source_format = None if scale is None else RELEASE_EXPERT_FORMAT
     if source_format is not None and fmt == "passthrough":
         fmt = source_format  # nothing to quantize: the stored experts pass through
     if opts.output_format == "modelopt-hf" and fmt == "passthrough":
@@ -419,6 +425,9 @@ def _renamed_unit(cfg: Inkling2Config, t: SrcTensor, fmt: str) -> Unit:
     own names: nothing of the source is dropped."""
     if t.name == TEXT_PREFIX + "unembed.weight":
         return Unit((t,), fmt, (None,), (None,), out_name=transformers_name(t.name), rows=cfg.text.unpadded_vocab_size)
+    if fmt != "passthrough":  # the schemes quantize routed experts only
+        raise UsageError(f"--output-format modelopt-hf quantizes routed experts only; the scheme gives "
+                         f"{t.name!r} {fmt}", tensor=t.name)
     if classify_original(t.name).part == "draft":  # not a transformers module: kept under its own name
         return Unit((t,), fmt, (None,), (None,), out_name=t.name)
     return Unit((t,), fmt, (None,), (None,), out_name=transformers_name(t.name))

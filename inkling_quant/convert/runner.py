@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+from concurrent.futures.process import BrokenProcessPool  # imported here: cf.process exists only once a pool ran
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -51,9 +52,11 @@ def manifests(out: Path) -> list[Path]:
 
 def fingerprint(jobs: list[ShardJob], opts: Options, stat: dict) -> str:
     """What a resume or a part must share: version, options (not how many workers or how the bytes
-    are written), the plan and the source files."""
+    are written), the plan (with every activation amax, which a calibration file or checkpoint
+    behind the same path could change) and the source files."""
     blob = json.dumps({"version": __version__, "opts": asdict(opts) | {"workers": None, "buffered_io": None},
-                       "jobs": [[j.file, list(j.specs)] for j in jobs], "sources": stat}, sort_keys=True, default=str)
+                       "jobs": [[j.file, list(j.specs), [[u.input_amax, u.source_format] for u in j.units]]
+                                for j in jobs], "sources": stat}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -239,7 +242,7 @@ def run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: d
             _stop(pool, out, todo, done)
             raise OutputError(f"cannot write ({e.strerror or e}); {len(done)} of {len(jobs)} shards are "
                               f"done: free space and rerun with --resume", path=out) from None
-        except cf.process.BrokenProcessPool:
+        except BrokenProcessPool:
             _stop(pool, out, todo, done)
             raise WorkerDied(f"a worker process died (killed, or out of memory) after {len(done)} of "
                              f"{len(jobs)} shards; rerun the same command with --resume to finish", path=out) from None

@@ -170,6 +170,7 @@ def _expert(u: Unit, sources: ShardReaders, e: int, buffers, device: str, counts
         stored = {"weight": slab, "weight_scale": sources.get(scale.shard).get_slice(scale.name, e, buffers[1])}
         nbytes += stored["weight_scale"].numel()
         if u.source_format == u.format:
+            _check_stored(FORMATS[u.format], stored, reader.path, src.name, e)
             q = stored  # kept: copied bit-exact
         else:
             slab = FORMATS[u.source_format].dequantize(stored, torch.float32)
@@ -227,6 +228,14 @@ def _convert_unit(u: Unit, sources: ShardReaders, buffers, device: str, counts: 
         if progress is not None:
             progress(spec_nbytes((src.name, src.dtype, src.shape)))
     return outputs
+
+
+def _check_stored(fmt, stored: dict[str, torch.Tensor], path, name: str, e: int) -> None:
+    """A quantized expert copied as it is must still be valid: its dequantization finite (a NaN
+    e4m3 byte or an e8m0 255 shows there) — what the quantizers assure of every other path."""
+    if not bool(torch.isfinite(fmt.dequantize(stored, torch.float32)).all()):
+        raise FormatError(f"tensor {name!r}, expert {e}: holds NaN or Inf (an e4m3 NaN byte or an e8m0 255 "
+                          f"scale)", path=path, tensor=name)
 
 
 def _check_finite(t: torch.Tensor, path, name: str) -> None:

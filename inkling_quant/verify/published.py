@@ -26,7 +26,7 @@ from ..errors import FormatError, InklingQuantError
 from ..export import format_of, read_quantization
 from ..formats import FORMATS, Format
 from ..formats.stacked import PROJECTIONS, projection_specs, unstack_expert
-from ..inkling2 import checkpoint_tensors, experts_module
+from ..inkling2 import RELEASE_EXPERT_FORMAT, checkpoint_tensors, experts_module
 from ..io.checkpoint import INDEX_NAME
 from ..io.safetensors import DTYPE_NAMES
 from ..layout import natural_key
@@ -275,7 +275,7 @@ def _check_layer(run: Recorder, c: Check, inv: Inventory, gemm: Gemm, layer: int
             continue
         for proj, mods in PROJECTIONS.items():
             sname = f"{prefix}{proj}_weight"
-            w = gemm.reader(inv.source.root, inv.source.headers, inv.source.tensors[sname].shard).get_slice(sname, e)
+            w = _source_slab(gemm, inv, sname, e)
             for i, mod in enumerate(mods):
                 rel, cos = gemm.errors(f"{prefix}{e}.{mod}", w[i::len(mods)], per[mod], fmt)
                 ok = rel <= fmt.max_rel_error and cos >= fmt.min_cosine
@@ -291,6 +291,18 @@ def _check_layer(run: Recorder, c: Check, inv: Inventory, gemm: Gemm, layer: int
                            f"{rel:.4g} (max {fmt.max_rel_error:g}), cosine {cos:.6f} (min {fmt.min_cosine:g}): "
                            f"expert {e}'s slices of the stacked {proj} tensors do not reproduce the source")
     c.figures.update(tensors=compared, worst_rel_error=worst_err, worst_cosine=worst_cos, experts=experts)
+
+
+def _source_slab(gemm: Gemm, inv: Inventory, sname: str, e: int) -> torch.Tensor:
+    """Expert e's slab of the source's stacked tensor, in float: an MXFP8 release's (e4m3 + its
+    `_scale`) dequantized exactly, as convert reads it."""
+    src = inv.source.tensors[sname]
+    w = gemm.reader(inv.source.root, inv.source.headers, src.shard).get_slice(sname, e)
+    scale = inv.source.tensors.get(sname + "_scale")
+    if scale is None:  # a float source
+        return w
+    s = gemm.reader(inv.source.root, inv.source.headers, scale.shard).get_slice(sname + "_scale", e)
+    return FORMATS[RELEASE_EXPERT_FORMAT].dequantize({"weight": w, "weight_scale": s}, torch.float32)
 
 
 def _reader(gemm: Gemm, inv: Inventory, name: str):
