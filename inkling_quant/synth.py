@@ -10,7 +10,7 @@ demo); `bench` keeps the reference config's real expert and attention shapes wit
 and experts (and a small vocabulary and vision/draft depth, since those pass through), so
 benchmarks see real tensor sizes. Values are deterministic per (seed, tensor name): a scaled
 Gaussian with a few outlier rows and outlier elements, as trained weights have. Generation
-streams: one tensor in memory at a time.
+streams: one tensor in memory at a time, one expert of a stacked expert tensor.
 """
 from __future__ import annotations
 
@@ -139,10 +139,15 @@ _ORIGINAL_NORMS = {"embed_norm", "attn_norm", "mlp_norm", "q_input_norm", "k_inp
                    "ln_1", "ln_2", "ln_pre", "q_norm", "k_norm", "hidden_norm"}
 
 
+def _is_stacked(spec: TensorSpec) -> bool:
+    """A stacked routed-expert tensor [E, out, in] of the published layout."""
+    return ".mlp.experts.w" in spec.name and len(spec.shape) == 3
+
+
 def synth_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
     """Deterministic realistic values for one tensor, independent of generation order."""
     g = torch.Generator().manual_seed((zlib.crc32(spec.name.encode()) << 16) ^ seed)
-    stacked = ".mlp.experts.w" in spec.name  # [E, out, in]: each expert's rows are matrix rows
+    stacked = ".mlp.experts.w" in spec.name  # an expert's [out, in] (or a stack of them): rows are matrix rows
     module, _, leaf = spec.name.rpartition(".")
     last = module.rpartition(".")[2]
     if last in _NORMS or (last in _ORIGINAL_NORMS and leaf == "weight"):
@@ -192,7 +197,11 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, layer
             name = shard_name(i, len(shards))
             with ShardWriter(tmp / name, [(s.name, s.dtype, s.shape) for s in shard], {"format": "pt"}) as w:
                 for s in shard:
-                    w.write(s.name, synth_tensor(s, seed))
+                    if _is_stacked(s):  # expert by expert: a real-size stack is tens of GB
+                        for e in range(s.shape[0]):
+                            w.write_part(s.name, synth_tensor(TensorSpec(f"{s.name}.{e}", s.shape[1:], s.dtype), seed))
+                    else:
+                        w.write(s.name, synth_tensor(s, seed))
                     weight_map[s.name] = name
                     bar.update(s.nbytes)
                 w.commit()
