@@ -89,6 +89,12 @@ class _Reader:
         return v
 
 
+def default_layer_types(num_layers: int) -> list[str]:
+    """Inkling2TextConfig's rule when layer_types is unset (configuration_inkling2.py:123-128):
+    every 6th layer full attention, the rest sliding."""
+    return [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(num_layers)]
+
+
 @dataclass(frozen=True)
 class TextConfig:
     """Inkling2TextConfig's dimensions (configuration_inkling2.py:83-121)."""

@@ -100,9 +100,7 @@ def make_original_config(preset: str, layers: int | None = None, experts: int | 
     if experts is not None:
         text["n_routed_experts"] = experts
         text["num_experts_per_tok"] = min(text["num_experts_per_tok"], experts)
-    # Inkling2TextConfig's default rule (configuration_inkling2.py:123-128): every 6th layer full
-    text["layer_types"] = [inkling2.FULL if (i + 1) % 6 == 0 else inkling2.SLIDING
-                           for i in range(text["num_hidden_layers"])]
+    text["layer_types"] = inkling2.default_layer_types(text["num_hidden_layers"])
     if draft:
         target = inkling2.Inkling2Config.from_dict(cfg, f"preset {preset}").text
         cfg[dspark.CONFIG_KEY] = dspark.make_draft_config(target, text, ORIGINAL_DRAFT_PRESETS.get(preset))
