@@ -42,7 +42,7 @@ import torch
 
 from .errors import ConfigError, UnknownTensorError
 from .errors import short_repr as _short
-from .layout import TensorName, TensorSpec
+from .tensors import TensorName, TensorSpec
 
 PREFIX = "dspark."               # the draft's tensors inside the target's checkpoint
 CONFIG_KEY = "dspark_config"     # the draft's config inside the target's config.json

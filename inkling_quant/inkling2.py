@@ -19,6 +19,8 @@ import torch
 
 from . import dspark
 from .errors import ConfigError, UnknownTensorError
+from .tensors import TensorName
+from .tensors import TensorSpec as Spec
 from .errors import short_repr as _short
 
 REFERENCE_CONFIG = Path(__file__).parent / "configs" / "inkling-2-small.json"
@@ -38,26 +40,6 @@ _MAX_LAYERS = 1 << 12
 _MAX_EXPERT_MODULES = 1 << 20
 _LIMITS = {"num_hidden_layers": _MAX_LAYERS, "n_routed_experts": 1 << 16, "max_position_embeddings": 1 << 40,
            "sliding_window_size": 1 << 40, "rel_extent": 1 << 40}
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One tensor of a checkpoint: name, shape, dtype."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
 
 class _Reader:
@@ -481,8 +463,6 @@ _RULES = [(re.compile(p), part) for p, part in [
 def classify(name: str):
     """What the original-layout tensor `name` is (a `layout.TensorName`); UnknownTensorError for
     a name outside the layout."""
-    from .layout import TensorName
-
     if dspark.is_draft(name):
         return dspark.classify(name)
     for rx, part in _RULES:

@@ -19,6 +19,7 @@ import torch
 from .errors import ConfigError, UnknownTensorError
 from .errors import short_repr as _short
 from .formats import SCALE_SUFFIXES
+from .tensors import TensorName, TensorSpec  # noqa: F401 (the commands import them from here too)
 
 # the invented layout the commands still use until they move to inkling2 (issue 14)
 REFERENCE_CONFIG = Path(__file__).parent / "configs" / "inkling-2-small-legacy.json"
@@ -193,26 +194,6 @@ class ModelConfig:
 
 
 # --------------------------------------------------------------------------- names
-@dataclass(frozen=True)
-class TensorName:
-    """What a checkpoint tensor is. `module` is the name without its last component."""
-
-    name: str
-    part: str                 # see PARTS
-    layer: int | None = None  # decoder layer, vision block or draft layer
-    expert: int | None = None
-    projection: str | None = None
-    suffix: str = "weight"    # weight, bias, weight_scale, weight_scale_2, input_scale, ...
-
-    @property
-    def module(self) -> str:
-        return self.name[: -len(self.suffix) - 1] if self.name.endswith("." + self.suffix) else self.name
-
-    @property
-    def is_expert(self) -> bool:
-        return self.part == "expert"
-
-
 PARTS = ("embed", "attention", "attn_sink", "rel_bias", "short_conv", "attn_res", "norm", "router",
          "expert", "vision", "draft", "lm_head")
 
@@ -258,24 +239,6 @@ def classify(name: str) -> TensorName:
 
 
 # --------------------------------------------------------------------------- expected tensors
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-
 BF16, FP32 = torch.bfloat16, torch.float32
 
 

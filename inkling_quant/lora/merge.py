@@ -26,7 +26,7 @@ from ..layout import ModelConfig, TensorName
 from .published import plan_targets, sliced_merge
 from .target import DTYPES, Target, merged_weight
 from .peft import (ADAPTER_CONFIG, MERGEABLE, MERGEABLE_PARTS, PEFT_PREFIX, Adapter, classify_module,
-                   open_adapter, read_lora)
+                   open_adapter, quantized_refusal, read_lora)
 
 QUANT_CONFIG = HF_QUANT_CONFIG
 PROVENANCE_KEY = "lora_merged"          # config.json: the adapters merged into this checkpoint
@@ -134,14 +134,7 @@ def _mergeable(plan: Plan, module: str, where: str) -> TensorName:
                           f"not match", path=plan.adapter.path)
     fmt = _quantized_format(plan, module)
     if fmt is not None:
-        if t.part == "expert":
-            raise ConfigError(
-                f"{where}: the routed experts of this checkpoint are {fmt}; expert adapters need BF16 expert "
-                f"weights (the Inkling 2 Small recipe: 'with the NVFP4/MXFP8 experts, use attention-only "
-                f"adapters'). Merge into the BF16 source before converting, or train an attention-only adapter",
-                path=plan.adapter.path)
-        raise ConfigError(f"{where}: the checkpoint holds this projection quantized ({fmt}); LoRA merges into "
-                          f"unquantized weights only", path=plan.adapter.path)
+        raise quantized_refusal(where, t.part, fmt, plan.adapter.path)
     return t
 
 

@@ -365,3 +365,16 @@ def read_lora(reader: ShardReader, e: TensorEntry) -> torch.Tensor:
                                                             tensor=e.name))
     return t
 
+
+
+def quantized_refusal(where: str, part: str, fmt: str, path) -> ConfigError:
+    """Why an adapter module cannot merge into a quantized checkpoint tensor (the recipe's rule
+    for routed experts)."""
+    if part == "expert":
+        return ConfigError(
+            f"{where}: the routed experts of this checkpoint are {fmt}; expert adapters need BF16 expert "
+            f"weights (the Inkling 2 Small recipe: 'with the NVFP4/MXFP8 experts, use attention-only "
+            f"adapters'). Merge into the BF16 source before converting, or train an attention-only adapter",
+            path=path)
+    return ConfigError(f"{where}: the checkpoint holds this projection quantized ({fmt}); LoRA merges into "
+                       f"unquantized weights only", path=path)

@@ -26,7 +26,7 @@ from ..export import format_of
 from ..formats import FORMATS
 from ..inkling2 import Inkling2Config, classify, experts_module, original_name, transformers_name
 from ..io.safetensors import DTYPE_NAMES, ShardReader, TensorEntry
-from .peft import read_lora
+from .peft import quantized_refusal, read_lora
 from .target import DTYPES, Target, merged_weight
 
 # The attention nn.Linears of Inkling 2 (original names), all mergeable: q/k/v/r are vLLM's packed
@@ -108,14 +108,7 @@ def _mergeable(plan, module: str, where: str):
                           f"does not select it: adapter files do not match", path=plan.adapter.path)
     fmt = _quantized(plan, tensor, t)
     if fmt is not None:
-        if t.part == "expert":
-            raise ConfigError(
-                f"{where}: the routed experts of this checkpoint are {fmt}; expert adapters need BF16 expert "
-                f"weights (the Inkling 2 Small recipe: 'with the NVFP4/MXFP8 experts, use attention-only "
-                f"adapters'). Merge into the BF16 source before converting, or train an attention-only adapter",
-                path=plan.adapter.path)
-        raise ConfigError(f"{where}: the checkpoint holds this projection quantized ({fmt}); LoRA merges into "
-                          f"unquantized weights only", path=plan.adapter.path)
+        raise quantized_refusal(where, t.part, fmt, plan.adapter.path)
     return tensor, param, key, t
 
 
