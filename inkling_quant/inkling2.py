@@ -11,7 +11,7 @@ them). docs/layout.md cites the file and line each rule follows.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -489,3 +489,41 @@ def stacked_of_expert_module(module: str) -> str | None:
     if m is None:
         return None
     return original_name(f"{m.group(1)}.{'down_proj' if m.group(2) == 'down_proj' else 'gate_up_proj'}")
+
+
+# --------------------------------------------------------------------------- ModelOpt's export
+# What NVIDIA ModelOpt's exporter (and `convert --output-format modelopt-hf`) writes for this
+# model: transformers' names, lm_head cut to the unpadded vocabulary, the routed experts as
+# per-expert modules `<experts module>.<e>.<gate_proj|up_proj|down_proj>.<suffix>`, a bundled
+# DSpark draft under its own names.
+_MODELOPT_TENSOR = re.compile(r"model\.language_model\.layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<expert>\d+)\."
+                              r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<suffix>[A-Za-z0-9_]+)")
+
+
+def modelopt_tensor(cfg: Inkling2Config, original: str) -> tuple[str, int | None]:
+    """(name, rows kept or None for all) of the pass-through tensor `original` in ModelOpt's
+    export: transformers' name, the unembedding cut to the rows transformers' lm_head keeps
+    (core_model_loading.py Inkling2UnpadVocab); a draft tensor (not a transformers module)
+    keeps its own name."""
+    if dspark.is_draft(original):
+        return original, None
+    rows = cfg.text.unpadded_vocab_size if original == TEXT_PREFIX + "unembed.weight" else None
+    return transformers_name(original), rows
+
+
+def modelopt_experts_module(layer: int) -> str:
+    """The MoE module of `layer` as ModelOpt's export names it (and its quantization config keys it)."""
+    return transformers_name(f"{experts_module(layer)}.w13_weight").rsplit(".", 1)[0]
+
+
+def classify_modelopt(name: str):
+    """What a tensor of ModelOpt's export is (a `layout.TensorName` under that name): a per-expert
+    module's tensor (part "expert", with layer, expert and projection), else what its original
+    name is. Original-layout names classify as `classify` does."""
+    from .layout import TensorName
+
+    if m := _MODELOPT_TENSOR.fullmatch(name):
+        return TensorName(name, "expert", int(m["layer"]), int(m["expert"]), m["proj"], m["suffix"])
+    if dspark.is_draft(name) or name.startswith((TEXT_PREFIX, VISION_PREFIX)):
+        return classify(name)
+    return replace(classify(original_name(name)), name=name, suffix=name.rsplit(".", 1)[-1])

@@ -11,9 +11,9 @@ from pathlib import Path
 from .. import hub
 from ..errors import CheckpointError, ConfigError, FormatError, InklingQuantError, UsageError, printable
 from ..formats import FORMATS, SCALE_SUFFIXES
-from ..formats.stacked import projection_specs
-from ..formats.stacked import PROJECTIONS
-from ..inkling2 import RELEASE_EXPERT_FORMAT, TEXT_PREFIX, Inkling2Config, Spec, checkpoint_tensors, transformers_name
+from ..formats.stacked import expert_module_specs, projection_specs
+from ..inkling2 import (RELEASE_EXPERT_FORMAT, Inkling2Config, Spec, checkpoint_tensors, modelopt_tensor,
+                        transformers_name)
 from ..inkling2 import classify as classify_original
 from ..io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child, shard_name
 from ..io.safetensors import DTYPE_NAMES, DTYPES, ShardReader
@@ -410,12 +410,10 @@ def expert_modules(src: SrcTensor, proj: str, fmt: str,
                    weight_only: bool) -> list[tuple[int, str, str, tuple[str, str, tuple[int, ...]]]]:
     """(expert, module, suffix, output spec) of every tensor ModelOpt exports for a stacked
     source, in write order: per expert, its modules, each module's tensors in the format's order."""
-    f, mods = FORMATS[fmt], PROJECTIONS[proj]
-    E, rows, cols = src.shape
     prefix = transformers_name(src.name).rsplit(".", 1)[0]  # model.language_model.layers.N.mlp.experts
-    specs = f.out_specs((rows // len(mods), cols), DTYPES[src.dtype], not weight_only)
-    return [(e, m, k, (f"{prefix}.{e}.{m}.{k}", DTYPE_NAMES[o.dtype], tuple(o.shape)))
-            for e in range(E) for m in mods for k, o in specs.items()]
+    specs = expert_module_specs(FORMATS[fmt], proj, src.shape, dtype=DTYPES[src.dtype],
+                                activation_scale=not weight_only)
+    return [(e, m, k, (f"{prefix}.{e}.{m}.{k}", DTYPE_NAMES[o.dtype], tuple(o.shape))) for (e, m, k), o in specs.items()]
 
 
 def _renamed_unit(cfg: Inkling2Config, t: SrcTensor, fmt: str) -> Unit:
@@ -423,14 +421,11 @@ def _renamed_unit(cfg: Inkling2Config, t: SrcTensor, fmt: str) -> Unit:
     the rows transformers' lm_head keeps (core_model_loading.py Inkling2UnpadVocab). A bundled
     DSpark draft, which transformers' model (and so ModelOpt's export) does not have, keeps its
     own names: nothing of the source is dropped."""
-    if t.name == TEXT_PREFIX + "unembed.weight":
-        return Unit((t,), fmt, (None,), (None,), out_name=transformers_name(t.name), rows=cfg.text.unpadded_vocab_size)
     if fmt != "passthrough":  # the schemes quantize routed experts only
         raise UsageError(f"--output-format modelopt-hf quantizes routed experts only; the scheme gives "
                          f"{t.name!r} {fmt}", tensor=t.name)
-    if classify_original(t.name).part == "draft":  # not a transformers module: kept under its own name
-        return Unit((t,), fmt, (None,), (None,), out_name=t.name)
-    return Unit((t,), fmt, (None,), (None,), out_name=transformers_name(t.name))
+    out, rows = modelopt_tensor(cfg, t.name)
+    return Unit((t,), fmt, (None,), (None,), out_name=out, rows=rows)
 
 
 def _group(t: SrcTensor, rec: TensorName, fmt: str, by_name: dict[str, SrcTensor]) -> list[SrcTensor]:

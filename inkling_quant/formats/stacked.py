@@ -77,7 +77,7 @@ from ._cpu import fp32_preimage
 from .nvfp4 import GLOBAL_DIV
 
 __all__ = ["PROJECTIONS", "OUTER_SCALE_DENOMINATOR", "stacked_specs", "projection_specs", "expert_slices",
-           "slab_slices", "slab_modules", "write_expert", "stack_experts", "unstack_expert", "unstack_experts",
+           "slab_slices", "slab_modules", "expert_module_specs", "write_expert", "stack_experts", "unstack_expert", "unstack_experts",
            "value_rule"]
 
 #: stacked projection -> the per-expert modules it holds, in row-interleave order
@@ -131,6 +131,20 @@ def projection_specs(fmt: Format, proj: str, shape: Sequence[int], *, dtype: tor
     inter, hidden = (rows // 2, cols) if proj == "w13" else (cols, rows)
     return stacked_specs(fmt, E, inter, hidden, dtype=dtype, activation_scale=activation_scale, projections=(proj,))
 
+
+
+def expert_module_specs(fmt: Format, proj: str, shape: Sequence[int], *, dtype: torch.dtype = torch.bfloat16,
+                        activation_scale: bool = True) -> dict[tuple[int, str, str], OutSpec]:
+    """(expert, module, suffix) -> OutSpec of ModelOpt's per-expert modules for one stacked
+    source tensor ``<proj>_weight`` of ``shape`` (slab_modules' tensors), in write order: per
+    expert, its modules (PROJECTIONS[proj]), each module's tensors in the format's order."""
+    if proj not in PROJECTIONS or len(shape) != 3 or shape[1] % len(PROJECTIONS[proj]):
+        raise FormatError(f"{proj}_weight of shape {list(shape)} is not a stacked expert tensor "
+                          f"(w13 [E, 2I, H], w2 [E, H, I])")
+    E, rows, cols = shape
+    mods = PROJECTIONS[proj]
+    specs = fmt.out_specs((rows // len(mods), cols), dtype, activation_scale)
+    return {(e, m, k): o for e in range(E) for m in mods for k, o in specs.items()}
 
 def value_rule(fmt: Format, suffix: str) -> str | None:
     """The value rule (formats.VALUE_RULES' key) of a stacked tensor ``<proj>_<suffix>`` of

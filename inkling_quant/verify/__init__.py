@@ -30,7 +30,8 @@ Python: `verify(ckpt, against=...) -> VerifyReport` (`.ok`, `.exit_code`, `.chec
 #   numerics   passthrough (a visitor), numerics[layer L]
 #   integrity  checksums, --write-checksums
 #   published  the published Inkling 2 layout's layout, config expectations and numerics[layer L]
-#              (stacked experts); the steps above dispatch to it on config.json (Conf.published)
+#              (stacked experts, or ModelOpt's per-expert modules under transformers' names:
+#              Conf.modelopt_hf); the steps above dispatch to it on config.json (Conf.published)
 from __future__ import annotations
 
 import argparse

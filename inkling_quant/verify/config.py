@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import InklingQuantError
-from ..export import quantization_problems
+from ..export import modelopt_quantization_config, quantization_problems
 from ..inkling2 import Inkling2Config
 from ..io.checkpoint import HF_QUANT_CONFIG as QUANT_CONFIG
 from ..layout import ModelConfig
@@ -104,9 +104,11 @@ def _check(c: Check, conf: Conf, weight_only: bool, want: dict[str, dict], tenso
     else:
         q = hq["quantization"]
         _check_quant_dict(c, qpath, "quantization", q, want, tensor_of)
-        for k in sorted(set(q) | set(qc) - {"quant_method"}):
-            if k != "quant_method" and q.get(k) != qc.get(k):
-                c.fail(qpath, None, f"quantization.{k} disagrees with config.json quantization_config.{k}")
+        ref, skip = (_modelopt_form(q), set()) if conf.modelopt_hf else (q, {"quant_method"})
+        for k in sorted(set(ref) | set(qc) - skip):
+            if k not in skip and ref.get(k) != qc.get(k):
+                c.fail(qpath, None, f"quantization.{k} disagrees with config.json quantization_config.{k}" +
+                       (" (ModelOpt's form of quantization)" if conf.modelopt_hf else ""))
         if not isinstance(hq.get("producer"), dict):
             c.fail(qpath, None, "missing the 'producer' object")
         conv = hq.get("converter")
@@ -114,6 +116,16 @@ def _check(c: Check, conf: Conf, weight_only: bool, want: dict[str, dict], tenso
             c.fail(qpath, None, f"converter.weight_only is {conv['weight_only']} but the NVFP4 tensors "
                    f"{'lack' if weight_only else 'have'} input_scale")
     c.figures.update(quantized_layers=len(want), weight_only=weight_only)
+
+
+def _modelopt_form(q: dict) -> dict:
+    """config.json's quantization_config as ModelOpt's exporter derives it from hf_quant_config.json's
+    `quantization` (export.modelopt_quantization_config); {} when `q` is too malformed for that
+    (the problems with `q` are reported on their own)."""
+    try:
+        return modelopt_quantization_config(q)
+    except (KeyError, TypeError, AttributeError, ValueError):
+        return {}
 
 
 def _check_quant_dict(c: Check, path: Path, key: str, q: dict, want: dict[str, dict], tensor_of) -> None:

@@ -19,6 +19,7 @@ from ..errors import InklingQuantError
 from ..formats import Format
 from ..inkling2 import Inkling2Config
 from ..inkling2 import classify as classify_published
+from ..inkling2 import classify_modelopt
 from ..io.checkpoint import read_json, safe_child
 from ..io.safetensors import Header, TensorEntry
 from ..layout import ModelConfig, TensorName, TensorSpec, classify, expected_tensors
@@ -89,11 +90,26 @@ class Conf:
         """The published Inkling 2 layout (inkling2.py), not the legacy one (layout.py)."""
         return isinstance(self.cfg, Inkling2Config)
 
+    @functools.cached_property
+    def modelopt_hf(self) -> bool:
+        """The published model as ModelOpt's export writes it (convert --output-format modelopt-hf:
+        transformers' names, per-expert modules): its quantization config keys the experts
+        modules by transformers' names (`model.language_model.layers.N.mlp.experts`)."""
+        if not self.published:
+            return False
+        hq = self.hf_quant.get("quantization") if isinstance(self.hf_quant, dict) else None
+        for q in (self.config.get("quantization_config"), hq):
+            layers = q.get("quantized_layers") if isinstance(q, dict) else None
+            if isinstance(layers, dict) and any(str(k).startswith("model.language_model.") for k in layers):
+                return True
+        return False
+
     def classify(self, name: str) -> TensorName:
         """The layout's classify, memoized for this run (the steps classify the same names)."""
         t = self._names.get(name)
         if t is None:
-            t = self._names[name] = (classify_published if self.published else classify)(name)
+            how = (classify_modelopt if self.modelopt_hf else classify_published) if self.published else classify
+            t = self._names[name] = how(name)
         return t
 
     def format_for(self, t: TensorName) -> Format:
@@ -162,6 +178,7 @@ class Expected:
     tensors: dict[str, Shape] = field(default_factory=dict)      # every expected output tensor
     fmt_of: dict[str, str] = field(default_factory=dict)         # output tensor -> its format
     module_tensors: dict[str, list[str]] = field(default_factory=dict)  # quantized module -> tensors
+    source_of: dict[str, str] = field(default_factory=dict)      # output tensor -> its source tensor, where renamed
 
 
 def expect(files: Files, conf: Conf, source: Source | None) -> Expected:

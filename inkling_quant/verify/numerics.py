@@ -59,13 +59,18 @@ class Passthrough:
     def visit(self, seen: Seen):
         if seen.fmt != "passthrough":
             return None
-        src = self.inv.source.tensors.get(seen.name)
+        renamed = self.inv.expected.source_of.get(seen.name)  # ModelOpt's form: transformers' names
+        src = self.inv.source.tensors.get(renamed or seen.name)
         e = seen.entry
         if src is None:
-            self.check.fail(seen.path, seen.name, "pass-through tensor has no counterpart in the source")
+            self.check.fail(seen.path, seen.name, "pass-through tensor has no counterpart in the source" +
+                            (f" ({renamed})" if renamed else ""))
             return None
-        if (src.entry.dtype, src.entry.shape) != (e.dtype, e.shape):
-            self.check.fail(seen.path, seen.name, f"is {DTYPE_NAMES[e.dtype]} {list(e.shape)}, the source has "
+        got, has = tuple(e.shape), tuple(src.entry.shape)
+        prefix = renamed is not None and got[1:] == has[1:] and got and 0 < got[0] <= has[0]  # lm_head: the first rows
+        if src.entry.dtype != e.dtype or not (got == has or prefix):
+            self.check.fail(seen.path, seen.name, f"is {DTYPE_NAMES[e.dtype]} {list(e.shape)}, the source"
+                            f"{f' ({renamed})' if renamed else ''} has "
                             f"{DTYPE_NAMES[src.entry.dtype]} {list(src.entry.shape)}")
             return None
         return _SameBytes(self, seen, src)

@@ -12,6 +12,13 @@ Where the tensors are exactly one format's, the layout follows them and the conf
 the declaration that disagrees; a scheme given by --scheme or recorded by the converter must
 agree with them too. Everything else passes through: the source's name, shape and dtype.
 
+ModelOpt's form of the same model (convert --output-format modelopt-hf; `Conf.modelopt_hf`: its
+quantization config keys the experts modules by transformers' names) is checked the same way
+under that form's names: pass-through tensors renamed (`inkling2.modelopt_tensor`, lm_head cut to
+the unpadded vocabulary; `Expected.source_of` maps them back for `passthrough`), each layer's
+experts as per-expert modules (`formats.stacked.expert_module_specs`) compared in `numerics`
+with the source's rows (gate = w13[e, 0::2], up = w13[e, 1::2], down = w2[e]).
+
 The other checks are the legacy layout's, unchanged: index and headers, the single read (value
 rules per tensor suffix, formats.value_rules; pass-through bytes against the source), checksums.
 The legacy `gate_up` check has no counterpart: the stacked form stores one global scale per
@@ -25,8 +32,9 @@ import torch
 from ..errors import FormatError, InklingQuantError
 from ..export import format_of, read_quantization
 from ..formats import FORMATS, Format
-from ..formats.stacked import PROJECTIONS, projection_specs, unstack_expert
-from ..inkling2 import RELEASE_EXPERT_FORMAT, checkpoint_tensors, experts_module
+from ..formats.stacked import PROJECTIONS, expert_module_specs, projection_specs, unstack_expert
+from ..inkling2 import (RELEASE_EXPERT_FORMAT, checkpoint_tensors, experts_module, modelopt_experts_module,
+                        modelopt_tensor)
 from ..io.checkpoint import INDEX_NAME
 from ..io.safetensors import DTYPE_NAMES
 from ..layout import natural_key
@@ -61,8 +69,9 @@ def check_layout(run: Recorder, files: Files, conf: Conf, source: Source | None)
 
 
 def _check(c: Check, files: Files, conf: Conf, source: Source | None) -> Expected:
-    declared = _declared(conf)
+    declared, hf = _declared(conf), conf.modelopt_hf
     rest: dict[str, Shape] = {}
+    source_of: dict[str, str] = {}  # ModelOpt's form: output name -> source name
     layers: dict[int, Sources] = {}
     bound = 4 * (len(files.weight_map) or len(files.tensors)) + 64
     for k, s in enumerate(checkpoint_tensors(conf.cfg)):
@@ -71,25 +80,33 @@ def _check(c: Check, files: Files, conf: Conf, source: Source | None) -> Expecte
                    f"checkpoint holds {len(files.tensors)}: they disagree (layer counts?); not checked tensor by tensor")
             return Expected(DISAGREES)
         t = conf.classify(s.name)
-        dtype = _source_dtype(s.name, s.dtype, files, source)
+        out, rows = modelopt_tensor(conf.cfg, s.name) if hf and t.part != "expert" else (s.name, None)
+        dtype = _source_dtype(s.name, out, s.dtype, files, source)
         if t.part == "expert":
             layers.setdefault(t.layer, {})[t.projection] = (s.name, s.shape, dtype)
         else:
-            rest[s.name] = (tuple(s.shape), dtype)
+            rest[out] = ((rows, *s.shape[1:]) if rows is not None else tuple(s.shape), dtype)
+            if out != s.name:
+                source_of[out] = s.name
     held = _held_by_layer(files)
-    fmts = {i: _layer_format(c, files, conf, i, srcs, held.get(experts_module(i), {}), declared(i))
+    fmts = {i: _layer_format(c, files, conf, i, srcs, held.get(_module(conf, i), {}), declared(i))
             for i, srcs in layers.items()}
     weight_only = _weight_only(conf, layers, fmts, held)
     tensors, fmt_of, module_tensors = dict(rest), dict.fromkeys(rest, _PASS.name), {}
     for i, srcs in layers.items():
-        want = {f"{experts_module(i)}.{k}": v for k, v in _stacked(srcs, fmts[i], not weight_only, conf).items()}
+        want = {f"{_module(conf, i)}.{k}": v for k, v in _stacked(srcs, fmts[i], not weight_only, conf, hf).items()}
         tensors.update(want)
         fmt_of.update(dict.fromkeys(want, fmts[i].name))
         if fmts[i] is not _PASS:
-            module_tensors[experts_module(i)] = list(want)
-    expected = Expected(CHECKED, weight_only, (), tensors, fmt_of, module_tensors)
+            module_tensors[_module(conf, i)] = list(want)
+    expected = Expected(CHECKED, weight_only, (), tensors, fmt_of, module_tensors, source_of)
     _compare(c, files, conf, expected)
     return expected
+
+
+def _module(conf: Conf, layer: int) -> str:
+    """Layer `layer`'s experts module as the checkpoint names it (ModelOpt's form: transformers' name)."""
+    return modelopt_experts_module(layer) if conf.modelopt_hf else experts_module(layer)
 
 
 def _declared(conf: Conf) -> Callable[[int], Format]:
@@ -105,23 +122,24 @@ def _declared(conf: Conf) -> Callable[[int], Format]:
 
     def of(i: int) -> Format:
         try:
-            return format_of(q, experts_module(i)) or _PASS
+            return format_of(q, _module(conf, i)) or _PASS
         except (TypeError, AttributeError):  # exclude_modules of the wrong types: the config check says so
             return _PASS
     return of
 
 
-def _source_dtype(name: str, dtype: torch.dtype, files: Files, source: Source | None) -> torch.dtype:
-    """The dtype the source holds `name` in: the source's (--against), else the stored one where
-    a source may hold it (pass-through keeps it), else the layout's."""
+def _source_dtype(name: str, out: str, dtype: torch.dtype, files: Files, source: Source | None) -> torch.dtype:
+    """The dtype the source holds `name` in: the source's (--against), else the one stored (as
+    `out`) where a source may hold it (pass-through keeps it), else the layout's."""
     if source is not None and name in source.tensors:
         return source.tensors[name].entry.dtype
-    got = files.tensors.get(name)
+    got = files.tensors.get(out)
     return got.entry.dtype if got is not None and got.entry.dtype in _PASS.source_dtypes else dtype
 
 
 def _held_by_layer(files: Files) -> dict[str, dict[str, Shape]]:
-    """experts module -> {stacked key (`w13_weight_scale`...): (shape, dtype)} as the headers hold them."""
+    """experts module -> {stacked key (`w13_weight_scale`...; ModelOpt's form: `<e>.gate_proj.weight`...):
+    (shape, dtype)} as the headers hold them."""
     out: dict[str, dict[str, Shape]] = {}
     for n, where in files.tensors.items():
         head, sep, key = n.partition(_EXPERTS)
@@ -130,13 +148,19 @@ def _held_by_layer(files: Files) -> dict[str, dict[str, Shape]]:
     return out
 
 
-def _stacked(srcs: Sources, fmt: Format, activation_scale: bool, conf: Conf | None = None) -> dict[str, Shape]:
-    """{stacked key: (shape, dtype)} of one layer's experts in `fmt`. FormatError (naming the
-    source tensor) when the format cannot hold the config's shapes."""
+def _stacked(srcs: Sources, fmt: Format, activation_scale: bool, conf: Conf | None = None,
+             per_expert: bool = False) -> dict[str, Shape]:
+    """{stacked key: (shape, dtype)} of one layer's experts in `fmt`; `per_expert`: ModelOpt's
+    per-expert modules (`<e>.<module>.<suffix>`). FormatError (naming the source tensor) when the
+    format cannot hold the config's shapes."""
     out: dict[str, Shape] = {}
     for proj, (name, shape, dtype) in srcs.items():
         try:
-            specs = projection_specs(fmt, proj, shape, dtype=dtype, activation_scale=activation_scale)
+            if per_expert:
+                specs = {f"{e}.{m}.{k}": o for (e, m, k), o in
+                         expert_module_specs(fmt, proj, shape, dtype=dtype, activation_scale=activation_scale).items()}
+            else:
+                specs = projection_specs(fmt, proj, shape, dtype=dtype, activation_scale=activation_scale)
         except FormatError as e:
             if conf is None:
                 raise
@@ -146,13 +170,13 @@ def _stacked(srcs: Sources, fmt: Format, activation_scale: bool, conf: Conf | No
     return out
 
 
-def _stored(srcs: Sources, held: dict[str, Shape]) -> Format | None:
-    """The format whose stacked tensors (with or without an activation scale) the layer holds
-    exactly, or None."""
+def _stored(srcs: Sources, held: dict[str, Shape], per_expert: bool) -> Format | None:
+    """The format whose stacked (or per-expert) tensors, with or without an activation scale, the
+    layer holds exactly, or None."""
     for fmt in FORMATS.values():
         for act in (True, False) if fmt.static_activation_scale else (True,):
             try:
-                if _stacked(srcs, fmt, act) == held:
+                if _stacked(srcs, fmt, act, per_expert=per_expert) == held:
                     return fmt
             except FormatError:
                 break
@@ -163,12 +187,13 @@ def _layer_format(c: Check, files: Files, conf: Conf, layer: int, srcs: Sources,
                   declared: Format) -> Format:
     """The format layer `layer`'s experts are checked as: the one their tensors are, else the
     declared one. A scheme given (--scheme, the converter's record) must agree with the tensors."""
-    stored = _stored(srcs, held)
+    stored = _stored(srcs, held, conf.modelopt_hf)
     if stored is not None and conf.scheme_given:
         name = srcs["w13"][0]
         prescribed = conf.format_for(conf.classify(name))
         if prescribed is not stored:
-            c.fail(conf.root / files.tensors[name].shard, name,
+            where = files.tensors.get(name) or files.tensors.get(f"{_module(conf, layer)}.0.gate_proj.weight")
+            c.fail(conf.root / (where.shard if where else INDEX_NAME), name,
                    f"the experts of layer {layer} are stored as {stored.name}; scheme {conf.scheme.name!r} "
                    f"prescribes {prescribed.name}")
     return stored or declared
@@ -181,8 +206,9 @@ def _weight_only(conf: Conf, layers: dict[int, Sources], fmts: dict[int, Format]
     with_scale = without = 0
     for i, fmt in fmts.items():
         if fmt.static_activation_scale:
-            act = set(_stacked(layers[i], fmt, True, conf)) - set(_stacked(layers[i], fmt, False, conf))
-            if act & set(held.get(experts_module(i), {})):
+            hf = conf.modelopt_hf
+            act = set(_stacked(layers[i], fmt, True, conf, hf)) - set(_stacked(layers[i], fmt, False, conf, hf))
+            if act & set(held.get(_module(conf, i), {})):
                 with_scale += 1
             else:
                 without += 1
@@ -231,7 +257,10 @@ def quantized_layers(expected: Expected) -> dict[str, dict] | None:
 
 
 def named_tensor(module: str) -> str:
-    """The tensor a config problem about an experts module names: its stacked w13."""
+    """The tensor a config problem about an experts module names: its stacked w13 (ModelOpt's
+    form: its first expert's gate_proj weight)."""
+    if module.startswith("model.language_model."):
+        return f"{module}.0.gate_proj.weight"
     return f"{module}.w13_weight"
 
 
@@ -250,7 +279,7 @@ def check_numerics(run: Recorder, inv: Inventory, sample: int, device: str) -> N
     try:
         with torch_threads(1 if small else torch.get_num_threads()):
             for layer in range(t.num_hidden_layers):
-                names = inv.expected.module_tensors.get(experts_module(layer))
+                names = inv.expected.module_tensors.get(_module(inv.conf, layer))
                 if names:
                     c = run.new(f"numerics[layer {layer}]", "numerics",
                                 f"layer {layer}: sampled experts' dequant-GEMM vs the BF16 source")
@@ -262,16 +291,14 @@ def check_numerics(run: Recorder, inv: Inventory, sample: int, device: str) -> N
 def _check_layer(run: Recorder, c: Check, inv: Inventory, gemm: Gemm, layer: int, names: list[str],
                  sources: dict[str, tuple[int, ...]], sample: int) -> None:
     fmt, prefix = FORMATS[inv.expected.fmt_of[names[0]]], experts_module(layer) + "."
+    hf = _module(inv.conf, layer) + "." if inv.conf.modelopt_hf else None  # ModelOpt's per-expert modules
     if not _readable(c, inv, prefix, names, sources):
         return
     experts = sample_experts(layer, inv.conf.cfg.text.n_routed_experts, sample)
     worst_err, worst_cos, compared = 0.0, 1.0, 0
     for e in experts:
-        got = {n[len(prefix):]: _reader(gemm, inv, n).get_slice(n, e).unsqueeze(0) for n in names}
-        try:
-            per = unstack_expert(fmt, got, 0)
-        except FormatError as err:  # a scale the format cannot read back (a bad input_amax)
-            c.fail(inv.root / inv.files.tensors[names[0]].shard, names[0], f"expert {e}: {err.message}")
+        per = _per_expert(inv, gemm, names, hf, e) if hf else _unstacked(c, inv, gemm, fmt, names, prefix, e)
+        if per is None:
             continue
         for proj, mods in PROJECTIONS.items():
             sname = f"{prefix}{proj}_weight"
@@ -279,17 +306,19 @@ def _check_layer(run: Recorder, c: Check, inv: Inventory, gemm: Gemm, layer: int
             for i, mod in enumerate(mods):
                 rel, cos = gemm.errors(f"{prefix}{e}.{mod}", w[i::len(mods)], per[mod], fmt)
                 ok = rel <= fmt.max_rel_error and cos >= fmt.min_cosine
-                run.report.numerics.append({"tensor": sname, "expert": e, "module": mod, "format": fmt.name,
+                tensor, scale = (f"{hf}{e}.{mod}.weight", f"{hf}{e}.{mod}.weight_scale") if hf else \
+                    (sname, f"{prefix}{proj}_weight_scale")
+                run.report.numerics.append({"tensor": tensor, "expert": e, "module": mod, "format": fmt.name,
                                             "layer": layer, "rel_error": rel, "cosine": cos,
                                             "max_rel_error": fmt.max_rel_error, "min_cosine": fmt.min_cosine,
-                                            "pass": ok, "shard": inv.files.tensors[sname].shard})
+                                            "pass": ok, "shard": inv.files.tensors[tensor].shard})
                 worst_err, worst_cos, compared = max(worst_err, rel), min(worst_cos, cos), compared + 1
                 if not ok:
-                    scale = f"{prefix}{proj}_weight_scale"
+                    what = f"its {mod} tensors" if hf else f"expert {e}'s slices of the stacked {proj} tensors"
                     c.fail(inv.root / inv.files.tensors[scale].shard, scale,
-                           f"expert {e} {mod} ({fmt.name}) y = x @ W^T vs the BF16 source: relative error "
-                           f"{rel:.4g} (max {fmt.max_rel_error:g}), cosine {cos:.6f} (min {fmt.min_cosine:g}): "
-                           f"expert {e}'s slices of the stacked {proj} tensors do not reproduce the source")
+                           f"expert {e} {mod} ({fmt.name}) y = x @ W^T vs the BF16 source (rows of {sname}): "
+                           f"relative error {rel:.4g} (max {fmt.max_rel_error:g}), cosine {cos:.6f} "
+                           f"(min {fmt.min_cosine:g}): {what} do not reproduce the source")
     c.figures.update(tensors=compared, worst_rel_error=worst_err, worst_cosine=worst_cos, experts=experts)
 
 
@@ -303,6 +332,27 @@ def _source_slab(gemm: Gemm, inv: Inventory, sname: str, e: int) -> torch.Tensor
         return w
     s = gemm.reader(inv.source.root, inv.source.headers, scale.shard).get_slice(sname + "_scale", e)
     return FORMATS[RELEASE_EXPERT_FORMAT].dequantize({"weight": w, "weight_scale": s}, torch.float32)
+
+
+def _unstacked(c: Check, inv: Inventory, gemm: Gemm, fmt: Format, names: list[str], prefix: str,
+               e: int) -> dict[str, dict[str, torch.Tensor]] | None:
+    """Expert `e`'s modules from its slices of the stacked tensors (None: recorded in `c`)."""
+    got = {n[len(prefix):]: _reader(gemm, inv, n).get_slice(n, e).unsqueeze(0) for n in names}
+    try:
+        return unstack_expert(fmt, got, 0)
+    except FormatError as err:  # a scale the format cannot read back (a bad input_amax)
+        c.fail(inv.root / inv.files.tensors[names[0]].shard, names[0], f"expert {e}: {err.message}")
+        return None
+
+
+def _per_expert(inv: Inventory, gemm: Gemm, names: list[str], prefix: str, e: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Expert `e`'s modules as ModelOpt's export stores them: module -> suffix -> tensor."""
+    head, out = f"{prefix}{e}.", {}
+    for n in names:
+        if n.startswith(head):
+            mod, suffix = n[len(head):].split(".", 1)
+            out.setdefault(mod, {})[suffix] = _reader(gemm, inv, n).get(n)
+    return out
 
 
 def _reader(gemm: Gemm, inv: Inventory, name: str):
