@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from inkling_quant import budget
+from inkling_quant import plan_cmd
 from inkling_quant.budget import GB, GiB, plan, recipe_rows
 from inkling_quant.errors import ConfigError, UsageError
 from inkling_quant.formats import FORMATS
@@ -235,8 +235,8 @@ def test_bad_parallelism_and_arguments(ref):
 
 def run_cli(*argv) -> int:
     p = argparse.ArgumentParser()
-    budget.add_arguments(p)
-    return budget.run(p.parse_args(list(argv)))
+    plan_cmd.add_arguments(p)
+    return plan_cmd.run(p.parse_args(list(argv)))
 
 
 def test_bad_config_is_a_config_error_naming_the_key(tmp_path):
