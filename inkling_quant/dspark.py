@@ -40,6 +40,7 @@ from typing import Iterator
 
 import torch
 
+from .config_fields import MAX_LAYERS, ConfigFields
 from .errors import ConfigError, UnknownTensorError
 from .errors import short_repr as _short
 from .tensors import TensorName, TensorSpec
@@ -56,7 +57,6 @@ ROPE_THETA = 1000000.0           # DFlashQwen3DecoderLayer's default (qwen3_dfla
 DRAFT_DEFAULTS = {"num_hidden_layers": 5, "block_size": 7, "num_aux_layers": 5, "markov_rank": 256,
                   "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True}
 
-_MAX_DIM, _MAX_LAYERS = 1 << 24, 1 << 12
 
 
 def is_draft(name: str) -> bool:
@@ -86,27 +86,27 @@ class DSparkConfig:
 
     @classmethod
     def from_dict(cls, d, source: str = "draft config.json", where: str = "") -> "DSparkConfig":
-        r = _Reader(d, where, source)
+        r = ConfigFields(d, where, source)
         if r.need("speculators_model_type") != SPECULATORS_TYPE:  # base.py:51-56
             raise ConfigError(f"{where}speculators_model_type must be {SPECULATORS_TYPE!r}, "
                               f"got {_short(d['speculators_model_type'])}", path=source)
-        spec = _Reader(r.need("speculators_config"), where + "speculators_config.", source)  # base.py:77-94
+        spec = ConfigFields(r.need("speculators_config"), where + "speculators_config.", source)  # base.py:77-94
         methods = spec.need("proposal_methods")
         if not isinstance(methods, list) or not methods:
             raise ConfigError(f"{where}speculators_config.proposal_methods must be a non-empty list", path=source)
-        _Reader(methods[0], where + "speculators_config.proposal_methods[0].", source).int("speculative_tokens")
-        name = _Reader(spec.need("verifier"), where + "speculators_config.verifier.", source).need("name_or_path")
+        ConfigFields(methods[0], where + "speculators_config.proposal_methods[0].", source).int("speculative_tokens")
+        name = ConfigFields(spec.need("verifier"), where + "speculators_config.verifier.", source).need("name_or_path")
         if not isinstance(name, str):
             raise ConfigError(f"{where}speculators_config.verifier.name_or_path must be a string", path=source)
-        t = _Reader(r.need("transformer_layer_config"), where + "transformer_layer_config.", source)
+        t = ConfigFields(r.need("transformer_layer_config"), where + "transformer_layer_config.", source)
         hidden, heads = t.int("hidden_size"), t.int("num_attention_heads")
         vocab = t.int("vocab_size")
         ids = r.need("aux_hidden_state_layer_ids")  # algos.py:192 (required)
-        if not isinstance(ids, list) or not ids or not all(type(i) is int and 0 <= i <= _MAX_LAYERS for i in ids):
+        if not isinstance(ids, list) or not ids or not all(type(i) is int and 0 <= i <= MAX_LAYERS for i in ids):
             raise ConfigError(f"{where}aux_hidden_state_layer_ids must be a non-empty list of layer numbers, "
                               f"got {_short(ids)}", path=source)
         return cls(
-            hidden_size=hidden, num_hidden_layers=t.int("num_hidden_layers", hi=_MAX_LAYERS),
+            hidden_size=hidden, num_hidden_layers=t.int("num_hidden_layers", hi=MAX_LAYERS),
             num_attention_heads=heads, num_key_value_heads=t.int("num_key_value_heads"),
             head_dim=t.int("head_dim", hidden // heads or 1),  # qwen3_dflash.py:199
             intermediate_size=t.int("intermediate_size"), vocab_size=vocab,
@@ -135,33 +135,6 @@ class DSparkConfig:
         if list(ids) != sorted(set(ids)) or ids[-1] > text.num_hidden_layers:
             raise ConfigError(f"{where}aux_hidden_state_layer_ids {list(ids)} must be strictly increasing, each at "
                               f"most num_hidden_layers ({text.num_hidden_layers})", path=source)
-
-
-class _Reader:
-    """Typed, bounded reads of one (untrusted) config object; every defect names the key."""
-
-    def __init__(self, obj, where: str, source: str):
-        if not isinstance(obj, dict):
-            raise ConfigError(f"{where.rstrip('.') or 'config'} must be a JSON object, got {_short(obj)}", path=source)
-        self.obj, self.where, self.source = obj, where, source
-
-    def need(self, key: str):
-        if key not in self.obj:
-            raise ConfigError(f"missing key {self.where}{key}", path=self.source)
-        return self.obj[key]
-
-    def int(self, key: str, default: int | None = None, hi: int = _MAX_DIM) -> int:
-        v = self.obj.get(key, default) if default is not None else self.need(key)
-        if type(v) is not int or not 1 <= v <= hi:  # not bool, not 64.0, not "64"
-            raise ConfigError(f"{self.where}{key} must be an integer between 1 and {hi}, got {_short(v)}",
-                              path=self.source)
-        return v
-
-    def bool(self, key: str, default: bool) -> bool:
-        v = self.obj.get(key, default)
-        if not isinstance(v, bool):
-            raise ConfigError(f"{self.where}{key} must be true or false, got {_short(v)}", path=self.source)
-        return v
 
 
 # --------------------------------------------------------------------------- config
@@ -247,7 +220,8 @@ def param_count(d: DSparkConfig) -> int:
     return sum(s.numel for s in draft_tensors(d))
 
 
-_NAME = re.compile(re.escape(PREFIX) + r"(?:layers\.(?P<layer>\d+)\.)?(?P<module>[A-Za-z0-9_.]+?)\.(?P<suffix>weight|bias)")
+_NAME = re.compile(re.escape(PREFIX)
+                   + r"(?:layers\.(?P<layer>\d+)\.)?(?P<module>[A-Za-z0-9_.]+?)\.(?P<suffix>weight|bias)")
 
 
 def classify(name: str) -> TensorName:

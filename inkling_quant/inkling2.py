@@ -3,10 +3,10 @@
 The source of truth is transformers >= 5.24 (line numbers below: 5.25.0), `models/inkling2/`
 (configuration_inkling2.py, modeling_inkling2.py) and `conversion_mapping.py` (entries
 "inkling2" / "inkling2_text", which map the original on-disk names to transformers' names;
-`save_pretrained` writes the original names back). `Inkling2Config` reads a config.json as those classes write it (`text_config` and
-`vision_config` nested); `checkpoint_tensors(cfg)` lists every tensor, with shape and dtype, that
-`Inkling2ForConditionalGeneration(cfg).save_pretrained` writes (tests/test_inkling2.py compares
-them). docs/layout.md cites the file and line each rule follows.
+`save_pretrained` writes the original names back). `Inkling2Config` reads a config.json as those
+classes write it (`text_config` and `vision_config` nested); `checkpoint_tensors(cfg)` lists every
+tensor, with shape and dtype, that `Inkling2ForConditionalGeneration(cfg).save_pretrained` writes
+(tests/test_inkling2.py compares them). docs/layout.md cites the file and line each rule follows.
 """
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ from typing import Iterator
 import torch
 
 from . import dspark
+from .config_fields import MAX_LAYERS, ConfigFields
 from .errors import ConfigError, UnknownTensorError
 from .tensors import TensorName
-from .tensors import TensorSpec as Spec
 from .errors import short_repr as _short
+from .tensors import TensorSpec as Spec
 
 REFERENCE_CONFIG = Path(__file__).parent / "configs" / "inkling-2-small.json"
 
@@ -35,40 +36,9 @@ VISION_PREFIX = "model.visual."
 BF16, FP32 = torch.bfloat16, torch.float32
 
 # Bounds on config values: a config is untrusted input, and shapes and loops come from it.
-_MAX_DIM = 1 << 24
-_MAX_LAYERS = 1 << 12
 _MAX_EXPERT_MODULES = 1 << 20
-_LIMITS = {"num_hidden_layers": _MAX_LAYERS, "n_routed_experts": 1 << 16, "max_position_embeddings": 1 << 40,
+_LIMITS = {"num_hidden_layers": MAX_LAYERS, "n_routed_experts": 1 << 16, "max_position_embeddings": 1 << 40,
            "sliding_window_size": 1 << 40, "rel_extent": 1 << 40}
-
-
-class _Reader:
-    """Typed, bounded reads of one (untrusted) config object; every defect names the key."""
-
-    def __init__(self, obj, where: str, source: str):
-        if not isinstance(obj, dict):
-            raise ConfigError(f"{where or 'config'} must be a JSON object, got {_short(obj)}", path=source)
-        self.obj, self.where, self.source = obj, where, source
-
-    def need(self, key: str):
-        if key not in self.obj:
-            raise ConfigError(f"missing key {self.where}{key!r}", path=self.source)
-        return self.obj[key]
-
-    def int(self, key: str, default=None, lo: int = 1) -> int:
-        v = self.obj.get(key, default) if default is not None else self.need(key)
-        hi = _LIMITS.get(key, _MAX_DIM)
-        if type(v) is not int:  # not bool, not 4096.0, not "4096"
-            raise ConfigError(f"{self.where}{key} must be an integer, got {_short(v)}", path=self.source)
-        if not lo <= v <= hi:
-            raise ConfigError(f"{self.where}{key} must be between {lo} and {hi}, got {_short(v)}", path=self.source)
-        return v
-
-    def bool(self, key: str, default: bool) -> bool:
-        v = self.obj.get(key, default)
-        if not isinstance(v, bool):
-            raise ConfigError(f"{self.where}{key} must be true or false, got {_short(v)}", path=self.source)
-        return v
 
 
 def default_layer_types(num_layers: int) -> list[str]:
@@ -148,8 +118,8 @@ class Inkling2Config:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "Inkling2Config":
-        top = _Reader(d, "", source)
-        t = _Reader(top.need("text_config"), "text_config.", source)
+        top = ConfigFields(d, "", source, _LIMITS)
+        t = ConfigFields(top.need("text_config"), "text_config.", source, _LIMITS)
         n = t.int("num_hidden_layers")
         types = t.need("layer_types")
         if not isinstance(types, list) or not all(isinstance(x, str) for x in types):
@@ -174,7 +144,7 @@ class Inkling2Config:
                               f"{_MAX_EXPERT_MODULES} expert modules", path=source)
         vision = None
         if d.get("vision_config") is not None:
-            v = _Reader(d["vision_config"], "vision_config.", source)
+            v = ConfigFields(d["vision_config"], "vision_config.", source, _LIMITS)
             vd = {k: v.int(k) for k in VisionConfig.__dataclass_fields__ if k != "projector_bias"}
             vision = VisionConfig(projector_bias=v.bool("projector_bias", False), **vd)
             if vision.text_hidden_size != text.hidden_size:  # Inkling2Config.validate_architecture

@@ -11,7 +11,8 @@ PKG = Path(__file__).resolve().parents[1] / "inkling_quant"
 
 # bottom to top; a module's layer is that of the longest prefix listed; the rest are commands
 LAYERS = [
-    ("inkling_quant", "inkling_quant.errors", "inkling_quant.cli_common", "inkling_quant.tensors"),
+    ("inkling_quant", "inkling_quant.errors", "inkling_quant.cli_common", "inkling_quant.tensors",
+     "inkling_quant.config_fields"),
     ("inkling_quant.io", "inkling_quant.hub"),
     ("inkling_quant.formats",),
     ("inkling_quant.layout", "inkling_quant.inkling2", "inkling_quant.dspark", "inkling_quant.kernels"),

@@ -1,0 +1,40 @@
+"""Checked reads of an untrusted config object (config.json and the configs nested in it): every
+value typed and bounded before a shape or a loop is derived from it, every defect a ConfigError
+naming the file and the key. Used by inkling2 (the model's config) and dspark (the draft's)."""
+from __future__ import annotations
+
+from .errors import ConfigError
+from .errors import short_repr as _short
+
+MAX_DIM = 1 << 24      # any one tensor dimension (vocab, hidden, heads, ...)
+MAX_LAYERS = 1 << 12   # decoder layers, vision layers, draft layers
+
+
+class ConfigFields:
+    """One config object at `where` (a key path such as "text_config.") in the file `source`.
+    `limits` bounds named integer keys (default bound: MAX_DIM)."""
+
+    def __init__(self, obj, where: str, source: str, limits: dict[str, int] | None = None):
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{where.rstrip('.') or 'config'} must be a JSON object, got {_short(obj)}", path=source)
+        self.obj, self.where, self.source, self.limits = obj, where, source, limits or {}
+
+    def need(self, key: str):
+        if key not in self.obj:
+            raise ConfigError(f"missing key {self.where}{key!r}", path=self.source)
+        return self.obj[key]
+
+    def int(self, key: str, default: int | None = None, lo: int = 1, hi: int | None = None) -> int:
+        v = self.obj.get(key, default) if default is not None else self.need(key)
+        hi = hi if hi is not None else self.limits.get(key, MAX_DIM)
+        if type(v) is not int:  # not bool, not 4096.0, not "4096"
+            raise ConfigError(f"{self.where}{key} must be an integer, got {_short(v)}", path=self.source)
+        if not lo <= v <= hi:
+            raise ConfigError(f"{self.where}{key} must be between {lo} and {hi}, got {_short(v)}", path=self.source)
+        return v
+
+    def bool(self, key: str, default: bool) -> bool:
+        v = self.obj.get(key, default)
+        if not isinstance(v, bool):
+            raise ConfigError(f"{self.where}{key} must be true or false, got {_short(v)}", path=self.source)
+        return v
