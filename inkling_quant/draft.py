@@ -32,7 +32,7 @@ from .io.safetensors import DTYPE_NAMES, ShardWriter, TensorBuffer, TensorEntry
 from .io.shards import ShardReaders, plan_shards
 from .inkling2 import TEXT_PREFIX, Inkling2Config
 from .inkling2 import classify as classify_original
-from .layout import DraftConfig, ModelConfig, TensorSpec, classify, draft_tensors
+from .layout import DraftConfig, ModelConfig, TensorSpec, classify, draft_tensors, model_config
 
 DRAFT_PREFIX = "dspark."
 DRAFT_ARCHITECTURES = ["DSparkDrafter"]
@@ -64,8 +64,8 @@ def open_source(src: str | Path) -> Source:
     headers = ckpt.headers()
     config_path = safe_child(ckpt.root, "config.json")
     config = read_json(config_path, "config.json")
-    original = Inkling2Config.describes(config)
-    cfg = (Inkling2Config if original else ModelConfig).from_dict(config, str(config_path))
+    cfg = model_config(config, str(config_path))
+    original = isinstance(cfg, Inkling2Config)
     draft = [(s, e) for s in ckpt.shards for e in headers[s].tensors.values() if is_draft(e.name)]
     if cfg.draft is None:
         if draft:

@@ -490,8 +490,6 @@ def classify_modelopt(name: str):
     """What a tensor of ModelOpt's export is (a `layout.TensorName` under that name): a per-expert
     module's tensor (part "expert", with layer, expert and projection), else what its original
     name is. Original-layout names classify as `classify` does."""
-    from .layout import TensorName
-
     if m := _MODELOPT_TENSOR.fullmatch(name):
         return TensorName(name, "expert", int(m["layer"]), int(m["expert"]), m["proj"], m["suffix"])
     if dspark.is_draft(name) or name.startswith((TEXT_PREFIX, VISION_PREFIX)):

@@ -34,7 +34,7 @@ from .inkling2 import classify as classify_original
 from .io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child
 from .io.output import check_paths, write_report
 from .io.safetensors import TensorEntry
-from .layout import ModelConfig, TensorName, classify, expert_shape, source_spec
+from .layout import ModelConfig, TensorName, classify, expert_shape, model_config, source_spec
 
 WEIGHT_SUFFIXES = ("weight",) + SCALE_SUFFIXES
 UNRECOGNIZED = "unrecognized"
@@ -108,9 +108,9 @@ def summarize(root: str | Path) -> Summary:
     ckpt = Checkpoint.open(root)
     path = safe_child(root, CONFIG_NAME)
     raw = read_json(path, CONFIG_NAME, ConfigError)
-    if Inkling2Config.describes(raw):
-        return summarize_original(root, ckpt, Inkling2Config.from_dict(raw, str(path)))
-    cfg = ModelConfig.from_dict(raw, str(path))
+    cfg = model_config(raw, str(path))
+    if isinstance(cfg, Inkling2Config):
+        return summarize_original(root, ckpt, cfg)
     headers = ckpt.headers()
     entries = [e for h in headers.values() for e in h.tensors.values()]
     q = read_quantization(root, cfg.raw)

@@ -19,6 +19,7 @@ import torch
 from .errors import ConfigError, UnknownTensorError
 from .errors import short_repr as _short
 from .formats import SCALE_SUFFIXES
+from .inkling2 import Inkling2Config
 from .tensors import TensorName, TensorSpec  # noqa: F401 (the commands import them from here too)
 
 # the invented layout the commands still use until they move to inkling2 (issue 14)
@@ -191,6 +192,12 @@ class ModelConfig:
     @cached_property
     def full_attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_hidden_layers) if self.is_full_attention(i))
+
+
+def model_config(d: dict, source: str) -> "ModelConfig | Inkling2Config":
+    """A checkpoint's config.json in either layout: the published model's when it nests
+    `text_config` (inkling2), else the legacy layout's. The one place a command decides which."""
+    return Inkling2Config.from_dict(d, source) if Inkling2Config.describes(d) else ModelConfig.from_dict(d, source)
 
 
 # --------------------------------------------------------------------------- names

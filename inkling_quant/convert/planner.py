@@ -18,7 +18,8 @@ from ..inkling2 import classify as classify_original
 from ..io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child, shard_name
 from ..io.safetensors import DTYPE_NAMES, DTYPES, ShardReader
 from ..io.shards import ShardReaders, plan_shards
-from ..layout import FUSED_PROJECTIONS, ModelConfig, TensorName, classify, expected_tensors, source_spec, source_tensor_count
+from ..layout import (FUSED_PROJECTIONS, ModelConfig, TensorName, classify, expected_tensors, model_config, source_spec,
+                      source_tensor_count)
 from ..schemes import Scheme
 
 FLOAT_SOURCES = FORMATS["passthrough"].source_dtypes
@@ -111,7 +112,7 @@ def load_config(root: Path) -> ModelConfig | Inkling2Config:
     """The source's config.json: the published model's (text_config nested) or the legacy layout's."""
     path = safe_child(root, CONFIG_NAME)
     d = read_json(path, CONFIG_NAME, ConfigError)
-    return Inkling2Config.from_dict(d, str(path)) if Inkling2Config.describes(d) else ModelConfig.from_dict(d, str(path))
+    return model_config(d, str(path))
 
 
 def _classify(cfg: ModelConfig | Inkling2Config, name: str) -> TensorName:

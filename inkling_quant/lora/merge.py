@@ -22,7 +22,7 @@ from ..io.output import link_or_copy, staged_output
 from ..io.safetensors import DTYPE_NAMES, Header, ShardReader, TensorEntry
 from ..io.shards import ShardReaders
 from ..inkling2 import Inkling2Config
-from ..layout import ModelConfig, TensorName
+from ..layout import ModelConfig, TensorName, model_config
 from .published import plan_targets, sliced_merge
 from .target import DTYPES, Target, merged_weight
 from .peft import (ADAPTER_CONFIG, MERGEABLE, MERGEABLE_PARTS, PEFT_PREFIX, Adapter, classify_module,
@@ -209,8 +209,8 @@ def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0,
     headers = ckpt.headers()
     config_path = safe_child(ckpt.root, "config.json")
     config = read_json(config_path, "config.json")
-    published = Inkling2Config.describes(config)
-    cfg = (Inkling2Config if published else ModelConfig).from_dict(config, str(config_path))
+    cfg = model_config(config, str(config_path))
+    published = isinstance(cfg, Inkling2Config)
     adapter = open_adapter(adapter_spec)
     acfg = adapter.config
     plan = Plan(ckpt, headers, config, cfg, adapter, [], float(scale), [], read_quantization(ckpt.root, config))

@@ -7,9 +7,8 @@ from pathlib import Path
 
 from ..errors import InklingQuantError
 from ..export import modelopt_quantization_config, quantization_problems
-from ..inkling2 import Inkling2Config
 from ..io.checkpoint import HF_QUANT_CONFIG as QUANT_CONFIG
-from ..layout import ModelConfig
+from ..layout import model_config
 from ..schemes import SCHEMES
 from .inventory import UNQUANTIZED, Conf, converter_of, load_json
 from .report import ERROR, Check, Recorder, VerifyReport
@@ -32,7 +31,7 @@ def load_config(run: Recorder, root: Path, scheme_arg: str | None) -> Conf:
 def _parse(c: Check, root: Path, config: dict, scheme_arg: str | None) -> Conf:
     path = root / "config.json"
     try:
-        cfg = (Inkling2Config if Inkling2Config.describes(config) else ModelConfig).from_dict(config, str(path))
+        cfg = model_config(config, str(path))
     except InklingQuantError as e:
         c.fail(path, None, str(e))
         return Conf(root, config)
