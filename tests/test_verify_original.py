@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_verify import _rewrite_shard
 
 from inkling_quant.cli import main
 from inkling_quant.convert import Options, convert
 from inkling_quant.formats import FORMATS
 from inkling_quant.io.checkpoint import INDEX_NAME
-from inkling_quant.io.safetensors import ShardReader, ShardWriter, read_header, sha256_file
+from inkling_quant.io.safetensors import read_header, sha256_file
 from inkling_quant.synth import write_checkpoint
 from inkling_quant.verify import CHECKSUMS, verify
 
@@ -48,19 +49,10 @@ def _patch(root: Path, name: str, at: int, data: bytes) -> str:
 
 
 def _rewrite(root: Path, name: str, edit) -> str:
-    """Rewrite the shard holding `name` with `edit(tensors)` applied; index and checksums follow."""
+    """Rewrite the shard holding `name` with `edit(tensors)` applied (test_verify's rewriter);
+    index and checksums follow."""
     shard = _shard_of(root, name)
-    with ShardReader(root / shard) as r:
-        tensors = {n: r.get(n).clone() for n in r.header.tensors}
-    edit(tensors)
-    (root / shard).unlink()
-    w = ShardWriter(root / shard, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], {"format": "pt"})
-    for n, t in tensors.items():
-        w.write(n, t)
-    w.commit()
-    idx = json.loads((root / INDEX_NAME).read_text())
-    idx["weight_map"] = {n: s for n, s in idx["weight_map"].items() if s != shard or n in tensors}
-    (root / INDEX_NAME).write_text(json.dumps(idx))
+    _rewrite_shard(root, shard, edit)
     _reseal(root)
     return shard
 
