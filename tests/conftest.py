@@ -19,4 +19,4 @@ def tiny_src(tmp_path_factory):
     Tests must not modify it: copy it first."""
     from inkling_quant.synth import write_checkpoint
 
-    return write_checkpoint(tmp_path_factory.mktemp("src") / "tiny", "tiny", seed=0, layout="legacy")
+    return write_checkpoint(tmp_path_factory.mktemp("src") / "tiny", "tiny", seed=0)
