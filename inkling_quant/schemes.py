@@ -1,28 +1,40 @@
 """Conversion schemes: which tensors become which number format. A scheme is data, a list of
 rules over the layout's parts and layer ranges; everything no rule names passes through
-bit-exact. Layer ranges are fractions of the config's layer count, so the default scheme's
-"NVFP4 for layers 0-39, MXFP8 for 40-47" holds for 48 layers and scales with other depths."""
+bit-exact. The built-in schemes' layer ranges are fractions of the config's layer count, so the
+default scheme's "NVFP4 for layers 0-39, MXFP8 for 40-47" holds for 48 layers and scales with
+other depths. A user's own scheme is a JSON or TOML file of rules over absolute layer ranges
+(`load_scheme`; docs/convert.md)."""
 from __future__ import annotations
 
 import argparse
 import json
+import tomllib
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 
 from .errors import UsageError
+from .errors import short_repr as _short
 from .formats import FORMATS, Format
 from .io.output import check_paths, write_report
-from .layout import ModelConfig, TensorName
+from .inkling2 import Inkling2Config
+from .tensors import TensorName
+
+
+QUANTIZABLE_PARTS = ("expert",)  # what a rule may quantize: routed experts (everything else passes through)
 
 
 @dataclass(frozen=True)
 class Rule:
     part: str
-    start: Fraction  # first layer, as a fraction of num_hidden_layers
-    stop: Fraction   # one past the last layer, likewise
+    start: Fraction | int  # first layer: a fraction of num_hidden_layers, or a layer index (absolute)
+    stop: Fraction | int   # one past the last layer, likewise
     format: str
+    absolute: bool = False
 
     def layers(self, n_layers: int) -> range:
+        if self.absolute:
+            return range(self.start, min(self.stop, n_layers))
         return range(round(self.start * n_layers), round(self.stop * n_layers))
 
 
@@ -32,16 +44,16 @@ class Scheme:
     description: str
     rules: tuple[Rule, ...]
 
-    def format_name(self, cfg: ModelConfig, t: TensorName) -> str:
+    def format_name(self, cfg, t: TensorName) -> str:
         for r in self.rules:
             if r.part == t.part and t.layer is not None and t.layer in r.layers(cfg.num_hidden_layers):
                 return r.format
         return "passthrough"
 
-    def format_for(self, cfg: ModelConfig, t: TensorName) -> Format:
+    def format_for(self, cfg, t: TensorName) -> Format:
         return FORMATS[self.format_name(cfg, t)]
 
-    def table(self, cfg: ModelConfig) -> list[dict]:
+    def table(self, cfg) -> list[dict]:
         rows = [{"part": r.part, "layers": _span(r.layers(cfg.num_hidden_layers)), "format": r.format,
                  "quant_algo": FORMATS[r.format].quant_algo} for r in self.rules]
         rows.append({"part": "everything else", "layers": "all", "format": "passthrough", "quant_algo": None})
@@ -64,22 +76,73 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
 
 
 def get_scheme(name: str) -> Scheme:
-    try:
+    """A built-in scheme by name, or a user's scheme file (`*.json` / `*.toml`, `load_scheme`)."""
+    if name in SCHEMES:
         return SCHEMES[name]
-    except KeyError:
-        raise UsageError(f"unknown scheme {name!r}; known: {', '.join(SCHEMES)}") from None
+    if name.endswith((".json", ".toml")):
+        return load_scheme(name)
+    raise UsageError(f"unknown scheme {name!r}; known: {', '.join(SCHEMES)}, or a scheme file (.json or .toml)")
+
+
+def load_scheme(path: str | Path) -> Scheme:
+    """A user's scheme: `{"description": "...", "rules": [{"part": "expert", "layers": "0-39",
+    "format": "nvfp4"}, ...]}` in JSON, or the same as TOML (`[[rules]]` tables). `layers` is
+    "all", "A-B" (inclusive) or "A"; the first rule naming a tensor decides its format, and
+    tensors no rule names pass through. Every defect is a UsageError naming the file and rule."""
+    from .io.checkpoint import read_json
+
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError("scheme file not found", path=str(p))
+    if p.suffix == ".toml":
+        try:
+            d = tomllib.loads(p.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise UsageError(f"not valid TOML: {e}", path=str(p)) from None
+    else:
+        d = read_json(p, "scheme file", UsageError)
+    if not isinstance(d, dict) or not isinstance(d.get("rules"), list) or not d["rules"]:
+        raise UsageError("a scheme file holds a non-empty list `rules` of {part, layers, format}", path=str(p))
+    unknown = sorted(set(d) - {"rules", "description", "name"})
+    if unknown:
+        raise UsageError(f"unknown key(s) {', '.join(unknown)} (expected rules, description, name)", path=str(p))
+    rules = tuple(_rule(r, i, str(p)) for i, r in enumerate(d["rules"]))
+    return Scheme(str(d.get("name") or p.name), str(d.get("description") or f"rules from {p.name}"), rules)
+
+
+def _rule(r, i: int, path: str) -> Rule:
+    where = f"rules[{i}]"
+    if not isinstance(r, dict) or set(r) != {"part", "layers", "format"}:
+        raise UsageError(f"{where} must have exactly the keys part, layers, format; got {_short(r)}", path=path)
+    if r["part"] not in QUANTIZABLE_PARTS:
+        raise UsageError(f"{where}.part {_short(r['part'])}: schemes quantize {', '.join(QUANTIZABLE_PARTS)} "
+                         f"(routed experts) only; everything else passes through", path=path)
+    if r["format"] not in FORMATS:
+        raise UsageError(f"{where}.format {_short(r['format'])} is not one of {', '.join(FORMATS)}", path=path)
+    layers = r["layers"]
+    if layers == "all":
+        return Rule(r["part"], 0, 1 << 62, r["format"], absolute=True)
+    lo, sep, hi = str(layers).partition("-") if isinstance(layers, (str, int)) and not isinstance(layers, bool) \
+        else ("", "", "")
+    if not (lo.isdigit() and (hi.isdigit() if sep else True)) or (sep and int(hi) < int(lo)):
+        raise UsageError(f"{where}.layers {_short(layers)}: expected \"all\", a layer \"A\" or a range \"A-B\" "
+                         f"(inclusive, A <= B)", path=path)
+    start = int(lo)
+    return Rule(r["part"], start, (int(hi) if sep else start) + 1, r["format"], absolute=True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="config.json (or checkpoint dir) whose layer count to use; default: the reference config")
+    p.add_argument("--scheme", help="show only this scheme: a built-in name or a scheme file (.json/.toml)")
     p.add_argument("--json", metavar="FILE", help="also write the tables as JSON to FILE ('-': standard output only)")
     p.add_argument("--quiet", action="store_true", help="print no table")
 
 
 def run(args) -> int:
     check_paths(None, [args.config], reports=[args.json])
-    cfg = ModelConfig.load(args.config) if args.config else ModelConfig.reference()
-    tables = {name: s.table(cfg) for name, s in SCHEMES.items()}
+    cfg = _config(args.config) if args.config else Inkling2Config.reference()
+    schemes = {args.scheme: get_scheme(args.scheme)} if getattr(args, "scheme", None) else SCHEMES
+    tables = {name: s.table(cfg) for name, s in schemes.items()}
     write_report(args.json, json.dumps(tables, indent=2) + "\n")
     if args.quiet or args.json == "-":
         return 0
@@ -88,3 +151,14 @@ def run(args) -> int:
         for r in rows:
             print(f"{name:<9} {r['part']:<16} {r['layers']:<8} {r['format']:<12} {r['quant_algo'] or '-'}")
     return 0
+
+
+def _config(path: str):
+    """The layer count's source: a config.json (or a checkpoint directory holding one)."""
+    from .io.checkpoint import CONFIG_NAME, read_json, safe_child
+    from .layout import model_config
+    from .errors import ConfigError
+
+    p = Path(path)
+    p = safe_child(p, CONFIG_NAME) if p.is_dir() else p
+    return model_config(read_json(p, CONFIG_NAME, ConfigError), str(p))
