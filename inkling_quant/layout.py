@@ -16,7 +16,8 @@ from typing import Iterator
 
 import torch
 
-from .errors import ConfigError, UnknownTensorError
+from .config_fields import MAX_LAYERS, ConfigFields
+from .errors import CheckpointError, ConfigError, UnknownTensorError
 from .errors import short_repr as _short
 from .formats import SCALE_SUFFIXES
 from .inkling2 import Inkling2Config
@@ -361,3 +362,221 @@ def source_spec(cfg: ModelConfig, name: str) -> TensorSpec:
 
 
 _NON_EXPERT_SPECS: dict[int, tuple[ModelConfig, dict[str, TensorSpec]]] = {}
+
+
+# =========================================================================== Hugging Face MoE layouts
+
+# The text model's prefix, longest first (a `model.language_model.` name also starts `model.`).
+TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.llm.", "model.")
+# Where a multimodal model keeps its vision tower and projector (ModelOpt excludes them).
+VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "vision_model.", "vision_tower.", "visual.")
+PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight", "model.llm.unembed.weight")
+
+CANONICAL = ("gate", "up", "down")  # an expert's projections, whatever a family calls them
+PER_EXPERT_NAMES = {("gate_proj", "up_proj", "down_proj"): "proj", ("w1", "w3", "w2"): "w"}
+
+_LIMITS = {"num_hidden_layers": MAX_LAYERS, "num_experts": 1 << 16}
+_EXPERT_ALIASES = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The text model's MoE settings, from config.json (top level or `text_config`)."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_experts: int
+    num_experts_per_tok: int
+    expert_width: int                  # moe_intermediate_size, or intermediate_size where that is it
+    dense_layers: frozenset[int] | None  # layers without routed experts, when the config says
+    nested: bool                       # the settings were under text_config
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config.json") -> "MoEConfig":
+        top = ConfigFields(d, "", source, _LIMITS)
+        nested = isinstance(d.get("text_config"), dict)
+        t = ConfigFields(d["text_config"], "text_config.", source, _LIMITS) if nested else top
+        key = next((k for k in _EXPERT_ALIASES if k in t.obj), None)
+        if key is None:
+            raise ConfigError(f"no routed-expert count in {t.where or 'config'} (one of "
+                              f"{', '.join(_EXPERT_ALIASES)}): not a mixture-of-experts model?", path=source)
+        n, experts = t.int("num_hidden_layers"), t.int(key, hi=_LIMITS["num_experts"])
+        width_key = "moe_intermediate_size" if "moe_intermediate_size" in t.obj else "intermediate_size"
+        return cls(model_type=str(t.obj.get("model_type") or d.get("model_type") or "?"),
+                   hidden_size=t.int("hidden_size"), num_hidden_layers=n, num_experts=experts,
+                   num_experts_per_tok=t.int("num_experts_per_tok", hi=experts), expert_width=t.int(width_key),
+                   dense_layers=_dense_layers(t, n), nested=nested)
+
+    def has_experts(self, layer: int) -> bool | None:
+        return None if self.dense_layers is None else layer not in self.dense_layers
+
+
+def _dense_layers(t: ConfigFields, n: int) -> frozenset[int] | None:
+    """The layers without routed experts by the family's rule, or None when the config has none
+    (detection then trusts the tensors)."""
+    o = t.obj
+    if "first_k_dense_replace" in o:  # DeepSeek-V3
+        k = t.int("first_k_dense_replace", lo=0, hi=n)
+        return frozenset(range(k))
+    if "mlp_only_layers" in o or "decoder_sparse_step" in o:  # Qwen2/3-MoE: modeling_qwen3_moe.py
+        only = o.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(type(i) is int for i in only):
+            raise ConfigError(f"{t.where}mlp_only_layers must be a list of layer indices", path=t.source)
+        step = t.int("decoder_sparse_step", 1)
+        return frozenset(i for i in range(n) if i in only or (i + 1) % step)
+    if "moe_layers" in o and isinstance(o["moe_layers"], list):  # Llama 4
+        return frozenset(range(n)) - frozenset(o["moe_layers"])
+    if "interleave_moe_layer_step" in o:
+        step = t.int("interleave_moe_layer_step")
+        return frozenset(i for i in range(n) if (i + 1) % step)
+    return None
+
+
+# --------------------------------------------------------------------------- expert storage
+@dataclass(frozen=True)
+class ExpertStorage:
+    """How a checkpoint stores routed experts.
+
+    - `per_expert`: one 2D tensor per expert and projection, `<block>.experts.<e>.<name>.weight`
+      ([I, H] for gate/up, [H, I] for down); `names` are the family's projection names.
+    - `stacked`: transformers' fused form, `<block>.experts.gate_up_proj` [E, H, 2I] (gate then
+      up along the last axis) and `<block>.experts.down_proj` [E, I, H] (Qwen3-VL-MoE, Llama 4).
+    - `interleaved`: Inkling's, `mlp.experts.w13_weight` [E, 2I, H] (row 2i gate_i, 2i+1 up_i)
+      and `mlp.experts.w2_weight` [E, H, I] (formats/stacked.py).
+    """
+
+    kind: str
+    block: str                     # "mlp", "block_sparse_moe" or "feed_forward"
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+
+_LAYER = re.compile(r"(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?P<rest>.+)")
+_PER_EXPERT = re.compile(r"(?P<block>mlp|block_sparse_moe|feed_forward)\.experts\.(?P<expert>\d+)\."
+                         r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.(?P<suffix>.+)")
+_STACKED = re.compile(r"(?P<block>mlp|feed_forward)\.experts\.(?P<proj>gate_up_proj|down_proj)(?P<suffix>)")
+_INTERLEAVED = re.compile(r"(?P<block>mlp)\.experts\.(?P<proj>w13|w2)_(?P<suffix>weight.*)")
+_SHARED = re.compile(r"(?:mlp|feed_forward)\.(?:shared_experts?|shared_expert_gate)\..+")
+_ROUTER = re.compile(r"(?:mlp|block_sparse_moe)\.gate\.(?:weight|bias|e_score_correction_bias)|feed_forward\.router\..+")
+_DENSE = re.compile(r"(?:mlp|feed_forward)\.(?:gate_proj|up_proj|down_proj)\..+")
+_ATTENTION = re.compile(r"(?:self_attn|attn)\..+")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a checkpoint's text model, experts, vision tower and projector are."""
+
+    text_prefix: str
+    experts: ExpertStorage
+    expert_layers: tuple[int, ...]
+    vision_prefix: str | None
+    projector_prefix: str | None
+    lm_head: str | None
+
+    def classify(self, name: str) -> TensorName:
+        """What `name` is (part, layer, expert, canonical projection gate/up/down, suffix)."""
+        rec = _classify(self, name)
+        if rec is None:
+            raise CheckpointError(f"tensor {name!r} is not part of the detected layout ({self.describe()})",
+                                  tensor=name)
+        return rec
+
+    def describe(self) -> str:
+        return (f"text model under {self.text_prefix!r}, routed experts {self.experts.kind} under "
+                f"'layers.N.{self.experts.block}.experts' in {len(self.expert_layers)} layers"
+                + (f", vision tower under {self.vision_prefix!r}" if self.vision_prefix else "")
+                + (f", projector under {self.projector_prefix!r}" if self.projector_prefix else ""))
+
+
+def _projection(storage: ExpertStorage, name: str) -> str:
+    if storage.kind == "per_expert":
+        return CANONICAL[storage.names.index(name)]
+    return {"gate_up_proj": "gate_up", "w13": "gate_up"}.get(name, "down")
+
+
+def _classify(lay: Layout, name: str) -> TensorName | None:
+    if name == lay.lm_head:
+        return TensorName(name, "lm_head")
+    for prefix, part in ((lay.vision_prefix, "vision"), (lay.projector_prefix, "projector")):
+        if prefix and name.startswith(prefix):
+            return TensorName(name, part, suffix=name.rsplit(".", 1)[-1])
+    if not name.startswith(lay.text_prefix):
+        return None
+    m = _LAYER.fullmatch(name[len(lay.text_prefix):])
+    if m is None or m["prefix"]:
+        rest = name[len(lay.text_prefix):]
+        part = "embed" if rest.startswith(("embed_tokens.", "embed.")) else "other"
+        return TensorName(name, part, suffix=rest.rsplit(".", 1)[-1])
+    layer, rest = int(m["layer"]), m["rest"]
+    pattern = {"per_expert": _PER_EXPERT, "stacked": _STACKED, "interleaved": _INTERLEAVED}[lay.experts.kind]
+    if (e := pattern.fullmatch(rest)) is not None and e["block"] == lay.experts.block:
+        expert = int(e["expert"]) if "expert" in e.groupdict() else None
+        return TensorName(name, "expert", layer, expert, _projection(lay.experts, e["proj"]),
+                          e["suffix"] or "weight")
+    for regex, part in ((_SHARED, "shared_expert"), (_ROUTER, "router"), (_DENSE, "dense_mlp"),
+                        (_ATTENTION, "attention")):
+        if regex.fullmatch(rest):
+            return TensorName(name, part, layer, suffix=rest.rsplit(".", 1)[-1])
+    return TensorName(name, "other", layer, suffix=rest.rsplit(".", 1)[-1])
+
+
+def _prefix_of(names: list[str]) -> str | None:
+    counts: dict[str, int] = {}
+    for n in names:
+        for p in TEXT_PREFIXES:
+            if n.startswith(p + "layers."):
+                counts[p] = counts.get(p, 0) + 1
+                break
+    return max(counts, key=counts.get) if counts else None
+
+
+def detect(names: list[str], cfg: MoEConfig | None = None, source: str = "checkpoint") -> Layout:
+    """The layout of a checkpoint holding `names`; CheckpointError listing what could not be
+    placed (and what was expected) when it is not one this module knows."""
+    prefix = _prefix_of(names)
+    if prefix is None:
+        raise CheckpointError(f"no decoder layers found: expected tensors under one of "
+                              f"{', '.join(p + 'layers.N.' for p in TEXT_PREFIXES)} (first names: "
+                              f"{', '.join(repr(n) for n in names[:5])})", path=source)
+    kinds: dict[tuple[str, str], set[int]] = {}
+    names_seen: set[str] = set()
+    for n in names:
+        m = _LAYER.fullmatch(n[len(prefix):]) if n.startswith(prefix) else None
+        if m is None or m["prefix"]:
+            continue
+        for kind, pattern in (("per_expert", _PER_EXPERT), ("stacked", _STACKED), ("interleaved", _INTERLEAVED)):
+            if (e := pattern.fullmatch(m["rest"])) is not None:
+                kinds.setdefault((kind, e["block"]), set()).add(int(m["layer"]))
+                if kind == "per_expert":
+                    names_seen.add(e["proj"])
+    if len(kinds) != 1:
+        what = "none" if not kinds else ", ".join(f"{k} under {b}" for k, b in kinds)
+        raise CheckpointError(f"routed experts: expected one storage (per-expert "
+                              f"'layers.N.mlp.experts.E.gate_proj.weight' or 'block_sparse_moe.experts.E.w1.weight', "
+                              f"stacked 'layers.N.mlp.experts.gate_up_proj', Inkling 'mlp.experts.w13_weight'); "
+                              f"found {what}", path=source)
+    (kind, block), layers = next(iter(kinds.items()))
+    storage = ExpertStorage(kind, block)
+    if kind == "per_expert":
+        proj = next((p for p in PER_EXPERT_NAMES if names_seen <= set(p)), None)
+        if proj is None:
+            raise CheckpointError(f"per-expert projections {sorted(names_seen)} mix naming schemes "
+                                  f"(expected gate_proj/up_proj/down_proj or w1/w3/w2)", path=source)
+        storage = ExpertStorage(kind, block, proj)
+    if cfg is not None and cfg.dense_layers is not None:
+        expected = set(range(cfg.num_hidden_layers)) - cfg.dense_layers
+        if expected != layers:
+            odd = sorted(expected ^ layers)
+            raise CheckpointError(f"config.json puts routed experts in {len(expected)} layers, the tensors in "
+                                  f"{len(layers)} (layers that disagree: {odd[:8]})", path=source)
+    vision = next((p for p in VISION_PREFIXES if any(n.startswith(p) for n in names)), None)
+    projector = next((p for p in PROJECTOR_PREFIXES if any(n.startswith(p) for n in names)), None)
+    head = next((h for h in LM_HEADS if h in set(names)), None)
+    lay = Layout(prefix, storage, tuple(sorted(layers)), vision, projector, head)
+    unplaced = [n for n in names if _classify(lay, n) is None]
+    if unplaced:
+        raise CheckpointError(f"{len(unplaced)} tensor(s) fit no part of the detected layout "
+                              f"({lay.describe()}): {', '.join(repr(n) for n in unplaced[:5])}"
+                              + (" ..." if len(unplaced) > 5 else ""), path=source, tensor=unplaced[0])
+    return lay

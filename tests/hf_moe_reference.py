@@ -11,7 +11,8 @@ Families, chosen to cover every layout rule (docs/layout.md, "Supported layouts"
 | deepseek_v3    | `model.`                 | per expert                              | shared experts, dense first layer (first_k_dense_replace), e_score_correction_bias |
 | qwen3_vl_moe   | `model.language_model.`  | stacked gate_up_proj [E, H, 2I], down_proj [E, I, H] | nested text_config, vision tower |
 
-Dimensions: hidden 64, expert width 32 (MXFP8's 32-blocks divide both), 4 experts, 2-3 layers.
+Dimensions: hidden 64, expert width 32 (MXFP8's 32-blocks divide both), 4 experts, 3 layers (the
+default scheme's 5/6 then gives NVFP4 to layers 0-1 and MXFP8 to layer 2, ModelOpt's config here).
 Weights get row scales spread over two decades, so per-block and per-tensor scale rules are
 exercised (a plain random init is too uniform). ModelOpt's config: its experts-only NVFP4
 (`NVFP4_EXPERTS_ONLY_CFG`, W4A4 with static input scales) and MXFP8 for the last layer's experts,
@@ -40,7 +41,7 @@ def build(family: str, seed: int = 0) -> torch.nn.Module:
                                num_experts=4, mlp_only_layers=[0])
         cls = T.Qwen3MoeForCausalLM
     elif family == "mixtral":
-        cfg = T.MixtralConfig(**_TEXT, intermediate_size=32, num_hidden_layers=2, num_local_experts=4)
+        cfg = T.MixtralConfig(**_TEXT, intermediate_size=32, num_hidden_layers=3, num_local_experts=4)
         cls = T.MixtralForCausalLM
     elif family == "deepseek_v3":
         cfg = T.DeepseekV3Config(**{**_TEXT, "num_key_value_heads": 2, "head_dim": 16}, intermediate_size=96,
@@ -50,13 +51,21 @@ def build(family: str, seed: int = 0) -> torch.nn.Module:
         cls = T.DeepseekV3ForCausalLM
     elif family == "qwen3_vl_moe":
         cfg = T.Qwen3VLMoeConfig(
-            text_config=dict(**_TEXT, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+            text_config=dict(**_TEXT, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
                              num_experts=4),
             vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                                deepstack_visual_indexes=[0]))
         cls = T.Qwen3VLMoeForConditionalGeneration
+    elif family == "llama4":  # not exported by ModelOpt here: a layout for detection tests only
+        cfg = T.Llama4Config(
+            text_config=dict(**_TEXT, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=2,
+                             num_local_experts=4, interleave_moe_layer_step=1),
+            vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                               vision_output_dim=64, projector_input_dim=64, projector_output_dim=64,
+                               image_size=28, patch_size=14))
+        cls = T.Llama4ForConditionalGeneration
     else:
-        raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; known: {FAMILIES} and llama4")
     torch.manual_seed(seed)
     model = cls(cfg).to(torch.bfloat16)
     g = torch.Generator().manual_seed(seed + 1)
@@ -67,6 +76,12 @@ def build(family: str, seed: int = 0) -> torch.nn.Module:
                 p.mul_((10.0 ** rows).to(p.dtype))
     model.config.architectures = [cls.__name__]  # ModelOpt's export iterates it (None after _from_config)
     return model
+
+
+def save(family: str, out: Path, seed: int = 0) -> Path:
+    """The BF16 model of `family` written by transformers' save_pretrained."""
+    build(family, seed).save_pretrained(out)
+    return out
 
 
 def text_layers(model: torch.nn.Module) -> int:
