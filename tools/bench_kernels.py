@@ -135,7 +135,7 @@ def run(args) -> int:
                 rows.append(r)
                 print(f"{fmt:6} {proj:7} {m:4d} | {t_k * 1e6:9.1f} {r['tflops']:7.2f} {gbs:7.0f} | "
                       f"{t_b * 1e6:8.1f} {t_d * 1e6:9.1f} | {t_b / t_k:6.2f} {t_d / t_k:8.2f}")
-            del wbf
+            wbf = None  # free it (the timed lambdas are done with it)
     print(f"\n== grouped: one launch over {n_grouped} experts, m tokens each "
           f"(baseline: torch.bmm on BF16 weights) ==")
     print(f"{'fmt':6} {'proj':7} {'m':>4} | {'kernel us':>9} {'TFLOP/s':>7} {'GB/s':>7} | {'bmm us':>8} | {'x bmm':>6}")
@@ -161,7 +161,7 @@ def run(args) -> int:
                 rows.append(r)
                 print(f"{fmt:6} {proj:7} {m:4d} | {t_k * 1e6:9.1f} {r['tflops']:7.2f} {gbs:7.0f} | "
                       f"{t_b * 1e6:8.1f} | {t_b / t_k:6.2f}")
-            del wbf
+            wbf = None  # free it (the timed lambdas are done with it)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name() if device == "cuda"
                                                    else "cpu", path=select_path(device), rows=rows), indent=1))
