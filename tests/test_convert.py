@@ -1,3 +1,9 @@
+"""inkling-quant convert on the session's tiny published-layout checkpoint (all 48 layers, 4
+experts; the default scheme: NVFP4 experts in layers 0-39, MXFP8 in 40-47), through the CLI: the
+output against ModelOpt's own quantizers on each expert's gate, up and down taken out of the
+stacked source, the configs, schemes, activation scales, parallel and buffered runs, bad input
+and memory. (tests/test_convert_original.py: the MXFP8 release as source, transformers' reader;
+tests/test_hardening.py: kills, signals, full disks, --part.)"""
 import json
 import os
 import shutil
@@ -9,15 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from inkling_quant.cli import main
+from inkling_quant.formats.stacked import projection_specs
+from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors, classify
 from inkling_quant.io.checkpoint import Checkpoint
 from inkling_quant.io.safetensors import sha256_file
-from inkling_quant.layout import ModelConfig, classify, expected_tensors
 from inkling_quant.schemes import get_scheme
 from inkling_quant.synth import write_checkpoint
 
 AMAX = 4.0
+LAYERS, EXPERTS, NVFP4_LAYERS = 48, 4, 40  # the tiny preset; the default scheme's first 5/6
+SCALE_DIV = 6 * 448  # NVFP4: e2m1 max x e4m3 max (weight_scale_2 = amax / 2688, input_scale likewise)
 
 
 def _load_all(root: Path) -> dict[str, torch.Tensor]:
@@ -35,6 +45,14 @@ def _files(root: Path) -> dict[str, str]:
     return {p.name: sha256_file(p) for p in sorted(root.iterdir()) if p.is_file()}
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _experts(layer: int) -> str:
+    return f"model.llm.layers.{layer}.mlp.experts."
+
+
 @pytest.fixture(scope="module")
 def converted(tiny_src, tmp_path_factory):
     out = tmp_path_factory.mktemp("conv") / "tiny-default"
@@ -47,73 +65,97 @@ def converted(tiny_src, tmp_path_factory):
 
 
 def test_every_tensor_has_the_prescribed_dtype_and_shape(tiny_src, converted):
-    cfg = ModelConfig.load(tiny_src)
+    cfg = Inkling2Config.load(tiny_src)
     scheme = get_scheme("default")
     got = _load_all(converted)
     want = {}
-    for s in expected_tensors(cfg):
-        fmt = scheme.format_for(cfg, classify(s.name))
-        for suffix, o in fmt.out_specs(s.shape, s.dtype).items():
-            name = s.name if fmt.name == "passthrough" else s.name[: -len("weight")] + suffix
-            want[name] = (o.shape, o.dtype)
+    for s in checkpoint_tensors(cfg):
+        rec = classify(s.name)
+        if rec.part != "expert":
+            want[s.name] = (s.shape, s.dtype)
+            continue
+        prefix = s.name[: -len(f"{rec.projection}_weight")]
+        for k, o in projection_specs(scheme.format_for(cfg, rec), rec.projection, s.shape, dtype=s.dtype).items():
+            want[prefix + k] = (tuple(o.shape), o.dtype)
     assert set(got) == set(want)
     for name, t in got.items():
         assert (tuple(t.shape), t.dtype) == want[name], name
+    # the stacked form spelled out (formats/stacked.py): E=4, 2I=192, H=64
+    nv, mx = _experts(0), _experts(47)
+    assert {k: (tuple(got[nv + k].shape), got[nv + k].dtype) for k in (
+        "w13_weight", "w13_weight_scale", "w13_weight_amax", "w13_weight_outer_scale_denominator",
+        "w13_weight.input_amax")} == {
+        "w13_weight": ((4, 192, 32), torch.uint8), "w13_weight_scale": ((4, 192, 4), torch.float8_e4m3fn),
+        "w13_weight_amax": ((4,), torch.float32), "w13_weight_outer_scale_denominator": ((4,), torch.float32),
+        "w13_weight.input_amax": ((4,), torch.float32)}
+    assert {k: (tuple(got[mx + k].shape), got[mx + k].dtype) for k in ("w2_weight", "w2_weight_scale")} == {
+        "w2_weight": ((4, 64, 96), torch.float8_e4m3fn), "w2_weight_scale": ((4, 64, 3), torch.uint8)}
 
 
 def test_passthrough_byte_identical_and_quantized_bit_identical_to_modelopt(tiny_src, converted):
+    """Every non-expert tensor bit-exact; every expert's gate (w13 rows 0, 2, ...), up (rows 1,
+    3, ...) and down (w2) what ModelOpt's NVFP4QTensor / MXFP8QTensor make of them, read straight
+    from the stacked output: rows interleaved as in the source, NVFP4's global scale (gate and up
+    share max(amax(gate), amax(up)) / 2688, ModelOpt's sync_moe_gate_up_amax) as amax /
+    outer_scale_denominator, the activation scale as input_amax."""
     from modelopt.torch.quantization.qtensor import MXFP8QTensor, NVFP4QTensor
 
-    cfg = ModelConfig.load(tiny_src)
     src, out = _load_all(tiny_src), _load_all(converted)
-    scheme = get_scheme("default")
-    n_nvfp4 = n_mxfp8 = 0
     for name, w in src.items():
-        t = classify(name)
-        fmt = scheme.format_name(cfg, t)
-        if fmt == "passthrough":
-            assert out[name].dtype == w.dtype and torch.equal(out[name].view(-1).view(torch.uint8) if w.dim() else out[name],
-                                                              w.view(-1).view(torch.uint8) if w.dim() else w), name
-            continue
-        m = name[: -len(".weight")]
-        if fmt == "nvfp4":
-            if t.projection in ("gate_proj", "up_proj"):
-                other = src[m.rsplit(".", 1)[0] + (".up_proj.weight" if t.projection == "gate_proj" else ".gate_proj.weight")]
-                s2 = torch.maximum(w.float().abs().amax(), other.float().abs().amax()) / (6 * 448)
+        if ".mlp.experts." not in name:
+            assert out[name].dtype == w.dtype and torch.equal(_bits(out[name]), _bits(w)), name
+    n_nvfp4 = n_mxfp8 = 0
+    for layer in range(LAYERS):
+        p = _experts(layer)
+        w13, w2 = src[p + "w13_weight"], src[p + "w2_weight"]
+        for e in range(EXPERTS):
+            gate, up, down = w13[e, 0::2].contiguous(), w13[e, 1::2].contiguous(), w2[e].contiguous()
+            mods = (("w13", 0, gate), ("w13", 1, up), ("w2", None, down))
+            if layer < NVFP4_LAYERS:
+                gate_up_s2 = torch.maximum(gate.float().abs().amax(), up.float().abs().amax()) / SCALE_DIV
+                for proj, row, w in mods:
+                    s2 = gate_up_s2 if proj == "w13" else w.float().abs().amax() / SCALE_DIV
+                    qt, s, _ = NVFP4QTensor.quantize(w, 16, weights_scaling_factor_2=s2)
+                    rows = slice(row, None, 2) if row is not None else slice(None)
+                    where = (layer, e, proj, row)
+                    assert torch.equal(out[p + f"{proj}_weight"][e, rows], qt._quantized_data), where
+                    assert torch.equal(_bits(out[p + f"{proj}_weight_scale"][e, rows]), _bits(s)), where
+                    got_s2 = out[p + f"{proj}_weight_amax"][e] / out[p + f"{proj}_weight_outer_scale_denominator"][e]
+                    assert torch.equal(got_s2, s2.float()), where
+                    got_in = out[p + f"{proj}_weight.input_amax"][e] / SCALE_DIV
+                    assert torch.equal(got_in, torch.tensor(AMAX / SCALE_DIV, dtype=torch.float32)), where
+                    n_nvfp4 += 1
             else:
-                s2 = w.float().abs().amax() / (6 * 448)
-            qt, s, s2_ref = NVFP4QTensor.quantize(w, 16, weights_scaling_factor_2=s2)
-            assert torch.equal(out[m + ".weight"], qt._quantized_data), name
-            assert torch.equal(out[m + ".weight_scale"].view(torch.uint8), s.view(torch.uint8)), name
-            assert torch.equal(out[m + ".weight_scale_2"], s2.reshape(()).float()), name
-            assert out[m + ".input_scale"].item() == pytest.approx(AMAX / (6 * 448), rel=1e-7)
-            n_nvfp4 += 1
-        else:
-            qt, s = MXFP8QTensor.quantize(w)
-            assert torch.equal(out[m + ".weight"].view(torch.uint8), qt._quantized_data.view(torch.uint8)), name
-            assert torch.equal(out[m + ".weight_scale"], s.reshape(out[m + ".weight_scale"].shape)), name
-            assert m + ".input_scale" not in out and m + ".weight_scale_2" not in out
-            n_mxfp8 += 1
-    assert n_nvfp4 == 40 * 4 * 3 and n_mxfp8 == 8 * 4 * 3
+                for proj, row, w in mods:
+                    qt, s = MXFP8QTensor.quantize(w)
+                    rows = slice(row, None, 2) if row is not None else slice(None)
+                    got_w, got_s = out[p + f"{proj}_weight"][e, rows], out[p + f"{proj}_weight_scale"][e, rows]
+                    assert torch.equal(_bits(got_w), _bits(qt._quantized_data)), (layer, e, proj, row)
+                    assert torch.equal(got_s, s.reshape(got_s.shape)), (layer, e, proj, row)
+                    n_mxfp8 += 1
+                assert not any(k.startswith(p) and ("amax" in k or "denominator" in k) for k in out)
+    assert n_nvfp4 == NVFP4_LAYERS * EXPERTS * 3 and n_mxfp8 == (LAYERS - NVFP4_LAYERS) * EXPERTS * 3
 
 
-def test_gate_and_up_share_the_global_scale(converted):
-    out = _load_all(converted)
-    for layer in range(40):
-        for e in range(4):
-            p = f"model.layers.{layer}.mlp.experts.{e}."
-            assert torch.equal(out[p + "gate_proj.weight_scale_2"], out[p + "up_proj.weight_scale_2"])
-            assert torch.equal(out[p + "gate_proj.input_scale"], out[p + "up_proj.input_scale"])
+def test_gate_and_up_share_the_global_scale(tiny_src, converted):
+    """One NVFP4 global scale per expert for gate and up together: w13's amax is the BF16 amax
+    over both (so gate's and up's weight_scale_2 are one value), over the 2688 divisor."""
+    src, out = _load_all(tiny_src), _load_all(converted)
+    for layer in range(NVFP4_LAYERS):
+        p = _experts(layer)
+        for proj in ("w13", "w2"):
+            want = src[p + f"{proj}_weight"].float().abs().amax(dim=(1, 2))
+            assert torch.equal(out[p + f"{proj}_weight_amax"], want), (layer, proj)
+            assert torch.equal(out[p + f"{proj}_weight_outer_scale_denominator"], torch.full((EXPERTS,), 2688.0))
 
 
 def test_configs_are_modelopt_mixed_precision(tiny_src, converted):
     cfg = json.loads((converted / "config.json").read_text())
     qc = cfg["quantization_config"]
     assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "MIXED_PRECISION"
-    layers = qc["quantized_layers"]
-    assert layers["model.layers.0.mlp.experts.0.gate_proj"] == {"quant_algo": "NVFP4", "group_size": 16}
-    assert layers["model.layers.47.mlp.experts.3.down_proj"]["quant_algo"] == "MXFP8"
-    assert len(layers) == 48 * 4 * 3
+    assert qc["quantized_layers"] == {
+        f"model.llm.layers.{i}.mlp.experts": {"quant_algo": "NVFP4", "group_size": 16} if i < NVFP4_LAYERS
+        else {"quant_algo": "MXFP8", "group_size": 32} for i in range(LAYERS)}
     hf = json.loads((converted / "hf_quant_config.json").read_text())
     assert hf["producer"]["name"] == "modelopt" and hf["quantization"] == {k: v for k, v in qc.items() if k != "quant_method"}
     src_cfg = json.loads((tiny_src / "config.json").read_text())
@@ -122,37 +164,50 @@ def test_configs_are_modelopt_mixed_precision(tiny_src, converted):
               "preprocessor_config.json"):
         assert sha256_file(converted / f) == sha256_file(tiny_src / f)
     sums = dict(reversed(line.split("  ")) for line in (converted / "checksums.sha256").read_text().splitlines())
+    assert set(sums) == {p.name for p in converted.iterdir()} - {"checksums.sha256", "model.safetensors.index.json"}
     for f, h in sums.items():
         assert sha256_file(converted / f) == h
     assert not (converted / ".inkling-quant-convert.json").exists()
     report = json.loads((converted.parent / "report.json").read_text())
-    assert report["tensors_by_format"]["nvfp4"] == 480 and report["bytes_out"] < report["bytes_in"]
+    # stacked tensors: w13 and w2 of each layer
+    assert report["tensors_by_format"] == {"nvfp4": 2 * NVFP4_LAYERS, "mxfp8": 2 * (LAYERS - NVFP4_LAYERS),
+                                           "passthrough": len(_load_all(tiny_src)) - 2 * LAYERS}
+    assert report["activation_scales"] == {"calibrated": 0, "default": 2 * NVFP4_LAYERS}
+    assert report["bytes_out"] < report["bytes_in"]
 
 
 def test_other_schemes_are_data(tiny_src, tmp_path):
-    for scheme, fmt in (("nvfp4", "NVFP4"), ("mxfp8", "MXFP8")):
+    for scheme, algo in (("nvfp4", "W4A16_NVFP4"), ("mxfp8", "MXFP8")):
         out = tmp_path / scheme
         assert main(["convert", str(tiny_src), str(out), "--scheme", scheme, "--weight-only", "--quiet"]) == 0
-        algos = {v["quant_algo"] for v in json.loads((out / "config.json").read_text())["quantization_config"]["quantized_layers"].values()}
-        assert algos == ({"W4A16_NVFP4"} if fmt == "NVFP4" else {"MXFP8"})
+        layers = json.loads((out / "config.json").read_text())["quantization_config"]["quantized_layers"]
+        assert len(layers) == LAYERS and {v["quant_algo"] for v in layers.values()} == {algo}
         names = _load_all(out)
-        assert not any(n.endswith("input_scale") for n in names)
+        assert not any(n.endswith(("input_scale", "input_amax")) for n in names)
+        assert (names[_experts(0) + "w2_weight"].dtype == torch.uint8) == (scheme == "nvfp4")
 
 
 def test_activation_scales_file_and_missing_scales(tiny_src, tmp_path, capsys):
+    """--activation-scales keys an amax by the stacked tensor (gate and up are one module, w13);
+    a module the file does not name takes --default-activation-amax; with neither, the run stops
+    before writing and names the three flags."""
     assert main(["convert", str(tiny_src), str(tmp_path / "x"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "--activation-scales" in err and "--weight-only" in err and "--default-activation-amax" in err
     assert not (tmp_path / "x" / "model.safetensors.index.json").exists()
-    amax = {f"model.layers.{i}.mlp.experts.{e}.{p}": 1.0 + i + e / 10
-            for i in range(40) for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")}
-    amax["model.layers.0.mlp.experts.0.up_proj"] = 9.0  # gate/up read the same input: max wins
+    amax = {_experts(i) + f"{p}_weight": 1.0 + i + (0.5 if p == "w2" else 0.0)
+            for i in range(NVFP4_LAYERS) for p in ("w13", "w2")}
+    del amax[_experts(39) + "w2_weight"]
     (tmp_path / "amax.json").write_text(json.dumps(amax))
     out = tmp_path / "cal"
-    assert main(["convert", str(tiny_src), str(out), "--activation-scales", str(tmp_path / "amax.json"), "--quiet"]) == 0
+    assert main(["convert", str(tiny_src), str(out), "--activation-scales", str(tmp_path / "amax.json"),
+                 "--default-activation-amax", "7", "--quiet", "--json", str(tmp_path / "r.json")]) == 0
     t = _load_all(out)
-    assert t["model.layers.3.mlp.experts.2.down_proj.input_scale"].item() == pytest.approx(4.2 / 2688, rel=1e-6)
-    assert t["model.layers.0.mlp.experts.0.gate_proj.input_scale"].item() == pytest.approx(9.0 / 2688, rel=1e-6)
+    assert torch.equal(t[_experts(3) + "w2_weight.input_amax"], torch.full((EXPERTS,), 4.5))
+    assert torch.equal(t[_experts(0) + "w13_weight.input_amax"], torch.full((EXPERTS,), 1.0))
+    assert torch.equal(t[_experts(39) + "w2_weight.input_amax"], torch.full((EXPERTS,), 7.0))
+    assert json.loads((tmp_path / "r.json").read_text())["activation_scales"] == {
+        "calibrated": 2 * NVFP4_LAYERS - 1, "default": 1}
 
 
 def test_existing_output_refused_then_overwrite(tiny_src, tmp_path, capsys):
@@ -165,18 +220,33 @@ def test_existing_output_refused_then_overwrite(tiny_src, tmp_path, capsys):
     assert not (out / "keep.txt").exists()
 
 
-def test_gate_up_in_different_source_shards(tmp_path):
-    src = write_checkpoint(tmp_path / "split", "tiny", layers=2, experts=2, max_shard_bytes=13_000, layout="legacy")
-    ck = Checkpoint.open(src)
-    p = "model.layers.0.mlp.experts.1."
-    assert ck.weight_map[p + "gate_proj.weight"] != ck.weight_map[p + "up_proj.weight"]
-    out = tmp_path / "o"
-    assert main(["convert", str(src), str(out), "--default-activation-amax", "2", "--quiet", "--max-shard-size", "20KB"]) == 0
-    t = _load_all(out)
-    assert torch.equal(t[p + "gate_proj.weight_scale_2"], t[p + "up_proj.weight_scale_2"])
-    both = torch.cat([_load_all(src)[p + "gate_proj.weight"].float().abs().reshape(-1),
-                      _load_all(src)[p + "up_proj.weight"].float().abs().reshape(-1)])
-    assert t[p + "gate_proj.weight_scale_2"].item() == pytest.approx(both.max().item() / 2688, rel=1e-6)
+def test_a_units_tensors_in_different_source_shards(tmp_path):
+    """A stacked expert tensor of the MXFP8 release is one unit with its block scale: converted
+    (to NVFP4) or copied (kept MXFP8) alike when the source put weight and scale in different
+    shards."""
+    src = write_checkpoint(tmp_path / "src", "tiny", layers=6, experts=2)
+    release = tmp_path / "release"
+    assert main(["convert", str(src), str(release), "--scheme", "mxfp8", "--quiet"]) == 0
+    split = tmp_path / "split"
+    shutil.copytree(release, split)
+    idx = json.loads((split / "model.safetensors.index.json").read_text())
+    (shard,) = set(idx["weight_map"].values())
+    tensors = _load_all(split)
+    scales = {k: v for k, v in tensors.items() if k.endswith("_weight_scale")}
+    save_file({k: v for k, v in tensors.items() if k not in scales}, split / shard, metadata={"format": "pt"})
+    save_file(scales, split / "scales.safetensors", metadata={"format": "pt"})
+    idx["weight_map"].update({k: "scales.safetensors" for k in scales})
+    (split / "model.safetensors.index.json").write_text(json.dumps(idx))
+    ck = Checkpoint.open(split)
+    p = _experts(0)
+    assert ck.weight_map[p + "w13_weight"] != ck.weight_map[p + "w13_weight_scale"]
+    for d in (release, split):
+        assert main(["convert", str(d), str(tmp_path / f"{d.name}-out"), "--default-activation-amax", "2", "--quiet"]) == 0
+    whole, got = _load_all(tmp_path / "release-out"), _load_all(tmp_path / "split-out")
+    assert set(got) == set(whole) and all(torch.equal(_bits(got[k]), _bits(whole[k])) for k in whole)
+    assert got[p + "w13_weight"].dtype == torch.uint8  # layers 0-4 NVFP4 from the release
+    for k in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"):  # layer 5 kept MXFP8
+        assert torch.equal(_bits(got[_experts(5) + k]), _bits(tensors[_experts(5) + k])), k
 
 
 def test_two_workers_same_bytes(tiny_src, converted, tmp_path):
@@ -202,7 +272,7 @@ def _copy(src: Path, dst: Path) -> Path:
 
 def _first_expert_shard(root: Path) -> tuple[str, str]:
     wm = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"]
-    name = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    name = _experts(1) + "w13_weight"
     return wm[name], name
 
 
@@ -246,7 +316,7 @@ def test_header_lies_about_offsets(tiny_src, tmp_path, capsys):
 def test_index_missing_file_or_outside(tiny_src, tmp_path, capsys, target, expect):
     src = _copy(tiny_src, tmp_path / "s")
     idx = json.loads((src / "model.safetensors.index.json").read_text())
-    idx["weight_map"]["model.layers.0.mlp.experts.0.gate_proj.weight"] = target
+    idx["weight_map"][_experts(0) + "w13_weight"] = target
     (src / "model.safetensors.index.json").write_text(json.dumps(idx))
     _convert_fails(src, tmp_path, capsys, expect)
 
@@ -254,9 +324,9 @@ def test_index_missing_file_or_outside(tiny_src, tmp_path, capsys, target, expec
 def test_shape_disagrees_with_config(tiny_src, tmp_path, capsys):
     src = _copy(tiny_src, tmp_path / "s")
     cfg = json.loads((src / "config.json").read_text())
-    cfg["moe_intermediate_size"] = 128
+    cfg["text_config"]["moe_intermediate_size"] = 128
     (src / "config.json").write_text(json.dumps(cfg))
-    _convert_fails(src, tmp_path, capsys, "disagrees with config.json", "mlp.experts")
+    _convert_fails(src, tmp_path, capsys, "disagrees with config.json", "mlp.experts.w13_weight")
 
 
 def _rewrite_tensor(src: Path, name: str, fn):
@@ -273,7 +343,8 @@ def _rewrite_tensor(src: Path, name: str, fn):
     return wm[name]
 
 
-@pytest.mark.parametrize("name", ["model.layers.2.mlp.experts.1.down_proj.weight", "model.layers.2.self_attn.q_proj.weight"])
+@pytest.mark.parametrize("name", ["model.llm.layers.2.mlp.experts.w2_weight", "model.llm.layers.45.mlp.experts.w13_weight",
+                                  "model.llm.layers.2.attn.wq_du.weight"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nan_inf_weight(tiny_src, tmp_path, capsys, name, bad):
     src = _copy(tiny_src, tmp_path / "s")
@@ -288,18 +359,34 @@ def test_nan_inf_weight(tiny_src, tmp_path, capsys, name, bad):
 def test_unknown_tensor_name(tiny_src, tmp_path, capsys):
     src = _copy(tiny_src, tmp_path / "s")
     shard, name = _first_expert_shard(src)
+    bad = name.replace("w13_weight", "w13_weighx")
     raw = (src / shard).read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
-    header = raw[8:8 + n].replace(name.encode(), b"model.layers.1.mlp.experts.0.gate_prox.weight")
+    header = raw[8:8 + n].replace(name.encode(), bad.encode())
     (src / shard).write_bytes(raw[:8] + header + raw[8 + n:])
     idx = json.loads((src / "model.safetensors.index.json").read_text())
-    idx["weight_map"]["model.layers.1.mlp.experts.0.gate_prox.weight"] = idx["weight_map"].pop(name)
+    idx["weight_map"][bad] = idx["weight_map"].pop(name)
     (src / "model.safetensors.index.json").write_text(json.dumps(idx))
-    _convert_fails(src, tmp_path, capsys, shard, "gate_prox", "not part of the Inkling 2 Small layout")
+    _convert_fails(src, tmp_path, capsys, shard, bad, "not a tensor of the Inkling 2 layout")
 
 
 def test_already_quantized_source_refused(converted, tmp_path, capsys):
-    _convert_fails(converted, tmp_path, capsys, "already quantized")
+    _convert_fails(converted, tmp_path, capsys, "already quantized", ".mlp.experts.w13_weight")
+
+
+@pytest.mark.parametrize("output_format", ["inkling", "modelopt-hf"])
+def test_legacy_layout_refused(tiny_src, tmp_path, capsys, output_format):
+    """A config.json without text_config (the layout this project invented before the model was
+    published) is refused up front, naming config.json and saying the layout is not supported."""
+    src = _copy(tiny_src, tmp_path / "s")
+    (src / "config.json").write_text(json.dumps({"model_type": "inkling2", "num_hidden_layers": 48, "hidden_size": 64,
+                                                 "num_experts": 4, "moe_intermediate_size": 96}))
+    rc = main(["convert", str(src), str(tmp_path / "out"), "--default-activation-amax", "4", "--quiet",
+               "--output-format", output_format])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    assert f"{src}/config.json" in err and "text_config" in err and "not supported" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 # kill -9 / SIGTERM / disk-full / lock / --part: tests/test_hardening.py
@@ -310,22 +397,31 @@ def _cli(*args) -> list[str]:
     return [sys.executable, "-m", "inkling_quant.cli", *args]
 
 
-def _peak_rss_mb(cmd: list[str]) -> float:
-    proc = subprocess.Popen(cmd)
-    _, status, usage = os.wait4(proc.pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    return usage.ru_maxrss / 1024
+# the peak resident memory of the process's own address space (VmHWM): a child's ru_maxrss starts
+# from its parent's RSS at exec, and this test's parent holds the synthetic checkpoint it wrote
+_HWM = ("import re, sys\n{}\n"
+        "print(int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1)))")
 
 
+def _peak_rss_mb(code: str, *args) -> float:
+    r = subprocess.run([sys.executable, "-c", _HWM.format(code), *map(str, args)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return int(r.stdout.split()[-1]) / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM from /proc")
 def test_peak_rss_bounded_by_tensors_not_shard(tmp_path):
-    # one ~800 MB shard of real-size expert tensors (3488 x 3072 bf16 = 21 MB each)
-    src = write_checkpoint(tmp_path / "big", "bench", layers=1, experts=6, max_shard_bytes=10**10, layout="legacy")
+    # one 1.3 GB shard of real-size tensors: stacked experts w13 [6, 4608, 4608] (255 MB) and w2
+    # [6, 4608, 2304] bf16, read one expert at a time; the embedding and the unembedding (151 MB
+    # each) are the largest tensors read whole
+    src = write_checkpoint(tmp_path / "big", "bench", layers=1, experts=6, max_shard_bytes=10**10)
     (shard,) = Checkpoint.open(src).shards
     shard_mb = (src / shard).stat().st_size / 1e6
-    assert shard_mb > 500
-    largest_mb = 16384 * 3072 * 2 / 1e6  # the embedding / LM head
-    base = _peak_rss_mb([sys.executable, "-c", "import inkling_quant.convert, torch; torch.zeros(1)"])
-    peak = _peak_rss_mb(_cli("convert", str(src), str(tmp_path / "o"), "--default-activation-amax", "4", "--quiet"))
+    assert shard_mb > 1000
+    largest_mb = 16384 * 4608 * 2 / 1e6
+    base = _peak_rss_mb("import inkling_quant.convert, torch; torch.zeros(1)")
+    peak = _peak_rss_mb("from inkling_quant.cli import main\nif main(sys.argv[1:]):\n    sys.exit(1)",
+                        "convert", src, tmp_path / "o", "--default-activation-amax", "4", "--quiet")
     print(f"shard {shard_mb:.0f} MB, baseline {base:.0f} MB, peak {peak:.0f} MB")
     assert peak - base < 4 * largest_mb + 64
     assert peak - base < shard_mb / 3

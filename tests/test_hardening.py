@@ -30,7 +30,7 @@ def _files(root: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def src_and_ref(tmp_path_factory):
     d = tmp_path_factory.mktemp("hard")
-    src = write_checkpoint(d / "src", "tiny", experts=8, layout="legacy")
+    src = write_checkpoint(d / "src", "tiny", experts=8)
     ref = d / "ref"
     assert main(["convert", str(src), str(ref), *ARGS]) == 0
     return src, ref

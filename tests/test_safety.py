@@ -52,7 +52,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from inkling_quant.cli import main
-from inkling_quant.layout import ModelConfig
+from inkling_quant.inkling2 import Inkling2Config
 from inkling_quant.synth import write_checkpoint
 
 AMAX = ["--default-activation-amax", "4", "--quiet"]
@@ -219,8 +219,8 @@ def base(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def src(base) -> Path:
-    """The tiny BF16 source (4 experts). Never modified: tests copy it first."""
-    return write_checkpoint(base / "src", "tiny", experts=4, layout="legacy")
+    """The tiny BF16 source (published layout, 4 experts). Never modified: tests copy it first."""
+    return write_checkpoint(base / "src", "tiny", experts=4)
 
 
 @pytest.fixture(autouse=True)
@@ -244,24 +244,27 @@ def converted(base, src) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cfg(src) -> ModelConfig:
-    return ModelConfig.load(src)
+def cfg(src) -> Inkling2Config:
+    return Inkling2Config.load(src)
 
 
-def write_adapter(d: Path, cfg: ModelConfig, **config) -> Path:
-    """A PEFT LoRA adapter (hand-written, as tests/test_lora.py does) on layer 0's q_proj."""
+def write_adapter(d: Path, cfg: Inkling2Config, **config) -> Path:
+    """A PEFT LoRA adapter (hand-written, as tests/test_lora_original.py does) on layer 0's query
+    projection, as PEFT names it on transformers' Inkling2ForConditionalGeneration (`q_proj.linear`,
+    the checkpoint's `attn.wq_du`)."""
     d.mkdir(parents=True, exist_ok=True)
-    nh, _, hd = cfg.attention_dims(0)
+    nh, _, hd = cfg.text.attention_dims(0)
+    hidden = cfg.text.hidden_size
     gen = torch.Generator().manual_seed(0)
     r = 4
-    a = torch.randn(r, cfg.hidden_size, generator=gen) / math.sqrt(cfg.hidden_size)
+    a = torch.randn(r, hidden, generator=gen) / math.sqrt(hidden)
     b = torch.randn(nh * hd, r, generator=gen) * 0.02
-    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a.contiguous(),
-               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": b.contiguous()},
+    module = "base_model.model.model.language_model.layers.0.self_attn.q_proj.linear"
+    save_file({f"{module}.lora_A.weight": a.contiguous(), f"{module}.lora_B.weight": b.contiguous()},
               d / "adapter_model.safetensors")
     conf = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 8, "bias": "none",
             "use_rslora": False, "fan_in_fan_out": False, "base_model_name_or_path": "thinkingmachines/Inkling-2-Small",
-            "target_modules": ["q_proj"], "layers_to_transform": [0]}
+            "target_modules": ["q_proj.linear"], "layers_to_transform": [0]}
     conf.update(config)
     (d / "adapter_config.json").write_text(json.dumps(conf))
     return d
@@ -493,16 +496,16 @@ def test_default_activation_amax_never_gives_zero_or_nan_input_scale(amax, src, 
         assert not bad, f"--default-activation-amax {amax}: {len(bad)} input_scale(s) not finite positive, e.g. {bad[:3]}"
 
 
-@pytest.mark.parametrize("kind", ["json-no-such-module", "json-expert-out-of-range", "safetensors-no-such-module"])
+@pytest.mark.parametrize("kind", ["json-no-such-module", "json-layer-out-of-range", "safetensors-no-such-module"])
 def test_activation_scales_matching_no_module_refused(kind, src, tmp_path):
     """Class 3: a calibration file with entries for modules the checkpoint does not have (a typo, a
     file for another model) fails, naming the file, instead of being silently ignored."""
     if kind == "json-no-such-module":
         f = tmp_path / "scales.json"
         f.write_text(json.dumps({"no.such.module": 3.0}))
-    elif kind == "json-expert-out-of-range":  # 4 experts: expert 99 does not exist
+    elif kind == "json-layer-out-of-range":  # 48 layers: layer 48 does not exist
         f = tmp_path / "scales.json"
-        f.write_text(json.dumps({"model.layers.0.mlp.experts.99.gate_proj": 3.0}))
+        f.write_text(json.dumps({"model.llm.layers.48.mlp.experts.w13_weight": 3.0}))
     else:
         f = tmp_path / "scales.safetensors"
         save_file({"no.such.module.input_amax": torch.tensor([3.0])}, f)
@@ -802,8 +805,8 @@ def test_disk_full_during_finalize_keeps_shards_and_resumes(src, converted, tmp_
 
 
 def test_fp32_passthrough_source_verifies(src, tmp_path):
-    """Class 6: a source whose non-expert tensors are FP32 converts (FP32 passed through) and
-    `verify OUT` (no --against) exits 0."""
+    """Class 6: a source whose non-expert tensors are all FP32 (the BF16 ones too) converts (FP32
+    passed through) and `verify OUT` (no --against) exits 0."""
     s = copy_src(src, tmp_path / "fp32")
     idx = json.loads((s / INDEX).read_text())
     total = 0
@@ -818,7 +821,7 @@ def test_fp32_passthrough_source_verifies(src, tmp_path):
     r = call("convert", s, out, *AMAX)
     assert r.rc == 0, r.err
     with safe_open(next(iter(safetensors_files(out))), "pt") as st:
-        assert any(st.get_slice(k).get_dtype() == "F32" for k in st.keys()), "no FP32 tensor passed through"
+        assert st.get_slice("model.llm.layers.0.attn.wq_du.weight").get_dtype() == "F32", "BF16 made FP32 not passed through"
     v = call("verify", out)
     assert v.rc == 0, v.out
 
@@ -839,9 +842,10 @@ def test_verify_huge_expert_count_is_bounded(converted, tmp_path):
     within 20 s with exit != 0 (it must not enumerate/hash millions of expected tensors first)."""
     out = copy_src(converted, tmp_path / "out")
     c = json.loads((out / "config.json").read_text())
-    c["num_hidden_layers"] = 16
-    c["layer_types"] = c["layer_types"][:16]
-    c["num_experts"] = 16384
+    t = c["text_config"]
+    t["num_hidden_layers"] = 16
+    t["layer_types"] = t["layer_types"][:16]
+    t["n_routed_experts"] = 16384
     (out / "config.json").write_text(json.dumps(c))
     r = _bounded(["verify", out, "--quiet"])
     assert r.rc != 0, r.out
@@ -940,10 +944,10 @@ def test_expert_width_error_names_file_and_tensor(tmp_path):
     convert exits 2 and the message names the .safetensors file and the tensor."""
     from inkling_quant import synth
 
-    with mock.patch.dict(synth.PRESETS["tiny"], {"moe_intermediate_size": 40}):
-        s = write_checkpoint(tmp_path / "w40", "tiny", experts=4, layout="legacy")
-    assert json.loads((s / "config.json").read_text())["moe_intermediate_size"] == 40
+    with mock.patch.dict(synth.ORIGINAL_PRESETS["tiny"]["text_config"], {"moe_intermediate_size": 40}):
+        s = write_checkpoint(tmp_path / "w40", "tiny", experts=4)
+    assert json.loads((s / "config.json").read_text())["text_config"]["moe_intermediate_size"] == 40
     r = call("convert", s, tmp_path / "out", *AMAX)
     assert_refused(r, 2)
     assert re.search(r"\S+\.safetensors", r.err), f"no .safetensors file named: {r.err}"
-    assert re.search(r"model\.layers\.\d+\.mlp\.experts\.\d+\.\w+", r.err), f"no tensor named: {r.err}"
+    assert re.search(r"model\.llm\.layers\.\d+\.mlp\.experts\.w(13|2)_weight", r.err), f"no tensor named: {r.err}"

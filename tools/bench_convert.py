@@ -2,7 +2,8 @@
 """End-to-end conversion throughput and memory: inkling_quant's converter against the I/O floor,
 llm-compressor's ``model_free_ptq`` and a per-tensor loop over NVIDIA ModelOpt's quantizers.
 
-One ``synth --preset bench`` checkpoint (real expert shapes, [3488, 3072] bf16) is converted by
+One ``synth --preset bench`` checkpoint in the published Inkling 2 layout (real expert shapes:
+stacked ``w13_weight`` [E, 2 x 2304, 4608] and ``w2_weight`` [E, 4608, 2304] bf16) is converted by
 
   (a) ``copy``      our convert() with a scheme of no rules, nothing quantized: the I/O floor of the
                     converter itself (pread, finiteness check, sha256 and write pipelined, fsync),
@@ -12,12 +13,16 @@ One ``synth --preset bench`` checkpoint (real expert shapes, [3488, 3072] bf16) 
                     and default (W4A4 NVFP4 + MXFP8, constant activation amax), at 1 and 2 workers;
   (c) ``lc``        llm-compressor 0.14.0.1 ``model_free_ptq`` with NVFP4A16 and MXFP8, max_workers 1 and 2
                     (threads), ignoring every module but the routed experts so the weight work is the same.
+                    model_free_ptq quantizes 2-D ``<module>.weight`` matrices only, so it reads a copy of
+                    the input with the stacked experts split into per-expert gate/up/down weights (the
+                    same bytes, named as ModelOpt's export names them; made once, not timed).
                     It runs from its own venv (default ./bench-out/lc-venv, created on first use: torch==2.13.0
                     first, then llmcompressor==0.14.0.1; reused when present). Our config.json (model_type
                     "inkling2") needs no workaround: model_free_ptq never builds a transformers config, it
                     reads/writes config.json as plain JSON;
   (d) ``modelopt``  our reader/writer around ModelOpt's ``NVFP4QTensor.quantize`` / ``MXFP8QTensor.quantize``,
-                    one tensor at a time, gate/up sharing a global scale as ModelOpt's export does.
+                    one expert at a time (its gate, up and down apart, gate/up sharing a global scale as
+                    ModelOpt's export does), written in the Inkling stacked form as ours is.
 
 Each case runs in its own process; its peak RSS comes from ``os.wait4`` (the largest single process
 of its tree) and from sampling /proc every 50 ms (sum over the process tree, which is what a
@@ -35,7 +40,7 @@ every module ignored (``lc-copy``) for llm-compressor. A fixed start-up cost (ou
 import torch) is partly left in the expert figure, which is therefore conservative for ours at
 2 workers.
 
-    python tools/bench_convert.py                          # 1.73 GB input, on ./bench-out (disk)
+    python tools/bench_convert.py                          # 2.16 GB input, on ./bench-out (disk)
     python tools/bench_convert.py --work-dir /dev/shm/ib   # same, in RAM (tmpfs: our O_DIRECT writes gain nothing there)
     python tools/bench_convert.py --skip-peer --layers 1 --experts 2 --json r.json
 """
@@ -58,7 +63,7 @@ LC_VERSION = "0.14.0.1"
 TORCH_VERSION = "2.13.0"
 # llm-compressor `ignore`: module names matched with re.match; this one matches (and so ignores)
 # every module that is not a routed-expert projection.
-LC_IGNORE = [r"re:^(?!model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj$)"]
+LC_IGNORE = [r"re:^(?!model\.language_model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj$)"]
 LC_SCHEME = {"nvfp4": "NVFP4A16", "mxfp8": "MXFP8"}
 TARGETS = {"nvfp4": 10.0, "mxfp8": 5.0}  # required speed-up over llm-compressor (the issue)
 
@@ -160,6 +165,8 @@ def child(spec: dict) -> None:
         res = _child_compare(spec)
     elif kind == "synth":
         res = _child_synth(spec)
+    elif kind == "unstack":
+        res = _child_unstack(spec)
     elif kind == "stats":
         res = src_stats(Path(spec["src"]))
     else:
@@ -196,84 +203,135 @@ def _child_copy(spec: dict) -> dict:
     return _child_ours({**spec, "scheme": "none", "weight_only": False})
 
 
+def _interleave(parts: list):
+    """Rows of `parts` interleaved (row 2j of the first, 2j+1 of the second): how w13 stores gate and up."""
+    import torch
+
+    out = torch.empty((len(parts) * parts[0].shape[0], *parts[0].shape[1:]), dtype=parts[0].dtype)
+    for i, t in enumerate(parts):
+        out[i::len(parts)] = t
+    return out
+
+
+def _modelopt_slab(slab, proj: str, fmt: str) -> dict:
+    """One expert's slab (w13 [2I, H] rows interleaved, or w2 [H, I]) quantized by ModelOpt module
+    by module (gate, up and down apart, gate and up under one global scale as ModelOpt's
+    sync_moe_gate_up_amax leaves them), put back as stored: `Format.quantize`'s dict of the slab."""
+    import torch
+    from modelopt.torch.quantization.qtensor import MXFP8QTensor, NVFP4QTensor
+
+    mods = [slab[0::2].contiguous(), slab[1::2].contiguous()] if proj == "w13" else [slab]
+    if fmt == "nvfp4":
+        s2 = torch.stack([NVFP4QTensor.get_weights_scaling_factor_2(m) for m in mods]).max()
+        qs = [NVFP4QTensor.quantize(m, 16, weights_scaling_factor_2=s2) for m in mods]
+        return {"weight": _interleave([qt._quantized_data for qt, _, _ in qs]),
+                "weight_scale": _interleave([s.view(torch.float8_e4m3fn) for _, s, _ in qs]),
+                "weight_scale_2": qs[0][2].float().reshape(())}
+    qs = [MXFP8QTensor.quantize(m) for m in mods]
+    return {"weight": _interleave([qt._quantized_data.view(torch.float8_e4m3fn) for qt, _ in qs]),
+            "weight_scale": _interleave([s.view(torch.uint8).reshape(m.shape[0], -1) for (_, s), m in zip(qs, mods)])}
+
+
 def _child_modelopt(spec: dict) -> dict:
-    """Our reader and writer, ModelOpt's quantizers, one unit (tensor or gate+up pair) at a time."""
+    """Our reader and writer, ModelOpt's quantizers, one expert at a time: each stacked expert
+    tensor's slab quantized module by module, written in the Inkling stacked form as ours is
+    (formats.stacked.slab_slices), so the outputs compare name by name."""
     c0 = _cpu_s()
     import torch
 
     torch.set_num_threads(spec["threads"])
     sys.path.insert(0, str(ROOT))
-    from modelopt.torch.quantization.qtensor import MXFP8QTensor, NVFP4QTensor
-
     from inkling_quant.formats import FORMATS
+    from inkling_quant.formats.stacked import projection_specs, slab_slices
+    from inkling_quant.inkling2 import Inkling2Config, classify
     from inkling_quant.io.safetensors import ShardReader, ShardWriter, TensorBuffer
-    from inkling_quant.layout import ModelConfig, classify
     from inkling_quant.schemes import get_scheme
 
     setup = _cpu_s() - c0
 
     src, out, fmt_only = Path(spec["src"]), Path(spec["out"]), spec["scheme"]
     out.mkdir(parents=True)
-    cfg = ModelConfig.load(src)
+    cfg = Inkling2Config.load(src)
     scheme = get_scheme(fmt_only)
     t0 = time.perf_counter()
-    idx = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
     readers = {p.name: ShardReader(p) for p in _src_shards(src)}
-    bufs = (TensorBuffer(), TensorBuffer())
-    weight_map, done, n_in, n_q = {}, set(), 0, 0
+    buf = TensorBuffer()
+    weight_map, n_in, n_q = {}, 0, 0
     for shard, r in readers.items():
-        units = []
-        for name in r.header.tensors:
-            if name in done:
-                continue
+        plan = []  # (source name, format, projection, prefix, output specs)
+        for name, e in r.header.tensors.items():
             rec = classify(name)
             fmt = scheme.format_name(cfg, rec)
-            group = [name]
-            if fmt == "nvfp4" and rec.projection in ("gate_proj", "up_proj"):
-                base = f"model.layers.{rec.layer}.mlp.experts.{rec.expert}."
-                group = [base + "gate_proj.weight", base + "up_proj.weight"]
-            done.update(group)
-            units.append((fmt, group))
-        specs = []
-        for fmt, group in units:
-            for name in group:
-                e = readers[idx[name]].header.tensors[name]
+            if fmt == "passthrough":
+                plan.append((name, fmt, None, "", [(name, e.dtype, e.shape)]))
+                continue
+            prefix = name[: -len(f"{rec.projection}_weight")]
+            specs = projection_specs(FORMATS[fmt], rec.projection, e.shape, dtype=e.dtype, activation_scale=False)
+            plan.append((name, fmt, rec.projection, prefix, [(prefix + k, o.dtype, o.shape) for k, o in specs.items()]))
+        with ShardWriter(out / shard, [s for *_, specs in plan for s in specs], {"format": "pt"}, direct=True) as w:
+            for name, fmt, proj, prefix, specs in plan:
+                weight_map.update({n: shard for n, _, _ in specs})
                 if fmt == "passthrough":
-                    specs.append((name, e.dtype, e.shape))
-                else:
-                    module = name[: -len(".weight")]
-                    for suffix, s in FORMATS[fmt].out_specs(e.shape, e.dtype, activation_scale=False).items():
-                        specs.append((f"{module}.{suffix}", s.dtype, s.shape))
-        with ShardWriter(out / shard, specs, {"format": "pt"}, direct=True) as w:  # as convert writes
-            for fmt, group in units:
-                ws = [(name, readers[idx[name]].get(name, bufs[k])) for k, name in enumerate(group)]
-                s2 = None
-                if fmt == "nvfp4" and len(ws) == 2:  # ModelOpt's sync_moe_gate_up_amax: one global amax
-                    s2 = torch.maximum(*[NVFP4QTensor.get_weights_scaling_factor_2(t) for _, t in ws])
-                for name, t in ws:
+                    t = r.get(name, buf)
                     n_in += t.numel() * t.element_size()
-                    module = name[: -len(".weight")]
-                    if fmt == "passthrough":
-                        outs = {name: t}
-                    elif fmt == "nvfp4":
-                        qt, s, ss2 = NVFP4QTensor.quantize(t, 16, weights_scaling_factor_2=s2)
-                        outs = {f"{module}.weight": qt._quantized_data,
-                                f"{module}.weight_scale": s.view(torch.float8_e4m3fn),
-                                f"{module}.weight_scale_2": ss2.float().reshape(())}
-                    else:
-                        qt, s = MXFP8QTensor.quantize(t)
-                        outs = {f"{module}.weight": qt._quantized_data.view(torch.float8_e4m3fn),
-                                f"{module}.weight_scale": s.view(torch.uint8)}
-                    if fmt != "passthrough":
-                        n_q += 1
-                    for k, v in outs.items():
-                        w.write(k, v)
-                        weight_map[k] = shard
+                    w.write(name, t)
+                    continue
+                scales = {n: torch.empty(shape, dtype=dtype) for n, dtype, shape in specs[1:]}
+                for e in range(r.header.tensors[name].shape[0]):  # as ours: the weight in pieces, scales after
+                    slab = r.get_slice(name, e, buf)
+                    n_in += slab.numel() * slab.element_size()
+                    slices = slab_slices(FORMATS[fmt], proj, _modelopt_slab(slab, proj, fmt))
+                    for n, t in scales.items():
+                        t[e] = slices[n[len(prefix):]]
+                    w.write_part(specs[0][0], slices[f"{proj}_weight"])
+                    n_q += 2 if proj == "w13" else 1
+                for n, t in scales.items():
+                    w.write(n, t)
             w.commit()
     for r in readers.values():
         r.close()
     (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     return {"work_s": time.perf_counter() - t0, "bytes_in": n_in, "quantized": n_q, "setup_cpu_s": setup}
+
+
+def _child_unstack(spec: dict) -> dict:
+    """llm-compressor's input: the bench checkpoint with each stacked expert tensor split into
+    per-expert 2-D Linear weights (model_free_ptq quantizes `<module>.weight` matrices only; the
+    stacked `w13_weight` / `w2_weight` it would leave as they are), named as ModelOpt's export
+    names them (`model.language_model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`): the
+    same bytes of the same weights, one shard per source shard, everything else as it is."""
+    sys.path.insert(0, str(ROOT))
+    from inkling_quant.inkling2 import classify, modelopt_experts_module
+    from inkling_quant.io.safetensors import ShardReader, ShardWriter, TensorBuffer
+
+    src, out = Path(spec["src"]), Path(spec["out"])
+    out.mkdir(parents=True)
+    weight_map, buf = {}, TensorBuffer()
+    for path in _src_shards(src):
+        with ShardReader(path) as r:
+            plan = []  # (output name, source name, expert, row offset) in write order
+            for name, e in r.header.tensors.items():
+                rec = classify(name)
+                if rec.part != "expert":
+                    plan.append((name, name, None, None, e.dtype, e.shape))
+                    continue
+                mods = ("gate_proj", "up_proj") if rec.projection == "w13" else ("down_proj",)
+                rows = e.shape[1] // len(mods)
+                for x in range(e.shape[0]):
+                    for i, m in enumerate(mods):
+                        plan.append((f"{modelopt_experts_module(rec.layer)}.{x}.{m}.weight", name, x, (i, len(mods)),
+                                     e.dtype, (rows, e.shape[2])))
+            with ShardWriter(out / path.name, [(n, d, s) for n, _, _, _, d, s in plan], {"format": "pt"}) as w:
+                for n, name, x, rows, _, _ in plan:
+                    t = r.get(name, buf) if x is None else r.get_slice(name, x, buf)[rows[0]::rows[1]].contiguous()
+                    w.write(n, t)
+                    weight_map[n] = path.name
+                w.commit()
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out / f.name)
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return {}
 
 
 def _child_lc(spec: dict) -> dict:
@@ -320,7 +378,7 @@ def _child_compare(spec: dict) -> dict:
             ok = torch.equal(xa, xb)
         if ok:
             same += 1
-            quant_same += ".mlp.experts." in name and not name.endswith(".weight_scale_2")
+            quant_same += ".mlp.experts." in name
         else:
             differ += 1
             mismatches.append(name)
@@ -360,7 +418,7 @@ def _child_synth(spec: dict) -> dict:
 
     t0 = time.perf_counter()
     write_checkpoint(spec["out"], "bench", layers=spec["layers"], experts=spec["experts"],
-                     max_shard_bytes=parse_size(spec["shard_size"]) if spec.get("shard_size") else None, layout="legacy")
+                     max_shard_bytes=parse_size(spec["shard_size"]) if spec.get("shard_size") else None)
     return {"seconds": time.perf_counter() - t0}
 
 
@@ -377,8 +435,8 @@ def helper(script: str | Path, spec: dict, result: Path, env: dict | None = None
 
 def src_stats(src: Path) -> dict:
     sys.path.insert(0, str(ROOT))
+    from inkling_quant.inkling2 import classify
     from inkling_quant.io.safetensors import read_header
-    from inkling_quant.layout import classify
 
     total = expert = 0
     for p in _src_shards(src):
@@ -392,8 +450,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=3, help="decoder layers of the bench input (default 3: "
                    "the default scheme then has an MXFP8 layer)")
-    p.add_argument("--experts", type=int, default=4, help="routed experts per layer (default 4: 1.73 GB, "
-                   "45%% of it routed experts)")
+    p.add_argument("--experts", type=int, default=4, help="routed experts per layer (default 4: 2.16 GB, "
+                   "35%% of it routed experts)")
     p.add_argument("--src-shard-size", default="500MB", help="input shard size (llm-compressor parallelizes and "
                    "holds memory per input shard)")
     p.add_argument("--max-shard-size", default="250MB", help="our output shard size (we parallelize per output shard)")
@@ -436,6 +494,9 @@ def main(argv=None) -> int:
     helper(me, {"kind": "synth", "out": str(src), "layers": args.layers, "experts": args.experts,
                 "shard_size": args.src_shard_size}, work / "synth.json", env_ours)
     st = helper(me, {"kind": "stats", "src": str(src)}, work / "stats.json", env_ours)
+    lc_src = work / "lc-src"  # llm-compressor's copy of it: the experts unstacked into 2-D weights
+    if lc_py is not None:
+        helper(me, {"kind": "unstack", "src": str(src), "out": str(lc_src)}, work / "unstack.json", env_ours)
     st["pass_bytes"] = st["bytes"] - st["expert_bytes"]
     print(f"input: synth --preset bench --layers {args.layers} --experts {args.experts}: {_mb(st['bytes']):.0f} MB "
           f"bf16 in {st['shards']} shards, routed experts {_mb(st['expert_bytes']):.0f} MB "
@@ -492,7 +553,7 @@ def main(argv=None) -> int:
     if lc_py is not None:
         for w in workers:
             out = work / "lc-floor"
-            meas, res = run_child({"kind": "lc", "src": str(src), "out": str(out), "lc_scheme": "MXFP8",
+            meas, res = run_child({"kind": "lc", "src": str(lc_src), "out": str(out), "lc_scheme": "MXFP8",
                                    "workers": w, "floor": True}, python=str(lc_py), env=env_lc,
                                    repeat=args.repeat)
             record("lc-copy", "ignore all", w, meas, res)
@@ -536,8 +597,8 @@ def main(argv=None) -> int:
             exact[f"{scheme} w={w}"] = cmp_res
             eg = f", e.g. {', '.join(cmp_res['mismatches'][:3])}" if cmp_res["mismatches"] else ""
             print(f"  bit-exact, ours {scheme} (w={w}) vs ModelOpt loop: {cmp_res['bit_exact']} "
-                  f"({cmp_res['tensors_equal']} tensors equal, of which {cmp_res['expert_tensors_equal']} expert "
-                  f"weight/weight_scale; {cmp_res['tensors_differ']} differ{eg})", flush=True)
+                  f"({cmp_res['tensors_equal']} tensors equal, of which {cmp_res['expert_tensors_equal']} "
+                  f"stacked expert tensors; {cmp_res['tensors_differ']} differ{eg})", flush=True)
             shutil.rmtree(keep_for_compare[(scheme, w)])
         shutil.rmtree(ref)
 
@@ -546,7 +607,7 @@ def main(argv=None) -> int:
         for scheme in ("nvfp4", "mxfp8"):
             for w in workers:
                 out = work / f"lc-{scheme}-w{w}"
-                meas, res = run_child({"kind": "lc", "src": str(src), "out": str(out), "lc_scheme": LC_SCHEME[scheme],
+                meas, res = run_child({"kind": "lc", "src": str(lc_src), "out": str(out), "lc_scheme": LC_SCHEME[scheme],
                                        "workers": w}, python=str(lc_py), env=env_lc,
                                        repeat=args.repeat)
                 record("lc", LC_SCHEME[scheme], w, meas, res, {"quantized": res["quantized"]})

@@ -1,11 +1,12 @@
-"""Convert an Inkling 2 Small checkpoint (BF16/FP16/FP32, or the MXFP8 release; the published
-layout or the legacy one): routed experts to NVFP4/MXFP8 per the scheme, everything else passed
-through bit-exact, as the Inkling stacked form or ModelOpt's MIXED_PRECISION Hugging Face export.
+"""Convert an Inkling 2 Small checkpoint in the published layout (BF16/FP16/FP32, or the MXFP8
+release): routed experts to NVFP4/MXFP8 per the scheme, everything else passed through bit-exact,
+as the Inkling stacked form or ModelOpt's MIXED_PRECISION Hugging Face export.
 
 A pipeline read top to bottom: validate the source against the layout -> plan output shards
-(fused gate/up pairs kept together so they share one NVFP4 global scale) -> convert shards in
-parallel, one tensor in memory at a time, each shard written under a temporary name and
-recorded in a resume manifest -> finalize (configs, non-weight files, checksums, index last).
+(a stacked expert tensor is one unit: gate and up of an expert, interleaved in w13, share one
+NVFP4 global scale) -> convert shards in parallel, one tensor (one expert of a stacked tensor) in
+memory at a time, each shard written under a temporary name and recorded in a resume manifest
+-> finalize (configs, non-weight files, checksums, index last).
 A killed run leaves no index, so nothing looks complete; `--resume` redoes only unfinished shards.
 """
 # The package: planner.py (source, calibration, units, shards) -> worker.py (one shard: read,
@@ -26,20 +27,20 @@ from .. import __version__, hub
 from ..cli_common import int_range, parse_size, positive_float
 from ..errors import CheckpointError, OutputError, UsageError
 from ..export import PRODUCER_VERSION as MODELOPT_FORMAT_VERSION
-from ..export import (EXCLUDE_MODULES, EXCLUDE_MODULES_ORIGINAL, config_with_quantization, hf_quant_config,
-                      modelopt_hf_quant_config, modelopt_quantization_config, quantization)
+from ..export import (EXCLUDE_MODULES_ORIGINAL, config_with_quantization, hf_quant_config, modelopt_hf_quant_config,
+                      modelopt_quantization_config, quantization)
 from ..formats import FORMATS
 from ..io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG, INDEX_NAME, copy_file_atomic, write_json_atomic
 from ..io.output import CHECKSUMS, OutputLock, check_paths, write_checksums, write_report
 from ..io.safetensors import fsync_files, sha256_file
-from ..inkling2 import Inkling2Config, transformers_name
+from ..inkling2 import transformers_name
 from ..schemes import get_scheme
 from .planner import (FLOAT_SOURCES, OUTPUT_FORMATS, Options, Prepared, ShardJob, SrcTensor, Unit, list_source, load_activation_amax,
                       load_calibration, load_config, plan, validate_source)
 from .runner import (MANIFEST, MANIFEST_GLOB, confirm_complete, fingerprint, manifest_path, manifests, part_jobs,
                      previous_output, recorded_checksums, refuse_symlinks, remove_temps, run_jobs, start_output,
                      writing)
-from .worker import SHARD_METADATA, ShardResult, convert_shard, source_input_amax
+from .worker import SHARD_METADATA, ShardResult, convert_shard
 
 __all__ = ["FLOAT_SOURCES", "MANIFEST", "MANIFEST_GLOB", "MODELOPT_FORMAT_VERSION", "SHARD_METADATA", "Options",
            "Prepared", "ShardJob", "ShardResult", "SrcTensor", "Unit", "add_arguments", "convert", "convert_shard",
@@ -55,18 +56,11 @@ def prepare(src: str, opts: Options) -> Prepared:
     cfg = load_config(root)
     if opts.output_format not in OUTPUT_FORMATS:
         raise UsageError(f"--output-format {opts.output_format!r}: known {', '.join(OUTPUT_FORMATS)}")
-    if opts.output_format != "inkling" and not isinstance(cfg, Inkling2Config):
-        raise UsageError(f"--output-format {opts.output_format} needs a source in the published Inkling 2 layout "
-                         f"(config.json with text_config); {src} has the legacy layout")
     scheme = get_scheme(opts.scheme)
     listing, other_files, stat = list_source(root, repo, revision)
     tensors = validate_source(cfg, listing, str(src))
-    from_source: dict[str, float] = {}
-    calibrated: dict[str, float] = {}
-    if not opts.weight_only:
-        from_source = source_input_amax(tensors, root, repo, revision)
-        calibrated = load_calibration(opts.activation_scales, cfg, tensors, src)
-    jobs = plan(cfg, tensors, scheme, opts, calibrated, from_source, str(src))
+    calibrated = {} if opts.weight_only else load_calibration(opts.activation_scales, tensors, src)
+    jobs = plan(cfg, tensors, scheme, opts, calibrated, str(src))
     return Prepared(root, repo, revision, cfg, jobs, other_files, fingerprint(jobs, opts, stat))
 
 
@@ -144,25 +138,24 @@ def _finalize(out: Path, prep: Prepared, opts: Options) -> dict:
     return {"output": str(out), "shards": len(prep.jobs), "finalized": True}
 
 
-def quant_config(jobs: list[ShardJob], weight_only: bool, original_layout: bool = False) -> dict:
+def quant_config(jobs: list[ShardJob], weight_only: bool) -> dict:
     """ModelOpt's MIXED_PRECISION config of the planned conversion (inkling_quant.export): a
-    legacy module per `<module>.weight`; a stacked expert tensor's module is its layer's
-    `mlp.experts` (w13 and w2 share the layer's format)."""
-    def module(u: Unit, s: SrcTensor) -> str:
+    stacked expert tensor's module is its layer's `mlp.experts` (w13 and w2 share the layer's
+    format); pass-through tensors are no module of it."""
+    def module(u: Unit) -> str:
         if u.per_expert:  # ModelOpt keys its experts module by transformers' name
-            return transformers_name(s.name).rsplit(".", 1)[0]
-        return s.name[: -len(f".{u.stacked}_weight")] if u.stacked else s.name[: -len(".weight")]
+            return transformers_name(u.sources[0].name).rsplit(".", 1)[0]
+        return u.sources[0].name[: -len(f".{u.stacked}_weight")]
 
-    return quantization(((module(u, s), FORMATS[u.format]) for j in jobs for u in j.units
-                         for s in (u.sources[:1] if u.stacked else u.sources)),
-                        weight_only, EXCLUDE_MODULES_ORIGINAL if original_layout else EXCLUDE_MODULES)
+    return quantization(((module(u), FORMATS[u.format]) for j in jobs for u in j.units if u.stacked),
+                        weight_only, EXCLUDE_MODULES_ORIGINAL)
 
 
 def _write_configs(out: Path, prep: Prepared, opts: Options) -> list[str]:
     """hf_quant_config.json (with a `converter` entry naming who wrote it), then config.json with
     `quantization_config`; a conversion that quantizes nothing (scheme `none`) writes config.json
     as the source has it, as ModelOpt leaves an unquantized model. Returns the names written."""
-    q = quant_config(prep.jobs, opts.weight_only, isinstance(prep.cfg, Inkling2Config))
+    q = quant_config(prep.jobs, opts.weight_only)
     if opts.output_format == "modelopt-hf":  # exactly ModelOpt's two files, nothing of ours
         q.pop("exclude_modules")
         write_json_atomic(out / HF_QUANT_CONFIG, modelopt_hf_quant_config(q))
@@ -192,7 +185,7 @@ def _write_checksums(out: Path, shard_sums: dict[str, str], others: list[str]) -
 def _report(src, out: Path, opts: Options, jobs: list[ShardJob], todo: list[ShardJob], t0: float) -> dict:
     seconds = time.perf_counter() - t0
     counts: dict[str, int] = {}
-    act = {"calibrated": 0, "source": 0, "default": 0}  # where each module's activation amax came from
+    act = {"calibrated": 0, "default": 0}  # where each module's activation amax came from
     for j in jobs:
         for u in j.units:
             counts[u.format] = counts.get(u.format, 0) + (1 if u.stacked else len(u.sources))

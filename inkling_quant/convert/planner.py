@@ -1,7 +1,7 @@
 """Planning: everything decided before any byte is written. The source is listed and checked
-against the layout, each NVFP4 module gets its activation amax, tensors are grouped into units
-(an NVFP4 expert's gate and up together, so they share one global scale) and the units are
-packed into output shards."""
+against the published Inkling 2 layout (inkling_quant.inkling2), each NVFP4 stacked expert tensor
+gets its activation amax, tensors become units (a pass-through tensor, or a stacked expert tensor
+converted expert by expert) and the units are packed into output shards."""
 from __future__ import annotations
 
 import os
@@ -9,17 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import hub
-from ..errors import CheckpointError, ConfigError, FormatError, InklingQuantError, UsageError, printable
-from ..formats import FORMATS, SCALE_SUFFIXES
+from ..errors import CheckpointError, ConfigError, FormatError, UsageError, printable
+from ..formats import FORMATS
 from ..formats.stacked import expert_module_specs, projection_specs
-from ..inkling2 import (RELEASE_EXPERT_FORMAT, Inkling2Config, Spec, checkpoint_tensors, modelopt_tensor,
+from ..inkling2 import (RELEASE_EXPERT_FORMAT, Inkling2Config, Spec, checkpoint_tensors, classify, modelopt_tensor,
                         transformers_name)
-from ..inkling2 import classify as classify_original
 from ..io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child, shard_name
 from ..io.safetensors import DTYPE_NAMES, DTYPES, ShardReader
 from ..io.shards import ShardReaders, plan_shards
-from ..layout import (FUSED_PROJECTIONS, ModelConfig, TensorName, classify, expected_tensors, model_config, source_spec,
-                      source_tensor_count)
 from ..schemes import Scheme
 
 FLOAT_SOURCES = FORMATS["passthrough"].source_dtypes
@@ -38,14 +35,14 @@ class SrcTensor:
 
 @dataclass(frozen=True)
 class Unit:
-    """Tensors converted together: one tensor, an NVFP4 expert's gate+up sharing a global scale
-    (legacy layout), or one stacked expert tensor of the published layout, converted expert by
-    expert (`stacked` names its projection, "w13" or "w2")."""
+    """What is converted as one: a pass-through tensor, or a stacked expert tensor (all experts of
+    a layer's w13 or w2, `stacked` names which; with the MXFP8 release's scale beside it),
+    converted expert by expert. `input_amax` and `amax_origin` have one entry."""
 
     sources: tuple[SrcTensor, ...]
     format: str
     input_amax: tuple[float | None, ...]
-    amax_origin: tuple[str | None, ...] = ()  # per source: "calibrated", "source" or "default"
+    amax_origin: tuple[str | None, ...] = ()  # "calibrated" or "default" (None: no activation scale)
     stacked: str | None = None
     # modelopt-hf output: the name the tensor is written under (transformers'), and for the
     # unembedding the rows kept (transformers' lm_head drops the vocabulary padding)
@@ -78,7 +75,7 @@ class Options:
     workers: int = 1
     device: str = "cpu"
     buffered_io: bool = False  # how the bytes are written, not which: left out of the resume fingerprint
-    output_format: str = "inkling"  # published layout: "inkling" (stacked, original names) or "modelopt-hf"
+    output_format: str = "inkling"  # "inkling" (stacked, original names) or "modelopt-hf"
 
 
 @dataclass
@@ -88,7 +85,7 @@ class Prepared:
     root: Path
     repo: str | None
     revision: str | None
-    cfg: ModelConfig | Inkling2Config
+    cfg: Inkling2Config
     jobs: list[ShardJob]
     other_files: list[Path]
     fingerprint: str
@@ -108,59 +105,25 @@ def list_source(root: Path, repo: str | None, revision: str | None) -> tuple[Lis
     return listing, ckpt.other_files(), stat
 
 
-def load_config(root: Path) -> ModelConfig | Inkling2Config:
-    """The source's config.json: the published model's (text_config nested) or the legacy layout's."""
+def load_config(root: Path) -> Inkling2Config:
+    """The source's config.json, the published model's (text_config nested). The layout this
+    project invented before the model was published (a flat config) is no longer read."""
     path = safe_child(root, CONFIG_NAME)
     d = read_json(path, CONFIG_NAME, ConfigError)
-    return model_config(d, str(path))
+    if not Inkling2Config.describes(d):
+        raise ConfigError("has no 'text_config': not the published Inkling 2 layout, the only one convert "
+                          "reads (the layout this project invented before the model was published is not "
+                          "supported; docs/layout.md)", path=path)
+    return Inkling2Config.from_dict(d, str(path))
 
 
-def _classify(cfg: ModelConfig | Inkling2Config, name: str) -> TensorName:
-    return classify_original(name) if isinstance(cfg, Inkling2Config) else classify(name)
-
-
-def validate_source(cfg: ModelConfig | Inkling2Config, listing: Listing, root: str) -> list[SrcTensor]:
-    """Every tensor must be in the layout, float, with the shape the config implies; nothing missing."""
-    if isinstance(cfg, Inkling2Config):
-        return _validate_original(cfg, listing, root)
-    tensors, seen = [], set()
-    for shard, entries in listing.items():
-        for name, (dtype, shape) in entries.items():
-            path, where = f"{root}/{shard}", f"tensor {name!r}"
-            try:
-                t = classify(name)
-                spec = source_spec(cfg, name if t.suffix != "input_scale" else f"{t.module}.weight")
-            except InklingQuantError as e:
-                raise CheckpointError(str(e), path=path, tensor=name) from None
-            if (t.suffix in SCALE_SUFFIXES and t.suffix != "input_scale") or DTYPES[dtype] not in FLOAT_SOURCES:
-                raise CheckpointError(f"{where}: source is already quantized ({dtype}); convert takes "
-                                      f"BF16/FP16/FP32 checkpoints (dequantize first)", path=path, tensor=name)
-            if t.suffix == "input_scale":
-                if tuple(shape) not in ((), (1,)):
-                    raise CheckpointError(f"{where}: input_scale must be a scalar, got shape {list(shape)}",
-                                          path=path, tensor=name)
-            elif tuple(shape) != spec.shape:
-                raise CheckpointError(f"{where}: shape {list(shape)} disagrees with config.json "
-                                      f"(expected {list(spec.shape)})", path=path, tensor=name)
-            tensors.append(SrcTensor(name, shard, dtype, tuple(shape)))
-            seen.add(name)
-    # every tensor seen is one of the config's (source_spec checked it), so the count says how
-    # many are missing; the first is found without listing a config's claimed 16,384 experts
-    n_missing = source_tensor_count(cfg) - sum(not n.endswith(".input_scale") for n in seen)
-    if n_missing:
-        first = next(s.name for s in expected_tensors(cfg) if s.name not in seen)
-        more = f" (and {n_missing - 1} more)" if n_missing > 1 else ""
-        raise CheckpointError(f"tensor {first!r}{more} required by config.json is missing", path=root, tensor=first)
-    return tensors
-
-
-def _validate_original(cfg: Inkling2Config, listing: Listing, root: str) -> list[SrcTensor]:
-    """The published layout: every tensor one of `checkpoint_tensors(cfg)` (a list bounded by
-    layers, not experts), float, of its shape; none missing."""
+def validate_source(cfg: Inkling2Config, listing: Listing, root: str) -> list[SrcTensor]:
+    """Every tensor one of `checkpoint_tensors(cfg)` (a list bounded by layers, not experts),
+    float (the routed experts also as the MXFP8 release stores them), of its shape; none missing."""
     expected = {s.name: s for s in checkpoint_tensors(cfg)}
     listed = {name for entries in listing.values() for name in entries}
     for name, spec in list(expected.items()):  # experts stored as the MXFP8 release stores them
-        rec = classify_original(name)
+        rec = classify(name)
         if rec.part == "expert" and name + "_scale" in listed:
             prefix = name[: -len(f"{rec.projection}_weight")]
             for k, o in projection_specs(FORMATS[RELEASE_EXPERT_FORMAT], rec.projection, spec.shape).items():
@@ -168,17 +131,18 @@ def _validate_original(cfg: Inkling2Config, listing: Listing, root: str) -> list
     tensors = []
     for shard, entries in listing.items():
         for name, (dtype, shape) in entries.items():
-            spec = expected.get(name)
+            path, spec = f"{root}/{shard}", expected.get(name)
             if spec is None:
                 raise CheckpointError(f"tensor {name!r} is not a tensor of the Inkling 2 layout with this config "
-                                      f"(docs/layout.md)", path=f"{root}/{shard}", tensor=name)
+                                      f"(docs/layout.md)", path=path, tensor=name)
             if (DTYPES[dtype] not in FLOAT_SOURCES) if spec.dtype in FLOAT_SOURCES else DTYPES[dtype] != spec.dtype:
-                raise CheckpointError(f"tensor {name!r}: dtype {dtype}; convert takes BF16/FP16/FP32 tensors, with the "
-                                      f"routed experts also as the MXFP8 release stores them (e4m3 weight + uint8 "
-                                      f"e8m0 scale)", path=f"{root}/{shard}", tensor=name)
+                raise CheckpointError(f"tensor {name!r}: dtype {dtype}: the source is already quantized, in a form "
+                                      f"convert does not take; it takes BF16/FP16/FP32 tensors, with the routed experts "
+                                      f"also as the MXFP8 release stores them (e4m3 weight + uint8 e8m0 scale)",
+                                      path=path, tensor=name)
             if tuple(shape) != spec.shape:
                 raise CheckpointError(f"tensor {name!r}: shape {list(shape)} disagrees with config.json (expected "
-                                      f"{list(spec.shape)})", path=f"{root}/{shard}", tensor=name)
+                                      f"{list(spec.shape)})", path=path, tensor=name)
             tensors.append(SrcTensor(name, shard, dtype, tuple(shape)))
     seen = {t.name for t in tensors}
     missing = [n for n in expected if n not in seen]
@@ -187,15 +151,6 @@ def _validate_original(cfg: Inkling2Config, listing: Listing, root: str) -> list
         raise CheckpointError(f"tensor {missing[0]!r}{more} required by config.json is missing", path=root,
                               tensor=missing[0])
     return tensors
-
-
-def activation_module(cfg: ModelConfig | Inkling2Config, name: str) -> str | None:
-    """The module an activation amax is keyed by for the source tensor `name`: `<module>` of a
-    legacy `<module>.weight`, the stacked tensor's own name in the published layout (vLLM reads
-    its scale as `<name>.input_amax`); None for tensors that take none."""
-    if isinstance(cfg, Inkling2Config):
-        return name if classify_original(name).part == "expert" else None
-    return name[: -len(".weight")] if name.endswith(".weight") else None
 
 
 # --------------------------------------------------------------------------- calibration
@@ -293,11 +248,11 @@ def _amax_from_json(p: Path) -> dict[str, float]:
     return out
 
 
-def load_calibration(path: str | None, cfg: ModelConfig | Inkling2Config, tensors: list[SrcTensor],
-                     src: str) -> dict[str, float]:
-    """--activation-scales: every module it names must be one of the source's."""
+def load_calibration(path: str | None, tensors: list[SrcTensor], src: str) -> dict[str, float]:
+    """--activation-scales: every module it names must be one of the source's. An activation amax
+    is keyed by the stacked expert tensor it scales (vLLM reads it as `<name>.input_amax`)."""
     calibrated = load_activation_amax(path)
-    modules = {m for t in tensors if (m := activation_module(cfg, t.name)) is not None}
+    modules = {t.name for t in tensors if (rec := classify(t.name)).part == "expert" and rec.suffix == "weight"}
     unknown = sorted(k for k in calibrated if k not in modules)
     if unknown:
         raise CheckpointError(f"{len(unknown)} of {len(calibrated)} module name(s) match "
@@ -307,60 +262,30 @@ def load_calibration(path: str | None, cfg: ModelConfig | Inkling2Config, tensor
 
 
 # --------------------------------------------------------------------------- units and shards
-def plan(cfg: ModelConfig | Inkling2Config, tensors: list[SrcTensor], scheme: Scheme, opts: Options,
-         calibrated: dict[str, float], from_source: dict[str, float] | None = None, root: str = ".") -> list[ShardJob]:
-    """Units (a tensor, or an NVFP4 gate/up pair) packed into output shards. An NVFP4 module's
-    activation amax comes from `calibrated` (--activation-scales), else `from_source` (the
-    source's own input_scale), else --default-activation-amax. Every tensor is checked against
-    its format (block divisibility) here, before any byte is written."""
-    units = _units(cfg, tensors, scheme, opts, calibrated, from_source or {}, root)
-    return _pack(units, opts)
+def plan(cfg: Inkling2Config, tensors: list[SrcTensor], scheme: Scheme, opts: Options,
+         calibrated: dict[str, float], root: str = ".") -> list[ShardJob]:
+    """Units packed into output shards. An NVFP4 expert tensor's activation amax comes from
+    `calibrated` (--activation-scales), else --default-activation-amax. Every tensor is checked
+    against its format (block divisibility) here, before any byte is written."""
+    return _pack(_units(cfg, tensors, scheme, opts, calibrated, root), opts)
 
 
-def _units(cfg: ModelConfig | Inkling2Config, tensors: list[SrcTensor], scheme: Scheme, opts: Options,
-           calibrated: dict[str, float], from_source: dict[str, float], root: str) -> list[Unit]:
+def _units(cfg: Inkling2Config, tensors: list[SrcTensor], scheme: Scheme, opts: Options,
+           calibrated: dict[str, float], root: str) -> list[Unit]:
     """Each tensor's unit, format and activation amax, in source order; a format error names the
     tensor at once, missing activation amaxes are reported together at the end."""
     units: list[Unit] = []
     by_name = {t.name: t for t in tensors}
-    done: set[str] = set()
     missing_amax: list[str] = []
     for t in tensors:
-        if t.name in done:
-            continue
-        rec = _classify(cfg, t.name)
-        if rec.suffix == "input_scale":  # calibration carried in the source: consumed, not copied
-            continue
+        rec = classify(t.name)
         fmt = scheme.format_name(cfg, rec)
-        if isinstance(cfg, Inkling2Config) and rec.part == "expert":
+        if rec.part == "expert":
             if rec.suffix == "weight":  # a quantized source's scales go with their weight
                 scale = by_name.get(t.name + "_scale") if DTYPES[t.dtype] not in FLOAT_SOURCES else None
-                units.append(_stacked_unit(t, scale, rec.projection, fmt, opts, calibrated, from_source, root,
-                                           missing_amax))
-            continue
-        if isinstance(cfg, Inkling2Config) and opts.output_format == "modelopt-hf":
-            units.append(_renamed_unit(cfg, t, fmt))
-            continue
-        group = _group(t, rec, fmt, by_name)
-        amax: list[float | None] = []
-        origin: list[str | None] = []
-        for g in group:
-            done.add(g.name)
-            try:
-                _out_names(g, fmt, opts.weight_only)
-            except FormatError as e:
-                raise FormatError(f"tensor {g.name!r}: {e}", path=f"{root}/{g.shard}", tensor=g.name) from None
-            module = g.name[: -len(".weight")]
-            a, o = None, None
-            if FORMATS[fmt].static_activation_scale and not opts.weight_only:
-                a, o = _activation_amax(module, fmt, opts, calibrated, from_source)
-                if a is None:
-                    missing_amax.append(module)
-            amax.append(a)
-            origin.append(o)
-        if len(group) == 2 and None not in amax:
-            amax = [max(amax)] * 2  # gate and up read the same activations: one input scale
-        units.append(Unit(tuple(group), fmt, tuple(amax), tuple(origin)))
+                units.append(_stacked_unit(t, scale, rec.projection, fmt, opts, calibrated, root, missing_amax))
+        else:
+            units.append(_passthrough_unit(cfg, t, fmt, opts.output_format))
     if missing_amax:
         raise UsageError(
             f"NVFP4 (W4A4) needs an activation scale per expert projection; none for {missing_amax[0]!r}"
@@ -370,8 +295,7 @@ def _units(cfg: ModelConfig | Inkling2Config, tensors: list[SrcTensor], scheme: 
 
 
 def _stacked_unit(t: SrcTensor, scale: SrcTensor | None, proj: str, fmt: str, opts: Options,
-                  calibrated: dict[str, float], from_source: dict[str, float], root: str,
-                  missing_amax: list[str]) -> Unit:
+                  calibrated: dict[str, float], root: str, missing_amax: list[str]) -> Unit:
     """One stacked expert tensor (all experts of a layer's w13 or w2; with `scale`, stored in the
     MXFP8 release form), its activation amax keyed by its own name; its format checked against
     every expert's shape here. An MXFP8 source kept MXFP8 (or left as is) is copied bit-exact."""
@@ -387,7 +311,7 @@ def _stacked_unit(t: SrcTensor, scale: SrcTensor | None, proj: str, fmt: str, op
         raise FormatError(f"tensor {t.name!r}: {e}", path=f"{root}/{t.shard}", tensor=t.name) from None
     a, o = None, None
     if FORMATS[fmt].static_activation_scale and not opts.weight_only:
-        a, o = _activation_amax(t.name, fmt, opts, calibrated, from_source)
+        a, o = _activation_amax(t.name, fmt, opts, calibrated)
         if a is None:
             missing_amax.append(t.name)
     return Unit((t,) if scale is None else (t, scale), fmt, (a,), (o,), stacked=proj,
@@ -417,33 +341,23 @@ def expert_modules(src: SrcTensor, proj: str, fmt: str,
     return [(e, m, k, (f"{prefix}.{e}.{m}.{k}", DTYPE_NAMES[o.dtype], tuple(o.shape))) for (e, m, k), o in specs.items()]
 
 
-def _renamed_unit(cfg: Inkling2Config, t: SrcTensor, fmt: str) -> Unit:
-    """A pass-through tensor of a modelopt-hf output: transformers' name; the unembedding cut to
-    the rows transformers' lm_head keeps (core_model_loading.py Inkling2UnpadVocab). A bundled
-    DSpark draft, which transformers' model (and so ModelOpt's export) does not have, keeps its
-    own names: nothing of the source is dropped."""
+def _passthrough_unit(cfg: Inkling2Config, t: SrcTensor, fmt: str, output_format: str) -> Unit:
+    """A tensor copied bit-exact: under its own name, or in a modelopt-hf output under transformers'
+    name with the unembedding cut to the rows transformers' lm_head keeps (core_model_loading.py
+    Inkling2UnpadVocab). A bundled DSpark draft, which transformers' model (and so ModelOpt's
+    export) does not have, keeps its own names: nothing of the source is dropped."""
     if fmt != "passthrough":  # the schemes quantize routed experts only
-        raise UsageError(f"--output-format modelopt-hf quantizes routed experts only; the scheme gives "
-                         f"{t.name!r} {fmt}", tensor=t.name)
+        raise UsageError(f"convert quantizes routed experts only; the scheme gives {t.name!r} {fmt}", tensor=t.name)
+    if output_format != "modelopt-hf":
+        return Unit((t,), fmt, (None,), (None,))
     out, rows = modelopt_tensor(cfg, t.name)
     return Unit((t,), fmt, (None,), (None,), out_name=out, rows=rows)
 
 
-def _group(t: SrcTensor, rec: TensorName, fmt: str, by_name: dict[str, SrcTensor]) -> list[SrcTensor]:
-    """The tensors of t's unit: an expert's gate and up (in that order) share one global scale in
-    a format that fuses them (NVFP4), so they are converted together even when the source put
-    them in different shards."""
-    if FORMATS[fmt].fuses_gate_up and rec.projection in FUSED_PROJECTIONS:
-        return [t if p == rec.projection else by_name[t.name.replace(f".{rec.projection}.", f".{p}.")]
-                for p in FUSED_PROJECTIONS]
-    return [t]
-
-
-def _activation_amax(module: str, fmt: str, opts: Options, calibrated: dict[str, float],
-                     from_source: dict[str, float]) -> tuple[float | None, str | None]:
+def _activation_amax(module: str, fmt: str, opts: Options,
+                     calibrated: dict[str, float]) -> tuple[float | None, str | None]:
     """(amax, where it came from) by precedence, checked; (None, None) when there is none."""
-    for origin, a in (("calibrated", calibrated.get(module)), ("source", from_source.get(module)),
-                      ("default", opts.default_activation_amax)):
+    for origin, a in (("calibrated", calibrated.get(module)), ("default", opts.default_activation_amax)):
         if a is not None:
             _check_activation_amax(a, origin, module, fmt, opts)
             return a, origin
@@ -456,8 +370,7 @@ def _check_activation_amax(amax: float, origin: str, module: str, fmt: str, opts
     try:
         FORMATS[fmt].activation_scale(amax, module + ".input_scale")
     except FormatError as e:
-        where = {"calibrated": opts.activation_scales, "source": "the source's input_scale",
-                 "default": "--default-activation-amax"}[origin]
+        where = {"calibrated": opts.activation_scales, "default": "--default-activation-amax"}[origin]
         if origin == "calibrated":  # a file: named as the error's path
             raise UsageError(str(e), path=where, tensor=e.tensor) from None
         raise UsageError(f"{where}: {e}", tensor=e.tensor) from None
@@ -480,15 +393,8 @@ def _job(index: int, count: int, units: list[Unit], weight_only: bool) -> ShardJ
 def _unit_specs(u: Unit, weight_only: bool) -> list[tuple[str, str, tuple[int, ...]]]:
     if u.stacked is not None:
         return _stacked_names(u.sources[0], u.stacked, u.format, weight_only, u.per_expert)
-    if u.out_name is not None:
-        src = u.sources[0]
-        return [(u.out_name, src.dtype, (u.rows, *src.shape[1:]) if u.rows is not None else src.shape)]
-    return [s for src in u.sources for s in _out_names(src, u.format, weight_only)]
-
-
-def _out_names(src: SrcTensor, fmt_name: str, weight_only: bool) -> list[tuple[str, str, tuple[int, ...]]]:
-    out = FORMATS[fmt_name].out_tensors(src.name, src.shape, DTYPES[src.dtype], activation_scale=not weight_only)
-    return [(name, DTYPE_NAMES[o.dtype], tuple(o.shape)) for name, o in out.items()]
+    src = u.sources[0]
+    return [(u.out_name or src.name, src.dtype, (u.rows, *src.shape[1:]) if u.rows is not None else src.shape)]
 
 
 def spec_nbytes(spec: tuple[str, str, tuple[int, ...]]) -> int:

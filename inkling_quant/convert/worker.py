@@ -18,11 +18,9 @@ from ..formats import FORMATS
 from ..formats.stacked import projection_specs, slab_modules, slab_slices
 from ..io.safetensors import DTYPES, ShardWriter, TensorBuffer
 from ..io.shards import ShardReaders
-from .planner import ShardJob, SrcTensor, Unit, expert_modules, spec_nbytes
+from .planner import ShardJob, Unit, expert_modules
 
 SHARD_METADATA = {"format": "pt"}
-# the format whose activation-scale rule a source's own input_scale tensors follow (ModelOpt's NVFP4)
-_SCALED = next(f for f in FORMATS.values() if f.static_activation_scale)
 
 
 @dataclass
@@ -39,23 +37,6 @@ def _sources(root: Path, repo: str | None, revision: str | None) -> ShardReaders
     """Readers of the source's shards, kept open for the job (downloading a hub shard when first needed)."""
     fetch = (lambda shard: hub.fetch_shard(repo, revision, shard)) if repo else None
     return ShardReaders(root, fetch=fetch, keep_open=True)
-
-
-def source_input_amax(tensors: list[SrcTensor], root: Path, repo: str | None, revision: str | None) -> dict[str, float]:
-    """module -> activation amax from the source's own input_scale tensors (the inverse of the
-    format's input_scale rule); read while planning."""
-    from_source: dict[str, float] = {}
-    scale_names = [t for t in tensors if t.name.endswith(".input_scale")]
-    if scale_names:
-        srcs = _sources(root, repo, revision)
-        try:
-            for t in scale_names:
-                module = t.name[: -len(".input_scale")]
-                scale = float(srcs.get(t.shard).get(t.name).float().reshape(-1)[0])
-                from_source[module] = _SCALED.activation_amax(scale)
-        finally:
-            srcs.close()
-    return from_source
 
 
 def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str | None, out_dir: str,
@@ -104,15 +85,14 @@ def _steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, counts: dic
     piece of a tensor written in pieces."""
     if u.stacked is not None:
         yield from _stacked_steps(u, sources, buffer_sets, device, counts, progress)
-    elif u.out_name is not None:
-        yield [_renamed(u, sources, next(buffer_sets)[0], counts, progress)]
     else:
-        yield [(n, t, True) for n, t in _convert_unit(u, sources, next(buffer_sets), device, counts, progress)]
+        yield [_passthrough(u, sources, next(buffer_sets)[0], counts, progress)]
 
 
-def _renamed(u: Unit, sources: ShardReaders, buffer, counts: dict[str, int], progress) -> tuple[str, torch.Tensor, bool]:
-    """A pass-through tensor under another name, its leading `u.rows` rows only when set (only
-    those bytes are read)."""
+def _passthrough(u: Unit, sources: ShardReaders, buffer, counts: dict[str, int],
+                 progress) -> tuple[str, torch.Tensor, bool]:
+    """A pass-through tensor, checked finite, under its own name or `u.out_name`; its leading
+    `u.rows` rows only when set (only those bytes are read)."""
     src = u.sources[0]
     reader = sources.get(src.shard)
     if u.rows is None:
@@ -123,7 +103,7 @@ def _renamed(u: Unit, sources: ShardReaders, buffer, counts: dict[str, int], pro
     counts[u.format] = counts.get(u.format, 0) + 1
     if progress is not None:
         progress(t.numel() * t.element_size())
-    return u.out_name, t, True
+    return u.out_name or src.name, t, True
 
 
 def _stacked_steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, counts: dict[str, int],
@@ -202,32 +182,6 @@ def _per_expert_steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, 
     for e in range(src.shape[0]):
         mods = slab_modules(fmt, proj, _expert(u, sources, e, next(buffer_sets), device, counts, progress))
         yield [(spec[0], mods[m][k], True) for _, m, k, spec in layout[e * per:(e + 1) * per]]
-
-
-def _convert_unit(u: Unit, sources: ShardReaders, buffers, device: str, counts: dict[str, int],
-                  progress) -> list[tuple[str, torch.Tensor]]:
-    """Read and quantize one unit (a tensor, or a fused gate/up pair); return (name, tensor) to write."""
-    fmt = FORMATS[u.format]
-    ws = []
-    for k, src in enumerate(u.sources):
-        reader = sources.get(src.shard)
-        w = reader.get(src.name, buffers[k])
-        if u.format == "passthrough":  # the quantizers check their own input
-            _check_finite(w, reader.path, src.name)
-        ws.append((src, w if device == "cpu" else w.to(device), reader.path))
-    global_amax = fmt.fused_global_amax([w for _, w, _ in ws]) if len(ws) > 1 else None
-    outputs = []
-    for (src, w, path), ia in zip(ws, u.input_amax):
-        try:
-            out = fmt.quantize(w, global_amax=global_amax, input_amax=ia)
-        except FormatError as e:
-            raise FormatError(f"tensor {src.name!r}: {e}", path=path, tensor=src.name) from None
-        for suffix, t in out.items():
-            outputs.append((fmt.tensor_name(src.name, suffix), t.cpu() if device != "cpu" else t))
-        counts[u.format] = counts.get(u.format, 0) + 1
-        if progress is not None:
-            progress(spec_nbytes((src.name, src.dtype, src.shape)))
-    return outputs
 
 
 def _check_stored(fmt, stored: dict[str, torch.Tensor], path, name: str, e: int) -> None:
