@@ -1,15 +1,14 @@
 """Summarize a checkpoint from its safetensors headers alone: parts, number formats per layer
 range, bytes, whether the DSpark draft is there. No tensor byte is read: the index, the
 config files and each shard's JSON header are all this command opens, so it takes seconds on
-a multi-hundred-GB checkpoint. Each module's format is recognized by asking every format in
-`formats` which tensors (suffixes, shapes, dtypes) it would write for the module's source
-shape (from config.json); nothing about a format is re-derived here.
+a multi-hundred-GB checkpoint. Nothing about a format is re-derived here: each layer's stacked
+w13 / w2 is recognized by asking every format in `formats` which stacked tensors (names,
+shapes, dtypes: `formats.stacked.projection_specs`) it would write for the source shape (from
+config.json), and checked against the format the quantization config declares for
+`model.llm.layers.N.mlp.experts`; everything else passes through.
 
-Two layouts, told apart by config.json as convert does (`Inkling2Config.describes`): the
-published one (inkling_quant.inkling2: stacked experts, one format per layer's w13/w2 from
-`formats.stacked.projection_specs`, checked against the format the quantization config declares
-for `model.llm.layers.N.mlp.experts`; the bundled DSpark draft of inkling_quant.dspark) and the
-legacy invented one (layout.classify, per-expert modules).
+The published Inkling 2 layout only (inkling_quant.inkling2; the bundled DSpark draft of
+inkling_quant.dspark): a config.json without text_config is refused with a ConfigError.
 
 Exit status 0, or 1 when a tensor is outside the layout, matches no format or not the format
 the quantization config declares (listed)."""
@@ -27,16 +26,13 @@ import torch
 from .cli_common import human_bytes
 from .errors import ConfigError, InklingQuantError, printable
 from .export import format_of, read_quantization
-from .formats import FORMATS, SCALE_SUFFIXES, detect
+from .formats import FORMATS
 from .formats.stacked import projection_specs
-from .inkling2 import Inkling2Config, experts_module
-from .inkling2 import classify as classify_original
+from .inkling2 import Inkling2Config, classify, experts_module
 from .io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child
 from .io.output import check_paths, write_report
 from .io.safetensors import TensorEntry
-from .layout import ModelConfig, TensorName, classify, expert_shape, model_config, source_spec
 
-WEIGHT_SUFFIXES = ("weight",) + SCALE_SUFFIXES
 UNRECOGNIZED = "unrecognized"
 SOURCE_DTYPES = FORMATS["passthrough"].source_dtypes
 
@@ -54,7 +50,7 @@ class Summary:
     unknown: list[str] = field(default_factory=list)            # names outside the layout
     unrecognized: list[str] = field(default_factory=list)       # modules no format would write
     mismatched: list[str] = field(default_factory=list)         # format found != format declared
-    layout: str = "legacy"
+    layout: str = "original"                                     # the published Inkling 2 layout
 
     @property
     def ok(self) -> bool:
@@ -68,107 +64,16 @@ class Summary:
                 "format_mismatches": self.mismatched, "layout": self.layout}
 
 
-class FormatDetector:
-    """Which format (and whether it carries an activation scale) writes exactly `observed`."""
-
-    def __init__(self):
-        self._cache: dict[tuple, tuple[str, bool | None]] = {}
-
-    def __call__(self, source_shape: tuple[int, ...], source_dtype, observed: dict[str, TensorEntry]):
-        sig = tuple(sorted((k, e.shape, e.dtype) for k, e in observed.items()))
-        key = (source_shape, source_dtype, sig)
-        if key not in self._cache:
-            self._cache[key] = self._detect(source_shape, source_dtype, sig)
-        return self._cache[key]
-
-    @staticmethod
-    def _detect(shape, dtype, sig) -> tuple[str, bool | None]:
-        observed = {k: (s, d) for k, s, d in sig}
-        fmt = detect(observed, shape, dtype)
-        if fmt is None:
-            return UNRECOGNIZED, None
-        if not fmt.quant_algo:
-            return fmt.name, None
-        with_act = {k: (tuple(o.shape), o.dtype) for k, o in fmt.out_specs(shape, dtype, True).items()}
-        return fmt.name, with_act == observed
-
-
-def _source_of(cfg: ModelConfig, t: TensorName, module: str, observed: dict[str, TensorEntry]):
-    """(shape, dtype) of the source weight a module's tensors were made from. A float weight as
-    stored is its own source dtype (sources may be BF16, FP16 or FP32)."""
-    shape = expert_shape(cfg, t.projection) if t.is_expert else source_spec(cfg, module + ".weight").shape
-    w = observed.get("weight")
-    dtype = w.dtype if w is not None and w.dtype in SOURCE_DTYPES else torch.bfloat16
-    return shape, dtype
-
-
 def summarize(root: str | Path) -> Summary:
     """Read the index, config.json and every shard header (never tensor data) and summarize."""
     root = Path(root)
     ckpt = Checkpoint.open(root)
     path = safe_child(root, CONFIG_NAME)
     raw = read_json(path, CONFIG_NAME, ConfigError)
-    cfg = model_config(raw, str(path))
-    if isinstance(cfg, Inkling2Config):
-        return summarize_original(root, ckpt, cfg)
-    headers = ckpt.headers()
-    entries = [e for h in headers.values() for e in h.tensors.values()]
-    q = read_quantization(root, cfg.raw)
-    s = Summary(str(root), len(headers), sum(h.file_size for h in headers.values()), len(entries),
-                q["quant_algo"] if q else None)
-
-    # group the weight-family tensors of each module; everything else stands alone
-    modules: dict[str, dict[str, TensorEntry]] = defaultdict(dict)
-    names: dict[str, TensorName] = {}
-    singles: list[tuple[TensorName, TensorEntry]] = []
-    for e in entries:
-        try:
-            t = classify(e.name)
-        except InklingQuantError:
-            s.unknown.append(e.name)
-            continue
-        if t.suffix in WEIGHT_SUFFIXES:
-            modules[t.module][t.suffix] = e
-            names.setdefault(t.module, t)
-        else:
-            singles.append((t, e))
-
-    parts: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "params": 0, "bytes": 0,
-                                                  "formats": defaultdict(int)})
-    detect = FormatDetector()
-    expert_fmt: dict[int, set[str]] = defaultdict(set)
-    expert_ids: dict[int, set[int]] = defaultdict(set)
-    for module, observed in modules.items():
-        t = names[module]
-        try:
-            shape, dtype = _source_of(cfg, t, module, observed)
-        except InklingQuantError:
-            fmt, act, shape = UNRECOGNIZED, None, None
-        else:
-            fmt, act = detect(tuple(shape), dtype, observed)
-        label = fmt if act is None else f"{fmt}{'' if act else ' (weight-only)'}"
-        if fmt == UNRECOGNIZED:
-            found = ", ".join(f"{k} {e.dtype} {list(e.shape)}" for k, e in sorted(observed.items()))
-            s.unrecognized.append(f"{module} ({found})")
-        nbytes = sum(e.nbytes for e in observed.values())
-        p = parts[t.part]
-        p["tensors"] += len(observed)
-        p["bytes"] += nbytes
-        p["params"] += math.prod(shape) if shape is not None else 0
-        p["formats"][label] += nbytes
-        if t.is_expert:
-            expert_fmt[t.layer].add(label)
-            expert_ids[t.layer].add(t.expert)
-    for t, e in singles:
-        p = parts[t.part]
-        p["tensors"] += 1
-        p["bytes"] += e.nbytes
-        p["params"] += math.prod(e.shape)
-        p["formats"]["passthrough"] += e.nbytes
-
-    _finish(s, parts, {i: (" + ".join(sorted(f)), len(expert_ids[i])) for i, f in expert_fmt.items()},
-            cfg.draft is not None)
-    return s
+    if not Inkling2Config.describes(raw):
+        raise ConfigError("no text_config: not the published Inkling 2 layout (a checkpoint of the layout this "
+                          "project invented before the model was published is no longer supported)", path=path)
+    return _summarize(root, ckpt, Inkling2Config.from_dict(raw, str(path)))
 
 
 def _stacked_format(proj: str, shape: tuple[int, ...], observed: dict[str, TensorEntry]) -> tuple[str, bool | None]:
@@ -192,14 +97,13 @@ def _label(fmt: str, act: bool | None) -> str:
     return fmt if act is None else f"{fmt}{'' if act else ' (weight-only)'}"
 
 
-def summarize_original(root: Path, ckpt: Checkpoint, cfg: Inkling2Config) -> Summary:
-    """The published layout: each layer's stacked w13 / w2 recognized as a unit, everything
-    else float and passed through."""
+def _summarize(root: Path, ckpt: Checkpoint, cfg: Inkling2Config) -> Summary:
+    """Each layer's stacked w13 / w2 recognized as a unit, everything else float and passed through."""
     headers = ckpt.headers()
     entries = [e for h in headers.values() for e in h.tensors.values()]
     q = read_quantization(root, cfg.raw)
     s = Summary(str(root), len(headers), sum(h.file_size for h in headers.values()), len(entries),
-                q["quant_algo"] if q else None, layout="original")
+                q["quant_algo"] if q else None)
     t = cfg.text
     shapes = {"w13": (t.n_routed_experts, 2 * t.moe_intermediate_size, t.hidden_size),
               "w2": (t.n_routed_experts, t.hidden_size, t.moe_intermediate_size)}
@@ -207,7 +111,7 @@ def summarize_original(root: Path, ckpt: Checkpoint, cfg: Inkling2Config) -> Sum
     parts: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "params": 0, "bytes": 0, "formats": defaultdict(int)})
     for e in entries:
         try:
-            n = classify_original(e.name)
+            n = classify(e.name)
         except InklingQuantError:
             s.unknown.append(e.name)
             continue

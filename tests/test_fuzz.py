@@ -42,8 +42,8 @@ from inkling_quant.convert import load_activation_amax
 from inkling_quant.errors import ConfigError, InklingQuantError, UnsafePathError
 from inkling_quant.io.checkpoint import INDEX_NAME, MAX_JSON_BYTES, Checkpoint, read_json, safe_child
 from inkling_quant.io.safetensors import DTYPES, MAX_HEADER_BYTES, ShardReader, ShardWriter, read_header
-from inkling_quant.layout import ModelConfig, classify, expected_tensors
-from inkling_quant.synth import make_config
+from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors, classify, experts_module
+from inkling_quant.synth import make_original_config
 
 CORPUS = Path(__file__).parent / "fuzz_corpus"
 PEAK_BYTES = 32 << 20  # every input here is < 1 MiB; a reader trusting a length would ask for far more
@@ -362,7 +362,7 @@ def test_special_files_never_block(tmp_path):
         assert kind == "error"
         with pytest.raises(ConfigError):
             with bounded():
-                ModelConfig.load(p)
+                Inkling2Config.load(p)
 
 
 # =========================================================================== index files
@@ -453,23 +453,24 @@ def test_single_file_checkpoint_symlinked_outside(tmp_path, valid_bytes):
 
 
 # =========================================================================== config.json
-_TINY = make_config("tiny", layers=2, experts=2)
-_CONFIG_KEYS = [k for k in _TINY] + ["full_attention_num_key_value_heads", "full_attention_head_dim",
-                                     "tie_word_embeddings", "markov_head", "depth"]
+_TINY = make_original_config("tiny", layers=2, experts=2)  # the published layout's, with a DSpark draft
+_CONFIG_KEYS = list(dict.fromkeys([*_TINY, *_TINY["text_config"], *_TINY["vision_config"], "dspark_config",
+                                   "transformer_layer_config", "aux_hidden_state_layer_ids", "bogus"]))
 _CONFIG_VALUES = st.one_of(JSON, st.integers(-5, 70), st.sampled_from(
-    [["full_attention"], ["sliding_attention"] * 2, ["full_attention", "bogus"], "sliding_attention", [["x"]],
+    [["hybrid"], ["hybrid_sliding"] * 2, ["hybrid", "bogus"], "hybrid_sliding", [["x"]], ["full_attention"] * 2,
      {"a": 1}, 2**24, 2**24 + 1, 2**16, 4096, 4097, 10**12]))
 
 
-def _check_config(cfg: ModelConfig) -> None:
+def _check_config(cfg: Inkling2Config) -> None:
     """An accepted config yields sane, bounded shapes (and so bounded loops)."""
-    for k, v in vars(cfg).items():
+    t = cfg.text
+    for k, v in vars(t).items():
         if isinstance(v, int) and not isinstance(v, bool):
             assert 1 <= v <= 2**40, (k, v)
-    assert len(cfg.layer_types) == cfg.num_hidden_layers <= 4096
-    assert cfg.num_hidden_layers * cfg.num_experts <= 1 << 20
-    assert cfg.num_experts_per_tok <= cfg.num_experts
-    for i, spec in enumerate(expected_tensors(cfg)):
+    assert len(t.layer_types) == t.num_hidden_layers <= 4096
+    assert t.num_hidden_layers * t.n_routed_experts <= 1 << 20
+    assert t.num_experts_per_tok <= t.n_routed_experts
+    for i, spec in enumerate(checkpoint_tensors(cfg)):
         assert all(type(s) is int and s >= 1 for s in spec.shape), spec
         classify(spec.name)
         if i > 2000:
@@ -480,8 +481,8 @@ def _check_config(cfg: ModelConfig) -> None:
 @given(d=mutated(_TINY, keys=_CONFIG_KEYS, max_ops=4, values=_CONFIG_VALUES))
 def test_config_dicts(d):
     """Missing or mistyped keys, huge/negative/float/bool/string numbers, wrong layer_types,
-    vision_config / dspark_config of the wrong type."""
-    kind, res = outcome(ModelConfig.from_dict, d, "config.json")
+    text_config / vision_config / dspark_config of the wrong type, anywhere in the nesting."""
+    kind, res = outcome(Inkling2Config.from_dict, d, "config.json")
     if kind == "ok":
         _check_config(res)
     else:
@@ -493,7 +494,7 @@ def test_config_dicts(d):
 def test_config_files(tmp_path_factory, raw):
     p = tmp_path_factory.getbasetemp() / "config.json"
     p.write_bytes(raw)
-    kind, res = outcome(ModelConfig.load, p)
+    kind, res = outcome(Inkling2Config.load, p)
     if kind == "ok":
         _check_config(res)
     else:
@@ -501,10 +502,14 @@ def test_config_files(tmp_path_factory, raw):
 
 
 def test_config_bool_and_float_numbers_refused():
-    for k, v in (("hidden_size", True), ("hidden_size", 64.0), ("hidden_size", "64"), ("num_experts", 2**20),
-                 ("tie_word_embeddings", "false"), ("vision_config", []), ("layer_types", "sliding_attention")):
+    for section, k, v in (("text_config", "hidden_size", True), ("text_config", "hidden_size", 64.0),
+                          ("text_config", "hidden_size", "64"), ("text_config", "n_routed_experts", 2**20),
+                          ("text_config", "layer_types", "hybrid_sliding"), ("vision_config", "projector_bias", "false"),
+                          (None, "vision_config", []), (None, "text_config", None)):
+        d = copy.deepcopy(_TINY)
+        (d if section is None else d[section])[k] = v
         with pytest.raises(ConfigError, match=k):
-            ModelConfig.from_dict({**_TINY, k: v})
+            Inkling2Config.from_dict(d)
 
 
 # =========================================================================== activation scales
@@ -549,14 +554,14 @@ def _quant_base():
     from inkling_quant.schemes import SCHEMES
 
     base = {k: v for k, v in _TINY.items() if k not in ("vision_config", "dspark_config")}  # fewer tensors: faster
-    cfg = ModelConfig.from_dict(base)
+    cfg = Inkling2Config.from_dict(base)
     want = {}
-    for s in expected_tensors(cfg):
-        e = SCHEMES["default"].format_for(cfg, classify(s.name)).layer_config(False)
+    for i in range(cfg.text.num_hidden_layers):
+        e = SCHEMES["default"].format_for(cfg, classify(f"{experts_module(i)}.w13_weight")).layer_config(False)
         if e is not None:
-            want[s.name[: -len(".weight")]] = e
+            want[experts_module(i)] = e
     q = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
-         "exclude_modules": ["lm_head", "model.embed_tokens", "model.layers.*.self_attn*", "dspark*"],
+         "exclude_modules": ["model.llm.unembed", "model.llm.embed", "model.llm.layers.*.attn*", "dspark*"],
          "quantized_layers": want}
     hf = {"producer": {"name": "modelopt", "version": "0.1"}, "quantization": q,
           "converter": {"name": "inkling-quant", "scheme": "default", "weight_only": False}}
@@ -582,6 +587,7 @@ def test_verify_config_base_passes(tmp_path):
     (tmp_path / "hf_quant_config.json").write_bytes(dumps(_HF_QUANT))
     r = _verify_config(tmp_path)
     assert r.check("config").status == "pass", [str(p) for _, p in r.problems()]
+    assert r.check("config").figures["quantized_layers"] == 2  # both layers' experts held to the scheme
 
 
 @fuzz(80)
@@ -614,7 +620,9 @@ _SMALL_JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2**7
                                      st.sampled_from([".*", "(", "q_proj", "all-linear", [0, 1], 0, -1, 1.5])),
                            lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
                            max_leaves=8)
-_MODULES = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.experts.0.up_proj", "lm_head"]
+# PEFT's module names for the published model (transformers' Inkling2ForConditionalGeneration)
+_MODULES = ["model.language_model.layers.0.self_attn.q_proj.linear", "model.language_model.layers.1.mlp.experts",
+            "lm_head"]
 
 
 def _adapter_config(d):
@@ -637,8 +645,8 @@ def test_adapter_configs(d):
 def adapter_weights(draw):
     header, data = {}, b""
     for _ in range(draw(st.integers(0, 4))):
-        module = draw(st.sampled_from(["base_model.model.model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.q_proj",
-                                       "x"]))
+        module = draw(st.sampled_from(["base_model.model.model.language_model.layers.0.self_attn.q_proj.linear",
+                                       "model.language_model.layers.0.self_attn.q_proj.linear", "x"]))
         name = module + draw(st.sampled_from([".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector",
                                               ".lora_B.bias", ".lora_embedding_A", ""]))
         dtype = draw(st.sampled_from(["BF16", "F16", "F32", "I8", "F8_E4M3"]))
@@ -663,7 +671,7 @@ def test_adapter_directories(tmp_path_factory, cfg, weights):
 
 
 # =========================================================================== draft.py readers
-_DRAFT_CONFIG = {**_TINY["dspark_config"], "target_hidden_size": 64, "target_model": {"vocab_size": 512}}
+_DRAFT_CONFIG = _TINY["dspark_config"]  # an extracted draft's config.json: vLLM's speculators config, verbatim
 
 
 @fuzz(100)
@@ -671,8 +679,8 @@ _DRAFT_CONFIG = {**_TINY["dspark_config"], "target_hidden_size": 64, "target_mod
     st.none(), st.booleans(), st.integers(1, 8), st.text(max_size=4), st.floats(allow_infinity=False),
     st.sampled_from([[], {}, {"hidden_size": 4}, {"vocab_size": 4}]))))
 def test_draft_configs(dc):
-    """Extracted-draft config.json. Infinity and out-of-range numbers crash or pass draft_specs
-    (regression tests at the end); they are kept out of this property."""
+    """Extracted-draft config.json (mutated anywhere, transformer_layer_config included).
+    Infinity is kept out of this property: the regression tests at the end cover it."""
     from inkling_quant.draft import draft_specs
 
     outcome(draft_specs, dc, "config.json")
@@ -725,12 +733,12 @@ def _replay_hf_quant_config(p: Path, tmp: Path):
     from inkling_quant.export import read_quantization
 
     shutil.copyfile(p, tmp / "hf_quant_config.json")
-    return read_quantization(tmp, ModelConfig.reference().raw)
+    return read_quantization(tmp, Inkling2Config.reference().raw)
 
 
 REPLAY = {
     "header": lambda p, tmp: _replay_header(p),
-    "config": lambda p, tmp: ModelConfig.load(p),
+    "config": lambda p, tmp: Inkling2Config.load(p),
     "json": lambda p, tmp: read_json(p, "json file"),
     "index": _replay_index,
     "amax": lambda p, tmp: load_activation_amax(str(p)),
@@ -807,18 +815,23 @@ def test_lora_deeply_nested_pattern():
             AdapterConfig.from_dict({**_ADAPTER, "target_modules": "(" * 5000 + ")" * 5000}, "adapter_config.json")
 
 
+def _draft_with(**layer):
+    return {**_DRAFT_CONFIG, "transformer_layer_config": {**_DRAFT_CONFIG["transformer_layer_config"], **layer}}
+
+
 def test_draft_specs_infinity():
     from inkling_quant.draft import draft_specs
 
-    with pytest.raises(InklingQuantError):
-        draft_specs({**_DRAFT_CONFIG, "hidden_size": math.inf})
+    assert draft_specs(_draft_with())  # the base is valid
+    with pytest.raises(InklingQuantError, match="hidden_size"):
+        draft_specs(_draft_with(hidden_size=math.inf))
 
 
 def test_draft_specs_negative_dims():
     from inkling_quant.draft import draft_specs
 
-    with pytest.raises(ConfigError):
-        draft_specs({**_DRAFT_CONFIG, "hidden_size": -64})
+    with pytest.raises(ConfigError, match="hidden_size"):
+        draft_specs(_draft_with(hidden_size=-64))
 
 
 # =========================================================================== atheris (optional, manual)
@@ -848,7 +861,7 @@ def _atheris_main() -> None:  # pragma: no cover - run by hand, not by pytest
     for i, b in enumerate(valid + [q.read_bytes() for d in corpus_dir for q in sorted((CORPUS / d).glob("*"))]):
         (seeds / f"seed{i}").write_bytes(b)
     run = {"header": lambda: _read_all(p), "json": lambda: read_json(p, "json"),
-           "config": lambda: ModelConfig.load(p), "amax": lambda: load_activation_amax(str(p)),
+           "config": lambda: Inkling2Config.load(p), "amax": lambda: load_activation_amax(str(p)),
            "index": lambda: _open_checkpoint(index_root)}[target]
 
     def one(data: bytes) -> None:

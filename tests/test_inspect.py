@@ -1,4 +1,5 @@
-"""`inkling-quant inspect`: a checkpoint summarized from its safetensors headers only."""
+"""`inkling-quant inspect`: a checkpoint of the published Inkling 2 layout summarized from its
+safetensors headers only; a checkpoint of the retired legacy layout refused."""
 import argparse
 import builtins
 import io
@@ -11,18 +12,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_verify import legacy_checkpoint
 
-from inkling_quant import inspect_cmd
+from inkling_quant import dspark, inspect_cmd
+from inkling_quant.cli import main
+from inkling_quant.errors import ConfigError
+from inkling_quant.export import EXCLUDE_MODULES_ORIGINAL, config_with_quantization, quantization
 from inkling_quant.formats import FORMATS
+from inkling_quant.formats.stacked import stack_experts
+from inkling_quant.inkling2 import Inkling2Config, experts_module
 from inkling_quant.io import safetensors as st
 from inkling_quant.io.checkpoint import Checkpoint
-from inkling_quant.layout import ModelConfig, expert_shape
-from inkling_quant.synth import make_config, write_checkpoint
+from inkling_quant.synth import make_original_config
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("src") / "tiny", preset="tiny", seed=0, layout="legacy")
+def source(tiny_src) -> Path:
+    return tiny_src  # the session's tiny BF16 checkpoint: all 48 layers, 4 experts, a DSpark draft
 
 
 @pytest.fixture(scope="module")
@@ -41,53 +47,66 @@ def run_cli(*argv) -> int:
 
 def test_source_checkpoint(source):
     s = inspect_cmd.summarize(source)
-    cfg = ModelConfig.load(source)
-    assert s.ok and s.quant_algo is None
+    cfg = Inkling2Config.load(source)
+    t = cfg.text
+    assert s.ok and s.layout == "original" and s.quant_algo is None
     assert s.tensors == len(Checkpoint.open(source).weight_map)
     assert all(set(p["formats"]) == {"passthrough"} for p in s.parts.values())
-    assert s.expert_layers == [{"first": 0, "last": cfg.num_hidden_layers - 1, "format": "passthrough",
-                                "experts": cfg.num_experts}]
-    assert s.draft["present"] and s.draft["tensors"] > 0
+    assert s.expert_layers == [{"first": 0, "last": t.num_hidden_layers - 1, "format": "passthrough",
+                                "experts": t.n_routed_experts}]
     assert sum(p["bytes"] for p in s.parts.values()) <= s.file_bytes
-    per_expert = sum(expert_shape(cfg, p)[0] * expert_shape(cfg, p)[1] for p in ("gate_proj", "up_proj", "down_proj"))
-    assert s.parts["expert"]["params"] == per_expert * cfg.num_experts * cfg.num_hidden_layers
+    # one stacked w13 [E, 2I, H] and w2 [E, H, I] a layer: 3 * H * I parameters an expert
+    assert s.parts["expert"]["tensors"] == 2 * t.num_hidden_layers
+    assert s.parts["expert"]["params"] == \
+        t.num_hidden_layers * t.n_routed_experts * 3 * t.hidden_size * t.moe_intermediate_size
+    spec = list(dspark.draft_tensors(cfg.draft))
+    assert s.draft == {"present": True, "tensors": len(spec), "bytes": sum(x.nbytes for x in spec),
+                       "expected_by_config": True}
+    assert "DSpark draft: present" in inspect_cmd.render(s)
 
 
 def test_converted_checkpoint(source, converted):
     s = inspect_cmd.summarize(converted)
-    cfg = ModelConfig.load(converted)
-    assert s.ok, (s.unknown, s.unrecognized)
+    n = Inkling2Config.load(converted).text.num_hidden_layers
+    assert s.ok, (s.unknown, s.unrecognized, s.mismatched)
     assert s.quant_algo == "MIXED_PRECISION"
-    n = cfg.num_hidden_layers
     nv = round(n * 5 / 6)
     assert [(r["first"], r["last"], r["format"]) for r in s.expert_layers] == [(0, nv - 1, "nvfp4"),
                                                                                (nv, n - 1, "mxfp8")]
     assert set(s.parts["expert"]["formats"]) == {"nvfp4", "mxfp8"}
     assert set(s.parts["attention"]["formats"]) == {"passthrough"}
-    assert s.draft["present"]
-    # logical parameters are those of the source, whatever the packing; bytes shrink
+    # logical parameters are those of the source, whatever the packing; bytes shrink; the rest is untouched
     src = inspect_cmd.summarize(source)
     assert s.parts["expert"]["params"] == src.parts["expert"]["params"]
     assert s.parts["expert"]["bytes"] < src.parts["expert"]["bytes"]
-    assert s.parts["attention"]["bytes"] == src.parts["attention"]["bytes"]
+    for part in set(src.parts) - {"expert"}:
+        assert s.parts[part] == src.parts[part], part
+    assert s.draft == src.draft and s.draft["present"]
+    assert run_cli(converted, "--quiet") == 0
 
 
 def _hand_quantized(root: Path, weight_only: bool = False) -> Path:
-    """A one-shard checkpoint without draft: layer 0 experts NVFP4, layer 47 MXFP8, via formats."""
+    """A one-shard checkpoint without draft: layer 0's experts NVFP4, layer 47's MXFP8, stacked
+    from the formats' own per-expert tensors, with a quantization config declaring both."""
     root.mkdir(parents=True)
-    cfg_dict = make_config("tiny")
-    cfg_dict.pop("dspark_config")
-    (root / "config.json").write_text(json.dumps(cfg_dict))
-    cfg = ModelConfig.from_dict(cfg_dict)
-    tensors = {"model.embed_tokens.weight": torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=torch.bfloat16)}
+    cfg_dict = make_original_config("tiny", draft=False)
+    t = Inkling2Config.from_dict(cfg_dict).text
+    fmts = {0: FORMATS["nvfp4"], 47: FORMATS["mxfp8"]}
+    q = quantization([(experts_module(i), f) for i, f in fmts.items()], weight_only, EXCLUDE_MODULES_ORIGINAL)
+    (root / "config.json").write_text(json.dumps(config_with_quantization(cfg_dict, q)))
+    tensors = {"model.llm.embed.weight": torch.zeros(t.vocab_size, t.hidden_size, dtype=torch.bfloat16)}
     g = torch.Generator().manual_seed(0)
-    for layer, fmt in ((0, "nvfp4"), (47, "mxfp8")):
-        for e in range(cfg.num_experts):
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                w = torch.randn(expert_shape(cfg, proj), generator=g).to(torch.bfloat16)
-                out = FORMATS[fmt].quantize(w, input_amax=None if weight_only else 4.0)
-                for suffix, t in out.items():
-                    tensors[f"model.layers.{layer}.mlp.experts.{e}.{proj}.{suffix}"] = t.contiguous()
+    amax, I, H = None if weight_only else 4.0, t.moe_intermediate_size, t.hidden_size
+    for layer, fmt in fmts.items():
+        experts = []
+        for _ in range(t.n_routed_experts):
+            w = {p: torch.randn(shape, generator=g).to(torch.bfloat16)
+                 for p, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))}
+            shared = torch.maximum(w["gate_proj"].float().abs().amax(), w["up_proj"].float().abs().amax())
+            kw = {"global_amax": shared} if fmt.fuses_gate_up else {}
+            experts.append({p: fmt.quantize(x, input_amax=amax, **(kw if p != "down_proj" else {}))
+                            for p, x in w.items()})
+        tensors.update({f"{experts_module(layer)}.{k}": v.contiguous() for k, v in stack_experts(fmt, experts).items()})
     specs = [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()]
     with st.ShardWriter(root / "model.safetensors", specs) as w:
         for k, v in tensors.items():
@@ -98,7 +117,7 @@ def _hand_quantized(root: Path, weight_only: bool = False) -> Path:
 
 def test_hand_quantized_shard_and_missing_draft(tmp_path):
     s = inspect_cmd.summarize(_hand_quantized(tmp_path / "q"))
-    assert s.ok, (s.unknown, s.unrecognized)
+    assert s.ok, (s.unknown, s.unrecognized, s.mismatched)
     assert [(r["first"], r["last"], r["format"], r["experts"]) for r in s.expert_layers] == [
         (0, 0, "nvfp4", 4), (47, 47, "mxfp8", 4)]
     assert s.draft == {"present": False, "tensors": 0, "bytes": 0, "expected_by_config": False}
@@ -108,19 +127,20 @@ def test_hand_quantized_shard_and_missing_draft(tmp_path):
 
 def test_weight_only_nvfp4_is_labelled(tmp_path):
     s = inspect_cmd.summarize(_hand_quantized(tmp_path / "wo", weight_only=True))
-    assert s.expert_layers[0]["format"] == "nvfp4 (weight-only)"
+    assert s.ok and s.expert_layers[0]["format"] == "nvfp4 (weight-only)"
 
 
 def test_unknown_tensors_and_unrecognized_modules(tmp_path):
     root = _hand_quantized(tmp_path / "odd")
-    # rewrite the shard with one tensor outside the layout and one expert missing its scale
+    # rewrite the shard with one tensor outside the layout and layer 0's w13 missing its block scales
+    missing = experts_module(0) + ".w13_weight_scale"
     h = st.read_header(root / "model.safetensors")
     keep = {}
     with st.ShardReader(root / "model.safetensors") as r:
         for name in h.tensors:
-            if name != "model.layers.0.mlp.experts.1.up_proj.weight_scale":
+            if name != missing:
                 keep[name] = r.get(name).clone()
-    keep["model.layers.0.mlp.extra_thing"] = torch.zeros(3)
+    keep["model.llm.layers.0.mlp.extra_thing"] = torch.zeros(3)
     os.unlink(root / "model.safetensors")
     with st.ShardWriter(root / "model.safetensors", [(k, v.dtype, tuple(v.shape)) for k, v in keep.items()]) as w:
         for k, v in keep.items():
@@ -128,10 +148,22 @@ def test_unknown_tensors_and_unrecognized_modules(tmp_path):
         w.commit()
     s = inspect_cmd.summarize(root)
     assert not s.ok
-    assert s.unknown == ["model.layers.0.mlp.extra_thing"]
-    assert len(s.unrecognized) == 1 and s.unrecognized[0].startswith("model.layers.0.mlp.experts.1.up_proj ")
-    assert "unrecognized" in s.expert_layers[0]["format"]
+    assert s.unknown == ["model.llm.layers.0.mlp.extra_thing"]
+    assert len(s.unrecognized) == 1 and s.unrecognized[0].startswith(experts_module(0) + ".w13 (")
+    assert "unrecognized" in s.expert_layers[0]["format"] and s.mismatched == []
     assert run_cli(root) == 1
+
+
+def test_legacy_layout_is_refused(tmp_path, capsys):
+    """A config.json without text_config (the retired invented layout): a ConfigError naming
+    config.json, exit status 2 from the command line, no traceback."""
+    root = legacy_checkpoint(tmp_path / "legacy")
+    with pytest.raises(ConfigError, match="not the published Inkling 2 layout") as e:
+        inspect_cmd.summarize(root)
+    assert e.value.path == str(root / "config.json")
+    assert main(["inspect", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert "config.json" in err and "no longer supported" in err and "Traceback" not in err
 
 
 # --------------------------------------------------------------------------- no tensor bytes are read
@@ -259,58 +291,13 @@ def test_cli_json(source, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["tensors"] == d["tensors"]
 
 
-# --------------------------------------------------------------------------- the published layout
-@pytest.fixture(scope="module")
-def original(tmp_path_factory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("orig") / "tiny", preset="tiny", layers=6, layout="original")
-
-
-@pytest.fixture(scope="module")
-def original_converted(original, tmp_path_factory) -> Path:
+# --------------------------------------------------------------------------- declared formats
+def test_weight_only_and_declared_mismatch(source, tmp_path):
     convert = pytest.importorskip("inkling_quant.convert", exc_type=ImportError)
-    out = tmp_path_factory.mktemp("orig-conv") / "tiny-default"
-    convert.convert(str(original), out, convert.Options(scheme="default", default_activation_amax=4.0), quiet=True)
-    return out
-
-
-def test_original_source(original):
-    from inkling_quant import dspark
-    from inkling_quant.inkling2 import Inkling2Config
-
-    s = inspect_cmd.summarize(original)
-    cfg = Inkling2Config.load(original)
-    t = cfg.text
-    assert s.ok and s.layout == "original" and s.quant_algo is None
-    assert s.tensors == len(Checkpoint.open(original).weight_map)
-    assert all(set(p["formats"]) == {"passthrough"} for p in s.parts.values())
-    assert s.expert_layers == [{"first": 0, "last": 5, "format": "passthrough", "experts": t.n_routed_experts}]
-    assert s.parts["expert"]["tensors"] == 2 * 6
-    assert s.parts["expert"]["params"] == 6 * t.n_routed_experts * 3 * t.hidden_size * t.moe_intermediate_size
-    spec = list(dspark.draft_tensors(cfg.draft))
-    assert s.draft == {"present": True, "tensors": len(spec), "bytes": sum(x.nbytes for x in spec),
-                       "expected_by_config": True}
-    assert "DSpark draft: present" in inspect_cmd.render(s)
-
-
-def test_original_converted(original, original_converted):
-    s = inspect_cmd.summarize(original_converted)
-    assert s.ok, (s.unknown, s.unrecognized, s.mismatched)
-    assert s.quant_algo == "MIXED_PRECISION"
-    assert [(r["first"], r["last"], r["format"]) for r in s.expert_layers] == [(0, 4, "nvfp4"), (5, 5, "mxfp8")]
-    src = inspect_cmd.summarize(original)
-    assert s.parts["expert"]["params"] == src.parts["expert"]["params"]
-    assert s.parts["expert"]["bytes"] < src.parts["expert"]["bytes"]
-    for part in set(src.parts) - {"expert"}:
-        assert s.parts[part] == src.parts[part], part
-    assert s.draft == src.draft
-    assert run_cli(original_converted, "--quiet") == 0
-
-
-def test_original_weight_only_and_declared_mismatch(original, tmp_path):
-    convert = pytest.importorskip("inkling_quant.convert", exc_type=ImportError)
+    n = Inkling2Config.load(source).text.num_hidden_layers
     wo = tmp_path / "wo"
-    convert.convert(str(original), wo, convert.Options(scheme="mxfp8", weight_only=True), quiet=True)
-    convert.convert(str(original), tmp_path / "nv", convert.Options(scheme="nvfp4", weight_only=True), quiet=True)
+    convert.convert(str(source), wo, convert.Options(scheme="mxfp8", weight_only=True), quiet=True)
+    convert.convert(str(source), tmp_path / "nv", convert.Options(scheme="nvfp4", weight_only=True), quiet=True)
     s = inspect_cmd.summarize(tmp_path / "nv")
     assert s.ok and {r["format"] for r in s.expert_layers} == {"nvfp4 (weight-only)"}
     # a quantization config that says MXFP8 over NVFP4 tensors: named, exit status 1
@@ -318,6 +305,6 @@ def test_original_weight_only_and_declared_mismatch(original, tmp_path):
     config["quantization_config"] = json.loads((wo / "config.json").read_text())["quantization_config"]
     (tmp_path / "nv" / "config.json").write_text(json.dumps(config))
     s = inspect_cmd.summarize(tmp_path / "nv")
-    assert not s.ok and len(s.mismatched) == 2 * 6
+    assert not s.ok and len(s.mismatched) == 2 * n  # w13 and w2 of every layer
     assert "tensors are nvfp4, the quantization config declares mxfp8" in s.mismatched[0]
     assert run_cli(tmp_path / "nv", "--quiet") == 1

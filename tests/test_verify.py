@@ -1,6 +1,7 @@
 """`inkling-quant verify`: a good checkpoint passes every check; a corpus of broken ones (one
-defect each, generated here from one converted tiny checkpoint) is each caught with the file and
-tensor named and the documented exit code, never a traceback."""
+defect each, generated here from one converted tiny checkpoint of the published Inkling 2
+layout, stacked experts) is each caught with the file and tensor named and the documented exit
+code, never a traceback. A checkpoint of the retired legacy layout is refused."""
 import json
 import os
 import shutil
@@ -17,11 +18,13 @@ from inkling_quant.cli import main
 from inkling_quant.convert import Options, convert
 from inkling_quant.errors import CheckpointError, prefixed
 from inkling_quant.formats import FORMATS
+from inkling_quant.formats.stacked import stack_experts
 from inkling_quant.io.checkpoint import INDEX_NAME
 from inkling_quant.io.safetensors import ShardReader, ShardWriter, read_header, sha256_file
-from inkling_quant.verify import CHECKSUMS, sample_experts, verify
+from inkling_quant.verify import CHECKSUMS, check_config_files, sample_experts, verify
 
 AMAX = 4.0
+P = "model.llm.layers.{}.mlp.experts."  # a layer's stacked experts module, with the dot
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -35,6 +38,15 @@ def converted(tiny_src, tmp_path_factory):
 @pytest.fixture(scope="module")
 def good_report(converted, tiny_src):
     return verify(converted, tiny_src, sample=0)
+
+
+@pytest.fixture(scope="module")
+def hf_converted(tiny_src, tmp_path_factory):
+    """ModelOpt's form of the same model (transformers' names, per-expert modules)."""
+    out = tmp_path_factory.mktemp("verify-hf") / "tiny-hf"
+    convert(tiny_src, out, Options(output_format="modelopt-hf", default_activation_amax=AMAX,
+                                   max_shard_bytes=1 << 20), quiet=True)
+    return out
 
 
 @pytest.fixture
@@ -90,6 +102,22 @@ def _patch_bytes(root: Path, name: str, at: int, data: bytes) -> str:
     return shard
 
 
+def legacy_checkpoint(root: Path) -> Path:
+    """A checkpoint of the layout this project invented before the model was published (top-level
+    dimensions in config.json, per-expert modules), written by hand: verify and inspect refuse it."""
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps({
+        "vocab_size": 8, "hidden_size": 64, "num_hidden_layers": 1, "layer_types": ["sliding_attention"],
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96}))
+    tensors = {"model.embed_tokens.weight": torch.zeros(8, 64, dtype=torch.bfloat16),
+               "model.layers.0.mlp.experts.0.gate_proj.weight": torch.zeros(96, 64, dtype=torch.bfloat16)}
+    w = ShardWriter(root / "model.safetensors", [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
+    for n, t in tensors.items():
+        w.write(n, t)
+    w.commit()
+    return root
+
+
 def _run(capsys, *argv) -> tuple[int, str, dict]:
     """`inkling-quant verify ARGV --json R`: exit code, printed output, the JSON report (R beside
     the checkpoint unless ARGV names one)."""
@@ -136,14 +164,17 @@ def test_good_checkpoint_passes_every_check(good_report, converted, tiny_src):
     assert r.ok and r.exit_code == 0, r.format_summary()
     ids = [c.id for c in r.checks]
     shards = sorted(set(_index(converted)["weight_map"].values()))
-    for must in ["input", "index", "config", "layout", "gate_up", "checksums", "source", "passthrough"]:
+    for must in ["input", "index", "config", "layout", "checksums", "source", "passthrough"]:
         assert must in ids
+    assert "gate_up" not in ids  # the stacked form: one global scale per expert's w13, nothing to compare
     for s in shards:
         assert f"header[{s}]" in ids and f"values[{s}]" in ids
     assert [i for i in ids if i.startswith("numerics[")] == [f"numerics[layer {i}]" for i in range(48)]
     assert all(c.status == "pass" for c in r.checks)
-    # numerics: every expert (--sample 0), both formats, within the formats' thresholds
+    # numerics: every expert (--sample 0), its gate, up and down, both formats, within the thresholds
     assert len(r.numerics) == 48 * 4 * 3
+    assert {(n["layer"], n["expert"], n["module"]) for n in r.numerics} == {
+        (i, e, m) for i in range(48) for e in range(4) for m in ("gate_proj", "up_proj", "down_proj")}
     for fmt in ("nvfp4", "mxfp8"):
         rows = [n for n in r.numerics if n["format"] == fmt]
         f = FORMATS[fmt]
@@ -171,7 +202,7 @@ def test_cli_reports_json_and_junit(converted, tiny_src, tmp_path, capsys):
     assert rep["numerics"] and {"rel_error", "cosine", "max_rel_error", "min_cosine"} <= set(rep["numerics"][0])
     # the default sample: 2 experts per layer, the same on every run (seeded by the layer)
     assert len(rep["numerics"]) == 48 * 2 * 3
-    picked = {(n["layer"], int(n["tensor"].split(".")[5])) for n in rep["numerics"]}
+    picked = {(n["layer"], n["expert"]) for n in rep["numerics"]}
     assert picked == {(i, e) for i in range(48) for e in sample_experts(i, 4, 2)}
     assert sample_experts(7, 384, 2) == sample_experts(7, 384, 2) != sample_experts(8, 384, 2)
     suite = ET.parse(tmp_path / "r.xml").getroot()
@@ -189,9 +220,20 @@ def test_help_documents_exit_codes(capsys):
         assert code in out
 
 
+def test_legacy_layout_is_refused(tmp_path, capsys):
+    """A config.json without text_config (the retired invented layout): the config check says
+    so, naming config.json; nothing is checked against a layout; exit 1, no traceback."""
+    root = legacy_checkpoint(tmp_path / "legacy")
+    rc, out, r = _run(capsys, root)
+    assert rc == 1 and "not the published Inkling 2 layout" in out
+    assert "no longer supported" in _problem(r, "config", "config.json", None)["message"]
+    layout = next(c for c in r["checks"] if c["id"] == "layout")
+    assert layout["status"] == "skip" and not layout["problems"]
+
+
 # --------------------------------------------------------------------------- the broken corpus
 def test_flipped_byte(broken, tiny_src, capsys):
-    name = "model.layers.0.self_attn.q_proj.weight"
+    name = "model.llm.layers.0.attn.wq_du.weight"
     shard = _shard_of(broken, name)
     first = (broken / shard).read_bytes()[read_header(broken / shard).tensors[name].begin]
     _patch_bytes(broken, name, 0, bytes([first ^ 0x01]))  # mantissa bit: still a finite bf16
@@ -211,7 +253,7 @@ def test_truncated_shard(broken, capsys):
 
 
 def test_missing_tensor(broken, capsys):
-    name = "model.layers.5.mlp.experts.2.down_proj.weight_scale"
+    name = P.format(5) + "w2_weight_scale"
     _rewrite_shard(broken, _shard_of(broken, name), lambda t: t.pop(name))
     _reseal(broken)
     rc, out, r = _run(capsys, broken)
@@ -219,18 +261,21 @@ def test_missing_tensor(broken, capsys):
     assert "missing" in _problem(r, "layout", INDEX_NAME, name)["message"]
 
 
-def test_extra_tensor(broken, capsys):
-    name = "model.layers.2.self_attn.q_proj.weight_scale"
-    shard = _shard_of(broken, "model.layers.2.self_attn.q_proj.weight")
-    _rewrite_shard(broken, shard, lambda t: t.__setitem__(name, torch.ones(1, dtype=torch.float32)))
+@pytest.mark.parametrize("name,beside,shape", [
+    ("model.llm.layers.2.attn.wq_du.weight_scale", "model.llm.layers.2.attn.wq_du.weight", (1,)),  # a pass-through's
+    (P.format(40) + "w13_weight.input_amax", P.format(40) + "w13_weight", (4,)),  # MXFP8 has no activation scale
+], ids=["scale-of-a-passthrough", "activation-scale-of-mxfp8"])
+def test_extra_tensor(broken, capsys, name, beside, shape):
+    shard = _shard_of(broken, beside)
+    _rewrite_shard(broken, shard, lambda t: t.__setitem__(name, torch.ones(shape, dtype=torch.float32)))
     _reseal(broken)
     rc, out, r = _run(capsys, broken)
-    assert rc == 1 and name in out
+    assert rc == 1 and name in out and _failed_ids(r) == {"layout"}
     assert "unexpected" in _problem(r, "layout", shard, name)["message"]
 
 
 def test_wrong_dtype(broken, capsys):
-    name = "model.layers.1.mlp.experts.0.gate_proj.weight_scale"
+    name = P.format(1) + "w13_weight_scale"
     shard = _shard_of(broken, name)
     _rewrite_shard(broken, shard, lambda t: t.__setitem__(name, t[name].view(torch.uint8)))
     _reseal(broken)
@@ -240,86 +285,106 @@ def test_wrong_dtype(broken, capsys):
     assert "U8" in p["message"] and "F8_E4M3" in p["message"]
 
 
-def _swap(root: Path, a: str, b: str) -> None:
-    ra = read_header(root / _shard_of(root, a)).tensors[a]
-    rb = read_header(root / _shard_of(root, b)).tensors[b]
-    da = (root / _shard_of(root, a)).read_bytes()[ra.begin:ra.end]
-    db = (root / _shard_of(root, b)).read_bytes()[rb.begin:rb.end]
-    _patch_bytes(root, a, 0, db)
-    _patch_bytes(root, b, 0, da)
+def _swap_experts(root: Path, name: str, a: int, b: int) -> None:
+    """Swap experts a and b's slabs of the stacked tensor `name` in place."""
+    shard = _shard_of(root, name)
+    e = read_header(root / shard).tensors[name]
+    slab = e.nbytes // e.shape[0]
+    data = (root / shard).read_bytes()[e.begin:e.end]
+    _patch_bytes(root, name, a * slab, data[b * slab:(b + 1) * slab])
+    _patch_bytes(root, name, b * slab, data[a * slab:(a + 1) * slab])
 
 
 def test_swapped_scales_caught_by_checksum_and_numerics(broken, tiny_src, capsys):
-    a = "model.layers.3.mlp.experts.0.gate_proj.weight_scale"
-    b = "model.layers.3.mlp.experts.1.gate_proj.weight_scale"
-    _swap(broken, a, b)
+    name = P.format(3) + "w13_weight_scale"
+    _swap_experts(broken, name, 0, 1)  # experts 0 and 1 exchange their gate/up block scales
     rc, out, r = _run(capsys, broken)  # structure and values are fine: the checksum catches it
-    assert rc == 1 and _failed_ids(r) == {"checksums"} and _shard_of(broken, a) in out
+    assert rc == 1 and _failed_ids(r) == {"checksums"} and _shard_of(broken, name) in out
     _reseal(broken)  # a forger who also rewrites the checksums: the numerics catch it
     rc, out, r = _run(capsys, broken, "--against", tiny_src, "--sample", "0")
     assert rc == 1 and _failed_ids(r) == {"numerics[layer 3]"}
-    _problem(r, "numerics[layer 3]", _shard_of(broken, a), a)
-    _problem(r, "numerics[layer 3]", _shard_of(broken, b), b)
+    _problem(r, "numerics[layer 3]", _shard_of(broken, name), name)
+    messages = [p["message"] for p in _failed(r, "numerics[layer 3]")[0]["problems"]]
+    for e in (0, 1):
+        assert any(m.startswith(f"expert {e} gate_proj") for m in messages), messages
+        assert any(m.startswith(f"expert {e} up_proj") for m in messages), messages
+    assert not any(m.startswith(("expert 2", "expert 3")) or "down_proj" in m.split(" (")[0] for m in messages)
+
+
+def _nvfp4_layer(src: Path, layer: int) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s experts of the BF16 source quantized to NVFP4 (W4A4) in the stacked form,
+    from the formats directly: gate and up (w13 rows 0::2, 1::2) share one global amax."""
+    nv, wm = FORMATS["nvfp4"], _index(src)["weight_map"]
+    stacked = {}
+    for proj in ("w13", "w2"):
+        n = f"{P.format(layer)}{proj}_weight"
+        with ShardReader(src / wm[n]) as r:
+            stacked[proj] = r.get(n).clone()
+    experts = []
+    for e in range(stacked["w13"].shape[0]):
+        gate, up, down = stacked["w13"][e, 0::2], stacked["w13"][e, 1::2], stacked["w2"][e]
+        g = torch.maximum(gate.float().abs().amax(), up.float().abs().amax())
+        experts.append({"gate_proj": nv.quantize(gate.contiguous(), global_amax=g, input_amax=AMAX),
+                        "up_proj": nv.quantize(up.contiguous(), global_amax=g, input_amax=AMAX),
+                        "down_proj": nv.quantize(down.contiguous(), input_amax=AMAX)})
+    return {P.format(layer) + k: v for k, v in stack_experts(nv, experts).items()}
 
 
 def test_layer_in_wrong_format(broken, tiny_src, capsys):
     """Layer 40's experts written as NVFP4 (the default scheme says MXFP8), configs made to agree."""
     layer, nv = 40, FORMATS["nvfp4"]
-    modules = [f"model.layers.{layer}.mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")]
-    src_wm = _index(tiny_src)["weight_map"]
-    new = {}
-    for e in range(4):
-        ws = {}
-        for p in ("gate_proj", "up_proj", "down_proj"):
-            n = f"model.layers.{layer}.mlp.experts.{e}.{p}.weight"
-            with ShardReader(tiny_src / src_wm[n]) as r:
-                ws[p] = r.get(n).clone()
-        g = torch.maximum(ws["gate_proj"].float().abs().amax(), ws["up_proj"].float().abs().amax())
-        for p, w in ws.items():
-            out = nv.quantize(w, global_amax=g if p != "down_proj" else None, input_amax=AMAX)
-            new.update({f"model.layers.{layer}.mlp.experts.{e}.{p}.{k}": v for k, v in out.items()})
-    home = {m: _shard_of(broken, m + ".weight") for m in modules}
-    for s in set(home.values()):
-        mine = [m for m in modules if home[m] == s]
+    module, new = P.format(layer)[:-1], _nvfp4_layer(tiny_src, layer)
+    shard = _shard_of(broken, module + ".w13_weight")
+    assert shard == _shard_of(broken, module + ".w2_weight")
 
-        def edit(t, mine=mine):
-            for m in mine:
-                t.pop(f"{m}.weight")
-                t.pop(f"{m}.weight_scale")
-            t.update({k: v for k, v in new.items() if k.rsplit(".", 1)[0] in mine})
-        _rewrite_shard(broken, s, edit)
+    def edit(t):
+        for k in [k for k in t if k.startswith(module + ".")]:
+            t.pop(k)
+        t.update(new)
+    _rewrite_shard(broken, shard, edit)
     for f, key in (("config.json", "quantization_config"), ("hf_quant_config.json", "quantization")):
         cfg = json.loads((broken / f).read_text())
-        for m in modules:
-            cfg[key]["quantized_layers"][m] = nv.layer_config(False)
+        cfg[key]["quantized_layers"][module] = nv.layer_config(False)
         (broken / f).write_text(json.dumps(cfg))
     _reseal(broken)
     rc, out, r = _run(capsys, broken)
-    assert rc == 1 and "stored as nvfp4" in out and "prescribes mxfp8" in out
-    for m in modules:
-        _problem(r, "layout", home[m], m)
+    assert rc == 1 and _failed_ids(r) == {"layout"}
+    msg = _problem(r, "layout", shard, module + ".w13_weight")["message"]
+    assert f"layer {layer} are stored as nvfp4" in msg and "scheme 'default' prescribes mxfp8" in msg
 
 
 @pytest.mark.parametrize("name,data,what", [
-    ("model.layers.7.mlp.experts.1.down_proj.weight_scale_2", struct.pack("<f", float("nan")), "finite and positive"),
-    ("model.layers.7.mlp.experts.1.down_proj.weight_scale", b"\x7f", "finite and positive"),   # e4m3 NaN
-    ("model.layers.8.mlp.experts.0.up_proj.weight_scale", b"\x00", "finite and positive"),     # zero block scale
-    ("model.layers.44.mlp.experts.3.gate_proj.weight_scale", b"\xff", "e8m0"),                 # e8m0 NaN
-    ("model.layers.44.mlp.experts.3.gate_proj.weight", b"\x7f", "e4m3 NaN"),
-    ("model.layers.9.mlp.experts.2.down_proj.input_scale", struct.pack("<f", -1.0), "finite and positive"),
-    ("model.layers.0.self_attn.o_proj.weight", b"\x80\x7f", "NaN/Inf"),                        # bf16 +Inf
-], ids=["nan-global-scale", "nan-block-scale", "zero-block-scale", "e8m0-ff", "e4m3-nan-weight",
-        "negative-input-scale", "bf16-inf"])
+    (P.format(7) + "w2_weight_amax", struct.pack("<f", float("nan")), "finite and positive"),   # global scale
+    (P.format(7) + "w13_weight_outer_scale_denominator", struct.pack("<f", 0.0), "finite and positive"),
+    (P.format(7) + "w2_weight_scale", b"\x7f", "finite and positive"),                          # e4m3 NaN
+    (P.format(8) + "w13_weight_scale", b"\x00", "finite and positive"),                         # zero block scale
+    (P.format(44) + "w13_weight_scale", b"\xff", "e8m0"),                                       # e8m0 NaN
+    (P.format(44) + "w13_weight", b"\x7f", "e4m3 NaN"),
+    (P.format(9) + "w2_weight.input_amax", struct.pack("<f", -1.0), "finite and positive"),
+    ("model.llm.layers.0.attn.wo_ud.weight", b"\x80\x7f", "NaN/Inf"),                           # bf16 +Inf
+    ("model.llm.unembed.weight", b"\xc0\x7f", "NaN/Inf"),                                       # bf16 NaN
+    ("model.llm.layers.3.mlp_norm.weight", b"\x80\xff", "NaN/Inf"),                             # bf16 -Inf
+], ids=["nan-global-amax", "zero-outer-denominator", "nan-block-scale", "zero-block-scale", "e8m0-ff",
+        "e4m3-nan-weight", "negative-input-amax", "bf16-inf", "unembed-nan", "norm-minus-inf"])
 def test_bad_values(broken, capsys, name, data, what):
-    shard = _patch_bytes(broken, name, 2 if data == b"\x80\x7f" else 0, data)
+    at = 2 if len(data) == 2 else 0  # a bf16: its second element
+    shard = _patch_bytes(broken, name, at, data)
     _reseal(broken)
     rc, out, r = _run(capsys, broken)
-    assert rc == 1 and name in out
-    assert what in _problem(r, f"values[{shard}]", shard, name)["message"]
+    assert rc == 1 and name in out and _failed_ids(r) == {f"values[{shard}]"}
+    msg = _problem(r, f"values[{shard}]", shard, name)["message"]
+    assert what in msg and f"element {at // len(data)} is" in msg
+    if ".mlp.experts." in name:
+        assert "(expert 0)" in msg  # a stacked tensor's problem names the expert
 
 
-def test_gate_and_up_must_share_weight_scale_2(broken, capsys):
-    name = "model.layers.6.mlp.experts.3.up_proj.weight_scale_2"
+def test_gate_and_up_must_share_weight_scale_2(hf_converted, tmp_path, capsys):
+    """ModelOpt's per-expert form stores gate's and up's global scale apart: vLLM fuses them
+    under the gate's, so they must agree (the stacked form cannot disagree: one per w13)."""
+    broken = tmp_path / "hf"
+    shutil.copytree(hf_converted, broken)
+    assert _run(capsys, broken)[0] == 0
+    name = "model.language_model.layers.6.mlp.experts.3.up_proj.weight_scale_2"
     shard = _patch_bytes(broken, name, 0, struct.pack("<f", 0.5))
     _reseal(broken)
     rc, out, r = _run(capsys, broken)
@@ -345,7 +410,7 @@ def test_lying_header_offset(broken, capsys):
 
 def test_index_pointing_outside_the_directory(broken, tiny_src, capsys):
     idx = _index(broken)
-    name = "model.norm.weight"
+    name = "model.llm.norm.weight"
     idx["weight_map"][name] = f"../{tiny_src.name}/{idx['weight_map'][name]}"
     (broken / INDEX_NAME).write_text(json.dumps(idx))
     rc, out, r = _run(capsys, broken)
@@ -354,20 +419,20 @@ def test_index_pointing_outside_the_directory(broken, tiny_src, capsys):
 
 
 def test_config_disagrees_with_tensors(broken, capsys):
-    module = "model.layers.10.mlp.experts.2.up_proj"
+    module = P.format(10)[:-1]
     cfg = json.loads((broken / "config.json").read_text())
     cfg["quantization_config"]["quantized_layers"][module] = {"quant_algo": "MXFP8", "group_size": 32}
     (broken / "config.json").write_text(json.dumps(cfg))
     _reseal(broken)
     rc, out, r = _run(capsys, broken)
     assert rc == 1 and module in out and _failed_ids(r) == {"config"}
-    p = _problem(r, "config", "config.json", module + ".weight")
+    p = _problem(r, "config", "config.json", module + ".w13_weight")
     assert "MXFP8" in p["message"] and "NVFP4" in p["message"]
     _problem(r, "config", "hf_quant_config.json", None)  # the two config files disagree too
 
 
 def test_weight_only_config_on_w4a4_tensors(broken, capsys):
-    """W4A16_NVFP4 in both configs, but the NVFP4 tensors carry input_scale."""
+    """W4A16_NVFP4 in both configs, but the NVFP4 tensors carry an activation scale (input_amax)."""
     for f, key in (("config.json", "quantization_config"), ("hf_quant_config.json", "quantization")):
         cfg = json.loads((broken / f).read_text())
         for e in cfg[key]["quantized_layers"].values():
@@ -381,22 +446,37 @@ def test_weight_only_config_on_w4a4_tensors(broken, capsys):
 
 def test_config_dimension_disagrees_with_tensors(broken, capsys):
     cfg = json.loads((broken / "config.json").read_text())
-    cfg["moe_intermediate_size"] = 128
+    cfg["text_config"]["moe_intermediate_size"] = 128
     (broken / "config.json").write_text(json.dumps(cfg))
     _reseal(broken)
     rc, out, r = _run(capsys, broken)
-    name = "model.layers.0.mlp.experts.0.down_proj.weight"
-    assert rc == 1 and "prescribes U8 [64, 64]" in _problem(r, "layout", "", name)["message"]
+    name = P.format(0) + "w2_weight"
+    assert rc == 1 and "prescribes U8 [4, 64, 64]" in _problem(r, "layout", "", name)["message"]
 
 
 def test_excluded_quantized_module(broken, capsys):
     for f, key in (("config.json", "quantization_config"), ("hf_quant_config.json", "quantization")):
         cfg = json.loads((broken / f).read_text())
-        cfg[key]["exclude_modules"].append("model.layers.4*")
+        cfg[key]["exclude_modules"].append("model.llm.layers.4*")
         (broken / f).write_text(json.dumps(cfg))
     _reseal(broken)
     rc, out, r = _run(capsys, broken)
-    assert rc == 1 and _failed_ids(r) == {"config"} and "'model.layers.4*' excludes" in out
+    assert rc == 1 and _failed_ids(r) == {"config"} and "'model.llm.layers.4*' excludes" in out
+
+
+def test_quantization_config_on_unquantized_tensors(tiny_src, converted, tmp_path, capsys):
+    """A BF16 checkpoint whose config.json claims a quantization: the tensors decide the layout
+    (all pass-through), the config check names the claim."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_src, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = json.loads((converted / "config.json").read_text())["quantization_config"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    rc, out, r = _run(capsys, src)
+    assert rc == 1 and _failed_ids(r) == {"config", "checksums"}  # synth writes no checksums.sha256
+    assert "no module is quantized" in _problem(r, "config", "config.json", None)["message"]
+    layout = next(c for c in r["checks"] if c["id"] == "layout")
+    assert layout["status"] == "pass" and layout["figures"]["quantized_experts"] == {}
 
 
 def test_stray_shard_and_unfinished_conversion(broken, capsys):
@@ -405,6 +485,46 @@ def test_stray_shard_and_unfinished_conversion(broken, capsys):
     rc, out, r = _run(capsys, broken)
     assert rc == 1 and "extra.safetensors" in out and "unfinished" in out
     _problem(r, "index", "extra.safetensors", None)
+
+
+# --------------------------------------------------------------------------- the config files alone
+def _config_problems(root: Path, **kw) -> list:
+    r = check_config_files(root, **kw)
+    assert [c.id for c in r.checks] == ["config"]
+    return r.check("config").problems
+
+
+def test_config_files_alone_hold_quantized_layers_to_the_scheme(converted, tiny_src, tmp_path):
+    """check_config_files reads no tensor: the experts modules the scheme quantizes stand in for
+    them, so a quantized_layers entry that names the wrong format, or lacks a layer, is found."""
+    root = tmp_path / "cfg"
+    root.mkdir()
+    for f in ("config.json", "hf_quant_config.json"):
+        shutil.copyfile(converted / f, root / f)
+    assert _config_problems(root) == []
+    assert check_config_files(root).check("config").figures["quantized_layers"] == 48
+    weight_only = _config_problems(root, weight_only=True)  # the configs say NVFP4 (W4A4), not W4A16
+    assert weight_only and all("W4A16_NVFP4" in p.message for p in weight_only if p.tensor)
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copyfile(tiny_src / "config.json", src / "config.json")
+    assert _config_problems(src) == []  # no quantization config: scheme none, nothing quantized
+
+    def edit(change):
+        for f, key in (("config.json", "quantization_config"), ("hf_quant_config.json", "quantization")):
+            cfg = json.loads((converted / f).read_text())
+            change(cfg[key]["quantized_layers"])
+            (root / f).write_text(json.dumps(cfg))
+    edit(lambda layers: layers.update({P.format(10)[:-1]: {"quant_algo": "MXFP8", "group_size": 32}}))
+    problems = _config_problems(root)
+    assert {p.tensor for p in problems} == {P.format(10) + "w13_weight"} and len(problems) == 2
+    assert all("'MXFP8'" in p.message and "'NVFP4'" in p.message for p in problems)
+    edit(lambda layers: layers.pop(P.format(47)[:-1]))
+    problems = _config_problems(root)
+    assert {p.tensor for p in problems} == {P.format(47) + "w13_weight"} and len(problems) == 2
+    edit(lambda layers: layers.update({"model.layers.0.mlp.experts.0.gate_proj": {"quant_algo": "NVFP4",
+                                                                                 "group_size": 16}}))
+    assert len(_config_problems(root)) == 2  # a legacy module name: no such module
 
 
 # --------------------------------------------------------------------------- exit code 2
@@ -459,7 +579,7 @@ def test_write_checksums(broken, tiny_src, tmp_path, capsys):
         assert p.returncode == 0, p.stdout + p.stderr
     # never for a broken checkpoint
     (broken / CHECKSUMS).unlink()
-    _patch_bytes(broken, "model.layers.7.mlp.experts.1.down_proj.weight_scale", 0, b"\x7f")
+    _patch_bytes(broken, P.format(7) + "w2_weight_scale", 0, b"\x7f")
     rc, out, _ = _run(capsys, broken, "--write-checksums")
     assert rc == 1 and not (broken / CHECKSUMS).exists() and "not written" in out
 

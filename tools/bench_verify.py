@@ -3,9 +3,11 @@ against `sha256sum` of the same files, side by side, on a synthetic checkpoint.
 
     python tools/bench_verify.py                      # bench preset, 6 layers x 4 experts
     python tools/bench_verify.py --layers 12 --experts 8 --work /data/bench --repeat 5 --json out.json
+    python tools/bench_verify.py --preset tiny --repeat 1   # toy shapes: a smoke test of this script
 
-Builds (or reuses, with --work) a BF16 `bench` checkpoint with real Inkling-2-Small expert and
-attention shapes, converts it with the default scheme, then times on the converted files:
+Builds (or reuses, with --work) a BF16 checkpoint of the published Inkling 2 layout (synth's
+`bench` preset: real Inkling-2-Small expert and attention shapes, experts stacked per layer),
+converts it with the default scheme, then times on the converted files:
   sha256sum       `sha256sum FILES` (coreutils, a subprocess), the files checksums.sha256 lists
   verify          inkling_quant.verify.verify(CKPT): index, headers, layout, configs, values of
                   every tensor, sha256 of every listed file; in process, no --against
@@ -67,6 +69,8 @@ def _hashlib(ckpt: Path, files: list[str]) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="bench", choices=("bench", "tiny"),
+                    help="synth preset: bench (real shapes, default) or tiny (toy shapes)")
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--experts", type=int, default=4)
     ap.add_argument("--work", help="work directory (kept; checkpoints reused when present)")
@@ -75,11 +79,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     work = Path(args.work) if args.work else ROOT / "bench-out" / "verify"
-    src, ckpt = work / f"src-{args.layers}x{args.experts}", work / f"conv-{args.layers}x{args.experts}"
+    tag = f"{args.preset}-{args.layers}x{args.experts}"
+    src, ckpt = work / f"src-{tag}", work / f"conv-{tag}"
     work.mkdir(parents=True, exist_ok=True)
     if not (src / "model.safetensors.index.json").exists():
-        print(f"synth bench checkpoint ({args.layers} layers x {args.experts} experts) -> {src}", flush=True)
-        write_checkpoint(src, "bench", layers=args.layers, experts=args.experts, overwrite=True, progress=True, layout="legacy")
+        print(f"synth {args.preset} checkpoint ({args.layers} layers x {args.experts} experts) -> {src}", flush=True)
+        write_checkpoint(src, args.preset, layers=args.layers, experts=args.experts, overwrite=True, progress=True)
     if not (ckpt / "model.safetensors.index.json").exists():
         print(f"convert (default scheme) -> {ckpt}", flush=True)
         shutil.rmtree(ckpt, ignore_errors=True)

@@ -3,11 +3,13 @@
 The check a CI job runs after `inkling-quant convert`. Checks (docs/ci.md has the full list):
   index        index.json covers every shard and every tensor exactly once; no stray shard
   header[F]    shard F's safetensors header is well formed (offsets, dtypes, sizes)
-  config       config.json parses; quantization_config / hf_quant_config.json agree with the
-               tensors (algorithm per layer, exclude_modules, group sizes, input_scale presence)
-  layout       every tensor the layout and the scheme require, with its dtype and shape; no other
+  config       config.json parses (the published Inkling 2 layout: text_config); quantization_config
+               / hf_quant_config.json agree with the tensors (algorithm per experts module,
+               exclude_modules, group sizes, activation scale presence)
+  layout       every tensor the layout and the quantization config require, with its dtype and
+               shape; no other
   values[F]    no NaN/Inf in shard F; scales finite and positive; e8m0 exponents not 0xFF
-  gate_up      the gate and up projections of each NVFP4 expert share weight_scale_2
+  gate_up      (ModelOpt's per-expert form) gate and up of each NVFP4 expert share weight_scale_2
   checksums    checksums.sha256 matches the bytes (hashed in the same single read as `values`)
   source       (--against) the source opens and has the same config
   passthrough  (--against) BF16/FP32 pass-through tensors are byte-identical to the source
@@ -22,16 +24,15 @@ Python: `verify(ckpt, against=...) -> VerifyReport` (`.ok`, `.exit_code`, `.chec
 # The package (docs/ci.md lists the checks):
 #   __init__   verify(): the steps in report order (_run_checks), the CLI
 #   report     Check, Problem, Row, VerifyReport; text, JSON and JUnit; Recorder (add + guard a check)
-#   inventory  what is there (Files, Conf, Source) and what should be (Expected, expect()); read-only
-#   structure  input, index, header[F], source, layout
+#   inventory  what is there (Files, Conf, Source) and what should be (Expected); read-only
+#   structure  input, index, header[F], source
 #   config     config (load_config: the scheme; check_config: the quantization configs vs the tensors)
+#   published  layout, what config expects, numerics[layer L]: the Inkling 2 layout (stacked
+#              experts, or ModelOpt's per-expert modules under transformers' names: Conf.modelopt_hf)
 #   stream     the single read of every file: sha256 + per-tensor visitors
 #   values     values[F], gate_up (visitors)
-#   numerics   passthrough (a visitor), numerics[layer L]
+#   numerics   passthrough (a visitor); the sample, activations and GEMM numerics[layer L] uses
 #   integrity  checksums, --write-checksums
-#   published  the published Inkling 2 layout's layout, config expectations and numerics[layer L]
-#              (stacked experts, or ModelOpt's per-expert modules under transformers' names:
-#              Conf.modelopt_hf); the steps above dispatch to it on config.json (Conf.published)
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,7 @@ from ..io.output import CHECKSUMS, check_paths, write_report
 from ..schemes import get_scheme
 from . import config, integrity, numerics, published, stream, structure, values
 from .config import QUANT_CONFIG, check_config_files
-from .inventory import DISAGREES, UNQUANTIZED, Inventory
+from .inventory import UNQUANTIZED, Inventory
 from .numerics import ACT_ROWS, activations, sample_experts
 from .report import (DEFAULT_SAMPLE, ERROR, FAIL, MAX_PROBLEMS, PASS, SKIP, Check, Problem, Recorder, Row,
                      Tally, VerifyReport, summary_rows)
@@ -108,14 +109,9 @@ def _run_checks(run: Recorder, o: _Options) -> None:
     files = structure.check_index(run, o.root)                                    # index, header[F]
     conf = config.load_config(run, o.root, o.scheme)                              # config (1/2)
     source = structure.check_source(run, src_root, conf) if src_root else None    # source
-    layout = published if conf.published else structure  # the published layout, or the legacy one
-    expected = layout.check_layout(run, files, conf, source)                      # layout
+    expected = published.check_layout(run, files, conf, source)                   # layout
     inv = Inventory(o.root, files, conf, source, expected)
-    if conf.published:
-        config.check_config(run, conf, expected.weight_only, published.quantized_layers(expected),
-                            published.named_tensor)                               # config (2/2)
-    elif expected.status != DISAGREES:
-        config.check_config(run, conf, expected.weight_only)
+    config.check_config(run, conf, expected.weight_only, published.quantized_layers(expected))  # config (2/2)
     # the single read of every file: sha256 + each tensor's bytes through the visitors
     tally, scales = Tally(), values.GateUpScales()
     passthrough = numerics.Passthrough.start(run, inv)                            # passthrough
@@ -124,7 +120,7 @@ def _run_checks(run: Recorder, o: _Options) -> None:
                               o.progress)                                         # values[F], read
     values.check_gate_up(run, inv, scales)                                        # gate_up
     integrity.check_checksums(run, o.root, digests, o.write_checksums)            # checksums
-    (published if conf.published else numerics).check_numerics(run, inv, o.sample, o.device)  # numerics[layer L]
+    published.check_numerics(run, inv, o.sample, o.device)                        # numerics[layer L]
     run.report.rows = summary_rows(tally, run.report.numerics, passthrough.check if passthrough else None)
     if o.write_checksums:
         integrity.write_checksums_file(run, o.root, digests)                      # write_checksums

@@ -1,24 +1,30 @@
 """The `config` check: config.json and hf_quant_config.json, read (`load_config`: they decide the
 scheme) and then held against the tensors (`check_config`: algorithm per layer, exclude_modules,
-group sizes, input_scale presence). `check_config_files` runs both on their own."""
+group sizes, activation scale presence). `check_config_files` runs both on their own, holding
+the quantization configs to what the scheme prescribes."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from ..errors import InklingQuantError
 from ..export import modelopt_quantization_config, quantization_problems
+from ..inkling2 import Inkling2Config
 from ..io.checkpoint import HF_QUANT_CONFIG as QUANT_CONFIG
-from ..layout import model_config
 from ..schemes import SCHEMES
+from . import published
 from .inventory import UNQUANTIZED, Conf, converter_of, load_json
 from .report import ERROR, Check, Recorder, VerifyReport
 
 
 # ============================================================================ load
+NOT_PUBLISHED = ("no text_config: not the published Inkling 2 layout (a checkpoint of the layout this project "
+                 "invented before the model was published is no longer supported; docs/layout.md)")
+
+
 def load_config(run: Recorder, root: Path, scheme_arg: str | None) -> Conf:
-    """The first half of the `config` check: config.json parses with the layout's keys (the
-    published model's when it nests text_config, as convert's load_config decides), and the
-    scheme is known (--scheme, else the converter's record, else default; none if unquantized)."""
+    """The first half of the `config` check: config.json parses as the published Inkling 2
+    model's (text_config nested), and the scheme is known (--scheme, else the converter's
+    record, else default; none if unquantized)."""
     c = run.new("config", "config", "config.json / hf_quant_config.json agree with the tensors")
     config = run.guard(c, load_json, root / "config.json", "config.json", c)
     conf = run.guard(c, _parse, c, root, config, scheme_arg) if config is not None else None
@@ -30,8 +36,11 @@ def load_config(run: Recorder, root: Path, scheme_arg: str | None) -> Conf:
 
 def _parse(c: Check, root: Path, config: dict, scheme_arg: str | None) -> Conf:
     path = root / "config.json"
+    if not Inkling2Config.describes(config):
+        c.fail(path, None, NOT_PUBLISHED)
+        return Conf(root, config)
     try:
-        cfg = model_config(config, str(path))
+        cfg = Inkling2Config.from_dict(config, str(path))
     except InklingQuantError as e:
         c.fail(path, None, str(e))
         return Conf(root, config)
@@ -56,45 +65,32 @@ def _parse(c: Check, root: Path, config: dict, scheme_arg: str | None) -> Conf:
 
 
 # ============================================================================ against the tensors
-def check_config(run: Recorder, conf: Conf, weight_only: bool, want: dict[str, dict] | None = None,
-                 tensor_of=None) -> None:
+def check_config(run: Recorder, conf: Conf, weight_only: bool, want: dict[str, dict] | None) -> None:
     """The second half of the `config` check, once the tensors decided `weight_only`: both
-    quantization configs list exactly the modules the scheme quantizes, with their algorithm.
-    `want` (module -> its quantized_layers entry; the published layout's, from its tensors) and
-    `tensor_of` (module -> the tensor a problem names) default to the legacy layout's."""
+    quantization configs list exactly the modules in `want` (experts module -> its
+    quantized_layers entry; None: the layout check could not list them), with their algorithm."""
     c = run.report.check("config")
     if not conf.usable or c.status == ERROR:
         return
-    if want is None and conf.published:
+    if want is None:
         c.figures["tensors"] = "not compared (the layout check could not list them)"
         return
-    run.guard(c, _check, c, conf, weight_only, want if want is not None else _scheme_want(conf, weight_only),
-              tensor_of)
+    run.guard(c, _check, c, conf, weight_only, want)
 
 
-def _scheme_want(conf: Conf, weight_only: bool) -> dict[str, dict]:
-    """The legacy layout: every module the scheme quantizes, with its entry."""
-    want: dict[str, dict] = {}
-    for s, _, fmt in conf.plan:
-        entry = fmt.layer_config(weight_only)
-        if entry is not None:
-            want[s.name[: -len(".weight")]] = entry
-    return want
-
-
-def _check(c: Check, conf: Conf, weight_only: bool, want: dict[str, dict], tensor_of) -> None:
+def _check(c: Check, conf: Conf, weight_only: bool, want: dict[str, dict]) -> None:
     path, qpath = conf.root / "config.json", conf.root / QUANT_CONFIG
     qc = conf.config.get("quantization_config")
     if not want:
         if qc is not None:
-            c.fail(path, None, "has a quantization_config but the scheme quantizes nothing")
+            c.fail(path, None, "has a quantization_config but no module is quantized")
         return
     if not isinstance(qc, dict):
         c.fail(path, None, "missing 'quantization_config' (vLLM would load the checkpoint unquantized)")
         return
     if not str(qc.get("quant_method", "")).startswith("modelopt"):
         c.fail(path, None, f"quantization_config.quant_method is {qc.get('quant_method')!r}, expected 'modelopt'")
-    _check_quant_dict(c, path, "quantization_config", qc, want, tensor_of)
+    _check_quant_dict(c, path, "quantization_config", qc, want)
     hq = conf.hf_quant
     if hq is None:
         c.fail(qpath, None, f"{QUANT_CONFIG} missing")
@@ -102,7 +98,7 @@ def _check(c: Check, conf: Conf, weight_only: bool, want: dict[str, dict], tenso
         c.fail(qpath, None, "missing the 'quantization' object")
     else:
         q = hq["quantization"]
-        _check_quant_dict(c, qpath, "quantization", q, want, tensor_of)
+        _check_quant_dict(c, qpath, "quantization", q, want)
         ref, skip = (_modelopt_form(q), set()) if conf.modelopt_hf else (q, {"quant_method"})
         for k in sorted(set(ref) | set(qc) - skip):
             if k not in skip and ref.get(k) != qc.get(k):
@@ -113,7 +109,7 @@ def _check(c: Check, conf: Conf, weight_only: bool, want: dict[str, dict], tenso
         conv = hq.get("converter")
         if isinstance(conv, dict) and "weight_only" in conv and bool(conv["weight_only"]) != weight_only:
             c.fail(qpath, None, f"converter.weight_only is {conv['weight_only']} but the NVFP4 tensors "
-                   f"{'lack' if weight_only else 'have'} input_scale")
+                   f"{'lack' if weight_only else 'have'} an activation scale (input_scale / input_amax)")
     c.figures.update(quantized_layers=len(want), weight_only=weight_only)
 
 
@@ -127,20 +123,21 @@ def _modelopt_form(q: dict) -> dict:
         return {}
 
 
-def _check_quant_dict(c: Check, path: Path, key: str, q: dict, want: dict[str, dict], tensor_of) -> None:
+def _check_quant_dict(c: Check, path: Path, key: str, q: dict, want: dict[str, dict]) -> None:
     """One quantization config (config.json's or hf_quant_config.json's) against `want`."""
-    kw = {"tensor_of": tensor_of} if tensor_of is not None else {}
-    for tensor, message in quantization_problems(q, want, key, **kw):
+    for tensor, message in quantization_problems(q, want, key, tensor_of=published.named_tensor):
         c.fail(path, tensor, message)
 
 
 # ============================================================================ on their own
 def check_config_files(ckpt: str | Path, *, scheme: str | None = None, weight_only: bool = False) -> VerifyReport:
     """The `config` check alone, on config.json and hf_quant_config.json without any tensor:
-    what `verify` checks once the tensors have decided `weight_only` (given here). Returns a
-    report holding that one check."""
+    what `verify` checks once the tensors have decided `weight_only` (given here), with the
+    experts modules the scheme quantizes standing in for the tensors. Returns a report holding
+    that one check."""
     root = Path(ckpt)
     report = VerifyReport(str(ckpt), None, scheme or "?", "cpu")
     run = Recorder(report, root)
-    check_config(run, load_config(run, root, scheme), weight_only)
+    conf = load_config(run, root, scheme)
+    check_config(run, conf, weight_only, published.scheme_layers(conf, weight_only) if conf.usable else None)
     return report

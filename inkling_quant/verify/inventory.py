@@ -2,8 +2,9 @@
 
 The first steps of `verify()` read the checkpoint once each and record what they found (and
 their check): `Files` (index + headers), `Conf` (config.json, hf_quant_config.json, the scheme),
-`Source` (--against). The layout step then computes `Expected` from them with `expect()`. The
-four together are the `Inventory`, which no step changes afterwards; every later check reads it.
+`Source` (--against). The layout step (published.check_layout) then computes `Expected` from
+them. The four together are the `Inventory`, which no step changes afterwards; every later
+check reads it.
 Nothing here records a problem except `load_json`, which reads the checkpoint's JSON files
 through io.checkpoint.read_json.
 """
@@ -17,13 +18,11 @@ import torch
 
 from ..errors import InklingQuantError
 from ..formats import Format
-from ..inkling2 import Inkling2Config
-from ..inkling2 import classify as classify_published
-from ..inkling2 import classify_modelopt
+from ..inkling2 import Inkling2Config, classify, classify_modelopt
 from ..io.checkpoint import read_json, safe_child
 from ..io.safetensors import Header, TensorEntry
-from ..layout import ModelConfig, TensorName, TensorSpec, classify, expected_tensors
 from ..schemes import Scheme
+from ..tensors import TensorName
 from .report import Check
 
 UNQUANTIZED = "none"       # the scheme of a checkpoint with no quantization config (a BF16 source)
@@ -65,12 +64,11 @@ def converter_of(hf_quant):
 
 @dataclass(frozen=True)
 class Conf:
-    """config.json, hf_quant_config.json and the scheme. `cfg`/`scheme` None: not usable. `cfg`
-    is an Inkling2Config for the published layout (`published`), else the legacy ModelConfig."""
+    """config.json, hf_quant_config.json and the scheme. `cfg`/`scheme` None: not usable."""
 
     root: Path
     config: dict | None = None
-    cfg: ModelConfig | Inkling2Config | None = None
+    cfg: Inkling2Config | None = None
     hf_quant: dict | None = None
     scheme: Scheme | None = None
     scheme_given: bool = False          # --scheme or the converter's record, not a default
@@ -85,17 +83,12 @@ class Conf:
     def converter(self):
         return converter_of(self.hf_quant)
 
-    @property
-    def published(self) -> bool:
-        """The published Inkling 2 layout (inkling2.py), not the legacy one (layout.py)."""
-        return isinstance(self.cfg, Inkling2Config)
-
     @functools.cached_property
     def modelopt_hf(self) -> bool:
         """The published model as ModelOpt's export writes it (convert --output-format modelopt-hf:
         transformers' names, per-expert modules): its quantization config keys the experts
         modules by transformers' names (`model.language_model.layers.N.mlp.experts`)."""
-        if not self.published:
+        if self.cfg is None:
             return False
         hq = self.hf_quant.get("quantization") if isinstance(self.hf_quant, dict) else None
         for q in (self.config.get("quantization_config"), hq):
@@ -108,8 +101,7 @@ class Conf:
         """The layout's classify, memoized for this run (the steps classify the same names)."""
         t = self._names.get(name)
         if t is None:
-            how = (classify_modelopt if self.modelopt_hf else classify_published) if self.published else classify
-            t = self._names[name] = how(name)
+            t = self._names[name] = (classify_modelopt if self.modelopt_hf else classify)(name)
         return t
 
     def format_for(self, t: TensorName) -> Format:
@@ -119,16 +111,6 @@ class Conf:
         if f is None:
             f = self._formats[key] = self.scheme.format_for(self.cfg, t)
         return f
-
-    @functools.cached_property
-    def plan(self) -> list[tuple[TensorSpec, TensorName, Format]]:
-        """Every source tensor config.json implies, with its name classified and its format
-        (computed once: the layout and the config checks both walk it)."""
-        out = []
-        for s in expected_tensors(self.cfg):
-            t = self.classify(s.name)
-            out.append((s, t, self.format_for(t)))
-        return out
 
 
 @dataclass(frozen=True)
@@ -143,83 +125,23 @@ class Source:
 
 # ============================================================================ what should be there
 Shape = tuple[tuple[int, ...], torch.dtype]
-
-
-@dataclass(frozen=True)
-class Want:
-    """The tensors one source tensor becomes under the scheme."""
-
-    spec: TensorSpec
-    t: TensorName
-    fmt: Format
-    src_dtype: torch.dtype
-    tensors: dict[str, Shape]           # output name -> (shape, dtype)
-
-    @property
-    def module(self) -> str | None:
-        """The module whose stored tensors are compared as a set (a weight's), else None."""
-        return self.t.module if self.spec.name.endswith(".weight") else None
-
-
 SKIPPED, DISAGREES, FAILED, CHECKED = "skipped", "disagrees", "failed", "checked"
 
 
 @dataclass(frozen=True)
 class Expected:
-    """What the layout and the scheme prescribe, and how far the layout check got (`status`):
-    CHECKED tensor by tensor; SKIPPED (no usable config, or no index); DISAGREES (config.json
-    implies far more tensors than the files hold: the config check is not run either); FAILED
-    (a format cannot hold the config's shapes). Only CHECKED expects any tensor: otherwise
-    later checks know no tensor's format."""
+    """What the layout and the quantization config prescribe, and how far the layout check got
+    (`status`): CHECKED tensor by tensor; SKIPPED (no usable config, or no index); DISAGREES
+    (config.json implies far more tensors than the files hold: the config check does not compare
+    the tensors either); FAILED (a format cannot hold the config's shapes). Only CHECKED expects
+    any tensor: otherwise later checks know no tensor's format."""
 
     status: str = SKIPPED
-    weight_only: bool = False           # NVFP4 without input_scale (W4A16), as the tensors say
-    wants: tuple[Want, ...] = ()
+    weight_only: bool = False           # NVFP4 without an activation scale (W4A16), as the tensors say
     tensors: dict[str, Shape] = field(default_factory=dict)      # every expected output tensor
     fmt_of: dict[str, str] = field(default_factory=dict)         # output tensor -> its format
     module_tensors: dict[str, list[str]] = field(default_factory=dict)  # quantized module -> tensors
     source_of: dict[str, str] = field(default_factory=dict)      # output tensor -> its source tensor, where renamed
-
-
-def expect(files: Files, conf: Conf, source: Source | None) -> Expected:
-    """The expected tensor set: `expected_tensors(config)` through the scheme and each format's
-    `out_specs`. Raises FormatError where a format cannot hold a config's shape."""
-    weight_only = _weight_only(conf.plan, files, conf)
-    wants, tensors, fmt_of, module_tensors = [], {}, {}, {}
-    for s, t, fmt in conf.plan:
-        src_dtype = s.dtype
-        passthrough = fmt.name == "passthrough"
-        if passthrough and source is not None and s.name in source.tensors:
-            src_dtype = source.tensors[s.name].entry.dtype  # pass-through keeps the source dtype
-        elif passthrough and s.name in files.tensors and \
-                files.tensors[s.name].entry.dtype in fmt.source_dtypes:
-            src_dtype = files.tensors[s.name].entry.dtype  # no source to ask: any dtype a source may hold
-        want = {n: (tuple(o.shape), o.dtype) for n, o in fmt.out_tensors(s.name, s.shape, src_dtype,
-                                                                           not weight_only).items()}
-        if not passthrough:
-            module_tensors[t.module] = list(want)
-        for n, w in want.items():
-            tensors[n] = w
-            fmt_of[n] = fmt.name
-        wants.append(Want(s, t, fmt, src_dtype, want))
-    return Expected(CHECKED, weight_only, tuple(wants), tensors, fmt_of, module_tensors)
-
-
-def _weight_only(plan, files: Files, conf: Conf) -> bool:
-    """W4A16 or W4A4: decided by the NVFP4 tensors themselves (most have input_scale or most do
-    not); config.json is checked against it. Without such tensors: what the converter recorded."""
-    with_scale = without = 0
-    for s, t, fmt in plan:
-        if "input_scale" in fmt.out_specs(s.shape, s.dtype, True) and \
-                "input_scale" not in fmt.out_specs(s.shape, s.dtype, False):
-            if f"{t.module}.input_scale" in files.tensors:
-                with_scale += 1
-            else:
-                without += 1
-    if with_scale or without:
-        return without > with_scale
-    conv = conf.converter or {}
-    return bool(conv.get("weight_only", False)) if isinstance(conv, dict) else False
 
 
 @dataclass(frozen=True)

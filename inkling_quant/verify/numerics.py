@@ -1,6 +1,7 @@
 """Checks against the BF16 source (--against): `passthrough` (a stream visitor: pass-through
-tensors byte-identical to the source) and `numerics[layer L]` (sampled experts through the
-dequant-GEMM kernels against the BF16 weights, within the format's thresholds)."""
+tensors byte-identical to the source) and what `numerics[layer L]` (published.check_numerics)
+computes with: the deterministic sample and activations, and `Gemm` (one module's y = x @ W^T
+through the dequant-GEMM kernels against the BF16 weights)."""
 from __future__ import annotations
 
 import math
@@ -13,13 +14,12 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from ..formats import FORMATS, Format
-from ..io.checkpoint import INDEX_NAME, safe_child
+from ..formats import Format
+from ..io.checkpoint import safe_child
 from ..io.safetensors import DTYPE_NAMES, Header, ShardReader, TensorBuffer
-from ..layout import PROJECTIONS
 from .inventory import SKIPPED, Inventory, Located
-from .report import Check, Recorder
-from .stream import Seen, torch_threads
+from .report import Recorder
+from .stream import Seen
 
 ACT_ROWS = 32              # rows of the deterministic activations for the numerics check
 
@@ -121,32 +121,6 @@ class _SameBytes:
 
 
 # ============================================================================ numerics[layer L]
-def check_numerics(run: Recorder, inv: Inventory, sample: int, device: str) -> None:
-    """A `numerics[layer L]` check per quantized layer (--against): for the sampled experts, every
-    projection's y = x @ W^T from the quantized tensors vs the fp32 product with the source."""
-    gemm = start(run, inv, device)
-    if gemm is None:
-        return
-    cfg = inv.conf.cfg
-    by_layer: dict[int, list[tuple[str, str]]] = {}
-    for i in range(cfg.num_hidden_layers):
-        for e in sample_experts(i, cfg.num_experts, sample):
-            for proj in PROJECTIONS:
-                module = f"model.layers.{i}.mlp.experts.{e}.{proj}"
-                fmt = inv.conf.format_for(inv.conf.classify(module + ".weight")).name
-                if fmt != "passthrough":
-                    by_layer.setdefault(i, []).append((module, fmt))
-    small = cfg.hidden_size * cfg.moe_intermediate_size < (1 << 22)
-    try:
-        with torch_threads(1 if small else torch.get_num_threads()):
-            for layer, modules in by_layer.items():
-                c = run.new(f"numerics[layer {layer}]", "numerics",
-                            f"layer {layer}: sampled experts' dequant-GEMM vs the BF16 source")
-                run.guard(c, _check_layer, run, c, inv, gemm, layer, modules, sample)
-    finally:
-        gemm.close()
-
-
 def start(run: Recorder, inv: Inventory, device: str) -> "Gemm | None":
     """What the numerics checks compute with, or None when they cannot run (no source: no
     check; a failed source check or no usable config: a skipped `numerics` check)."""
@@ -171,59 +145,10 @@ def start(run: Recorder, inv: Inventory, device: str) -> "Gemm | None":
     return Gemm(inv, dev, path)
 
 
-def _check_layer(run: Recorder, c: Check, inv: Inventory, gemm: "Gemm", layer: int,
-                 modules: list[tuple[str, str]], sample: int) -> None:
-    worst_err, worst_cos = 0.0, 1.0
-    for module, fmt_name in modules:
-        fmt = FORMATS[fmt_name]
-        names = _quantized_tensors(c, inv, module, fmt_name)
-        if names is None:
-            continue
-        wname = module + ".weight"
-        rel, cos, q = gemm.compare(module, names, fmt)
-        ok = rel <= fmt.max_rel_error and cos >= fmt.min_cosine
-        run.report.numerics.append({"tensor": wname, "format": fmt_name, "layer": layer,
-                                    "rel_error": rel, "cosine": cos, "max_rel_error": fmt.max_rel_error,
-                                    "min_cosine": fmt.min_cosine, "pass": ok,
-                                    "shard": inv.files.tensors[wname].shard if wname in inv.files.tensors else None})
-        worst_err, worst_cos = max(worst_err, rel), min(worst_cos, cos)
-        if not ok:
-            shard = inv.files.tensors[names[0]].shard
-            c.fail(inv.root / shard, f"{module}.weight_scale",
-                   f"{module} ({fmt_name}) y = x @ W^T vs the BF16 source: relative error {rel:.4g} "
-                   f"(max {fmt.max_rel_error:g}), cosine {cos:.6f} (min {fmt.min_cosine:g}): the weight or "
-                   f"its scales ({', '.join(sorted(q))}) do not reproduce the source")
-    c.figures.update(tensors=len(modules), worst_rel_error=worst_err, worst_cosine=worst_cos,
-                     experts=sample_experts(layer, inv.conf.cfg.num_experts, sample))
-
-
-def _quantized_tensors(c: Check, inv: Inventory, module: str, fmt_name: str) -> list[str] | None:
-    """The module's stored tensors of `fmt_name`, or None (the reason recorded in `c`) when the
-    numerics cannot run on them: no source weight, or tensors missing or malformed."""
-    wname = module + ".weight"
-    files, expected = inv.files, inv.expected
-    if wname not in inv.source.tensors:
-        c.fail(inv.source.root / INDEX_NAME, wname, "source lacks this tensor")
-        return None
-    names = [n for n in expected.module_tensors.get(module, []) if expected.fmt_of.get(n) == fmt_name]
-    if not names:
-        c.fail(inv.root / INDEX_NAME, wname, "cannot run the numerics check: not in the layout")
-        return None
-    miss = [n for n in names if n not in files.tensors or files.tensors[n].shard not in files.headers]
-    if miss:
-        c.fail(inv.root / INDEX_NAME, miss[0], "cannot run the numerics check: tensor missing")
-        return None
-    wrong = [n for n in names if (files.tensors[n].entry.shape, files.tensors[n].entry.dtype) != expected.tensors[n]]
-    if wrong:
-        c.fail(inv.root / files.tensors[wrong[0]].shard, wrong[0],
-               "cannot run the numerics check: wrong dtype or shape (see the layout check)")
-        return None
-    return names
-
-
 @dataclass
 class Gemm:
-    """y = x @ W^T of one module from its quantized tensors (the kernels) and from the source."""
+    """y = x @ W^T of one module from its quantized tensors (the kernels) and from the source, and
+    the shard readers the numerics checks share."""
 
     inv: Inventory
     dev: torch.device
@@ -231,15 +156,6 @@ class Gemm:
 
     def __post_init__(self) -> None:
         self.readers: dict[tuple[str, str], ShardReader] = {}
-
-    def compare(self, module: str, names: list[str], fmt: Format) -> tuple[float, float, dict]:
-        """(relative error, cosine, the quantized tensors by suffix) of one module."""
-        inv = self.inv
-        q = {n[len(module) + 1:]: self._read(inv.root, inv.files.headers, inv.files.tensors[n], n) for n in names}
-        wname = module + ".weight"
-        w = self._read(inv.source.root, inv.source.headers, inv.source.tensors[wname], wname)
-        rel, cos = self.errors(module, w, q, fmt)
-        return rel, cos, q
 
     def errors(self, module: str, w: torch.Tensor, q: dict[str, torch.Tensor], fmt: Format) -> tuple[float, float]:
         """(relative error, cosine) of y = x @ W^T from the quantized tensors `q` (by suffix)
@@ -267,9 +183,6 @@ class Gemm:
                         path=self.path)
         # a format without a kernel: its own dequantize (formats/) and a plain matmul
         return x.float() @ fmt.dequantize(q, torch.float32).T
-
-    def _read(self, root: Path, headers: dict[str, Header], where: Located, name: str) -> torch.Tensor:
-        return self.reader(root, headers, where.shard).get(name)
 
     def reader(self, root: Path, headers: dict[str, Header], shard: str) -> ShardReader:
         """The open reader of one shard (of the checkpoint or the source), kept for the run."""

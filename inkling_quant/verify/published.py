@@ -1,6 +1,6 @@
-"""The published Inkling 2 layout (inkling2.py) in `verify`: the `layout` check, what the `config`
-check holds the quantization configs to, and `numerics[layer L]`, for checkpoints under the
-original names (`model.llm.*`, `model.visual.*`) whose routed experts are stacked per layer
+"""The Inkling 2 layout (inkling2.py) in `verify`: the `layout` check, what the `config` check
+holds the quantization configs to, and `numerics[layer L]`, for checkpoints under the original
+names (`model.llm.*`, `model.visual.*`) whose routed experts are stacked per layer
 (`mlp.experts.w13_weight` [E, 2I, H] with gate/up rows interleaved, `w2_weight` [E, H, I]):
 BF16 sources and their conversions into the Inkling stacked form (formats/stacked.py).
 
@@ -19,10 +19,10 @@ the unpadded vocabulary; `Expected.source_of` maps them back for `passthrough`),
 experts as per-expert modules (`formats.stacked.expert_module_specs`) compared in `numerics`
 with the source's rows (gate = w13[e, 0::2], up = w13[e, 1::2], down = w2[e]).
 
-The other checks are the legacy layout's, unchanged: index and headers, the single read (value
-rules per tensor suffix, formats.value_rules; pass-through bytes against the source), checksums.
-The legacy `gate_up` check has no counterpart: the stacked form stores one global scale per
-expert's w13, so gate and up cannot disagree."""
+The other checks do not depend on the layout: index and headers (structure.py), the single read
+(value rules per tensor suffix, formats.value_rules; pass-through bytes against the source),
+checksums. `gate_up` applies to ModelOpt's per-expert modules only: the stacked form stores one
+global scale per expert's w13, so gate and up cannot disagree."""
 from __future__ import annotations
 
 from typing import Callable
@@ -99,7 +99,7 @@ def _check(c: Check, files: Files, conf: Conf, source: Source | None) -> Expecte
         fmt_of.update(dict.fromkeys(want, fmts[i].name))
         if fmts[i] is not _PASS:
             module_tensors[_module(conf, i)] = list(want)
-    expected = Expected(CHECKED, weight_only, (), tensors, fmt_of, module_tensors, source_of)
+    expected = Expected(CHECKED, weight_only, tensors, fmt_of, module_tensors, source_of)
     _compare(c, files, conf, expected)
     return expected
 
@@ -254,6 +254,17 @@ def quantized_layers(expected: Expected) -> dict[str, dict] | None:
         return None
     return {m: FORMATS[expected.fmt_of[names[0]]].layer_config(expected.weight_only)
             for m, names in expected.module_tensors.items()}
+
+
+def scheme_layers(conf: Conf, weight_only: bool) -> dict[str, dict]:
+    """experts module -> the `quantized_layers` entry the scheme prescribes for it: what the
+    config check holds the quantization configs to without any tensor (check_config_files)."""
+    out = {}
+    for i in range(conf.cfg.text.num_hidden_layers):
+        entry = conf.format_for(conf.classify(f"{experts_module(i)}.w13_weight")).layer_config(weight_only)
+        if entry is not None:
+            out[_module(conf, i)] = entry
+    return out
 
 
 def named_tensor(module: str) -> str:

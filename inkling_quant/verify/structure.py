@@ -1,18 +1,14 @@
-"""Structure checks: the input directories, the index and every shard's header (`Files`), the
---against source (`Source`), and the layout: the exact tensor set the config and the scheme
-prescribe (`Expected`) against the tensors the headers hold."""
+"""Structure checks: the input directories, the index and every shard's header (`Files`) and the
+--against source (`Source`). The layout check (the exact tensor set) is published.py's."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 from ..errors import InklingQuantError, short_repr
-from ..formats import detect
 from ..io.checkpoint import INDEX_NAME, RESUME_MANIFEST, SINGLE_NAME, Checkpoint, safe_child
-from ..io.safetensors import DTYPE_NAMES, Header, read_header
-from ..layout import QUANT_SUFFIXES, classify, natural_key, source_tensor_count
-from .inventory import (DISAGREES, FAILED, SKIPPED, Conf, Expected, Files, Located, Source, Want, expect,
-                        load_json)
+from ..io.safetensors import Header, read_header
+from .inventory import Conf, Files, Located, Source, load_json
 from .report import PASS, Check, Recorder
 
 CONVERT_MANIFEST = RESUME_MANIFEST
@@ -190,96 +186,3 @@ def _compare_source_config(c: Check, root: Path, conf: Conf, n_shards: int, n_te
                 c.fail(conf.root / "config.json", None, f"key {k!r} differs from the source's config.json "
                        f"({short_repr(mine.get(k), 60)} vs {short_repr(theirs.get(k), 60)})")
     c.figures.update(shards=n_shards, tensors=n_tensors)
-
-
-# ============================================================================ layout
-def check_layout(run: Recorder, files: Files, conf: Conf, source: Source | None) -> Expected:
-    """The `layout` check: every tensor the layout and the scheme require is present with its
-    dtype and shape, and no other. Returns what it expected (nothing when it could not check)."""
-    c = run.new("layout", "structure",
-                "every tensor the layout and the scheme require is present with its dtype and shape; no other")
-    if not conf.usable:
-        c.skip("config.json could not be used")
-    elif not files.index_ok and not files.tensors:
-        c.skip("the index could not be read")
-    elif not _counts_agree(c, files, conf):
-        return Expected(DISAGREES)
-    else:
-        expected = run.guard(c, expect, files, conf, source)
-        if expected is None:  # a format cannot hold the config's shapes: the problem is recorded
-            return Expected(FAILED)
-        run.guard(c, _compare, c, files, conf, expected)
-        return expected
-    return Expected(SKIPPED)
-
-
-def _counts_agree(c: Check, files: Files, conf: Conf) -> bool:
-    """The layout and config checks list every tensor config.json implies: bound that work
-    by what the files hold. Each source tensor becomes at least one output tensor, so a
-    config implying many more than the checkpoint holds disagrees with it (a 1 MB checkpoint
-    whose config claims 16,384 experts a layer fails here at once, not after minutes)."""
-    implied, held = source_tensor_count(conf.cfg), len(files.weight_map) or len(files.tensors)
-    if implied > 4 * held + 64:
-        c.fail(conf.root / "config.json", None, f"config.json implies {implied} source tensors, the checkpoint "
-               f"holds {held}: they disagree (layer or expert counts?); not checked tensor by tensor")
-        return False
-    return True
-
-
-def _compare(c: Check, files: Files, conf: Conf, expected: Expected) -> None:
-    seen: set[str] = set()
-    unreadable: dict[str, list[str]] = {}
-    for w in expected.wants:
-        seen.update(_compare_one(c, files, conf, w, unreadable))
-    root = conf.root
-    for n in sorted(set(files.tensors) - seen, key=natural_key):
-        try:
-            classify(n)
-            why = "not part of the layout for this config.json (e.g. a layer or expert past its counts)"
-        except InklingQuantError:
-            why = "not a tensor of the Inkling 2 Small layout (docs/layout.md)"
-        if not conf.scheme.rules and n.endswith(".input_scale") and \
-                files.tensors[n].entry.nbytes <= 4:
-            continue  # a BF16 source may carry calibrated activation scales
-        c.fail(root / files.tensors[n].shard, n, f"unexpected tensor: {why}")
-    for shard, names in unreadable.items():
-        c.fail(root / shard, names[0], f"{len(names)} tensor(s) the index puts in this shard could "
-               f"not be checked: its header is malformed (see header[{shard}])")
-    c.figures.update(expected=len(expected.tensors), present=len(files.tensors))
-
-
-def _compare_one(c: Check, files: Files, conf: Conf, w: Want, unreadable: dict[str, list[str]]) -> list[str]:
-    """Compare what one source tensor became with what the scheme prescribes; returns the names
-    of the stored tensors it accounts for."""
-    root, want, fmt, module = conf.root, w.tensors, w.fmt, w.module
-    got_names = [n for n in want if n in files.tensors]
-    if module is not None:  # a module may be stored in another format: name that
-        got_names = [f"{module}.{x}" for x in ("weight",) + QUANT_SUFFIXES if f"{module}.{x}" in files.tensors]
-    got = {n: files.tensors[n] for n in got_names}
-    if {n: (e.entry.shape, e.entry.dtype) for n, e in got.items()} == want:
-        return got_names
-    if module is not None and got:
-        other = detect({n[len(module) + 1:]: (e.entry.shape, e.entry.dtype) for n, e in got.items()},
-                       w.spec.shape, w.src_dtype)
-        if other is not None and other.name != fmt.name:
-            first = got[sorted(got)[0]]
-            c.fail(root / first.shard, got_names[0],
-                   f"module {module!r} is stored as {other.name}; scheme {conf.scheme.name!r} prescribes "
-                   f"{fmt.name} for {w.t.part} tensors of layer {w.t.layer}")
-            return got_names
-    for n, (shape, dtype) in want.items():
-        if n not in got:
-            shard = files.weight_map.get(n)
-            if shard is not None and shard not in files.headers:
-                unreadable.setdefault(shard, []).append(n)  # its header check failed
-                continue
-            c.fail(root / INDEX_NAME, n, f"missing: {fmt.name} requires it ({DTYPE_NAMES[dtype]} {list(shape)})")
-            continue
-        e = got[n].entry
-        if (e.shape, e.dtype) != (shape, dtype):
-            c.fail(root / got[n].shard, n, f"is {DTYPE_NAMES[e.dtype]} {list(e.shape)}, "
-                   f"{fmt.name} prescribes {DTYPE_NAMES[dtype]} {list(shape)}")
-    for n in got:
-        if n not in want:
-            c.fail(root / got[n].shard, n, f"unexpected: {fmt.name} writes no such tensor")
-    return got_names

@@ -1,6 +1,7 @@
 """Value checks, run as stream visitors in the single read: `values[F]` (no NaN/Inf, scales
-finite and positive, e8m0 exponents not 0xFF) and `gate_up` (the gate and up projections of
-each NVFP4 expert share weight_scale_2)."""
+finite and positive, e8m0 exponents not 0xFF) and `gate_up` (the gate and up modules of each
+NVFP4 expert share weight_scale_2: ModelOpt's per-expert form; the stacked form stores one
+global scale per expert's w13, so it has nothing to compare)."""
 from __future__ import annotations
 
 import math
@@ -11,9 +12,10 @@ import numpy as np
 import torch
 
 from ..formats import FORMATS, VALUE_RULES, value_rules
+from ..formats.stacked import PROJECTIONS
 from ..io.checkpoint import INDEX_NAME
 from ..io.safetensors import TensorEntry
-from ..layout import FUSED_PROJECTIONS, TensorName
+from ..tensors import TensorName
 from .inventory import Inventory
 from .report import Recorder
 from .stream import Seen
@@ -141,6 +143,7 @@ def _first_bad(x: torch.Tensor, rule: str) -> tuple[int, str]:
 # ============================================================================ gate_up
 # the per-tensor scales that formats fusing gate and up (NVFP4's weight_scale_2) share
 _SHARED_SCALES = {f.global_scale for f in FORMATS.values() if f.fuses_gate_up}
+FUSED = PROJECTIONS["w13"]  # the modules vLLM fuses into one w13, in w13's order: gate, up
 
 
 class GateUpScales:
@@ -153,7 +156,7 @@ class GateUpScales:
     def visit(self, seen: Seen):
         t, e = seen.t, seen.entry
         if t is not None and t.is_expert and t.suffix in _SHARED_SCALES and e.dtype == torch.float32 \
-                and e.nbytes == 4 and t.projection in FUSED_PROJECTIONS:
+                and e.nbytes == 4 and t.projection in FUSED:
             self.seen[t.layer, t.expert, t.projection] = seen.name
             return _ScaleSink(self.scale2.setdefault((t.layer, t.expert), {}), t.projection)
         return None
@@ -171,13 +174,13 @@ class _ScaleSink:
 
 
 def check_gate_up(run: Recorder, inv: Inventory, scales: GateUpScales) -> None:
-    """The `gate_up` check (when the layout expects NVFP4 experts): vLLM fuses gate and up (w13)
-    under one weight_scale_2, the gate's."""
+    """The `gate_up` check (when the layout expects NVFP4 per-expert modules): vLLM fuses gate
+    and up (w13) under one weight_scale_2, the gate's."""
     if not any(n.rsplit(".", 1)[-1] in _SHARED_SCALES for n in inv.expected.fmt_of):
         return
     c = run.new("gate_up", "values", "gate and up of each NVFP4 expert share weight_scale_2")
     n = 0
-    first, second = FUSED_PROJECTIONS
+    first, second = FUSED
     for (layer, expert), d in sorted(scales.scale2.items()):
         if first in d and second in d:
             n += 1
