@@ -5,13 +5,13 @@
   inkling-quant draft strip SRC OUT     OUT = the target without `dspark.*` tensors and without
                                         `dspark_config`; shards without draft tensors hardlinked
 
-Two layouts, told apart by config.json as convert does (`Inkling2Config.describes`): the
-published one (inkling_quant.dspark: the draft named as vLLM's DSpark drafter names it; extract
-writes the speculators-format config and the names without `dspark.`) and the legacy invented
-one (layout.draft_tensors; extract keeps the names). Both work on a BF16 source and on a
-converted checkpoint (the converter passes the draft through unchanged). Bytes are copied, never re-encoded: one tensor at a time through one
-reused buffer. OUT is built in OUT.partial and renamed into place when complete.
-docs/draft.md has the layout and the reasons for each choice.
+The draft is bundled with an Inkling 2 checkpoint as inkling_quant.dspark spells it: named as
+vLLM's DSpark drafter names it, under `dspark.`, its speculators-format config under
+`dspark_config`; extract writes that config and the names without `dspark.`. Both work on a BF16
+source and on a converted checkpoint (the converter passes the draft through unchanged). Bytes
+are copied, never re-encoded: one tensor at a time through one reused buffer. OUT is built in
+OUT.partial and renamed into place when complete. docs/draft.md has the layout and the reasons
+for each choice.
 """
 from __future__ import annotations
 
@@ -31,30 +31,18 @@ from .io.output import CHECKSUMS, check_paths, link_or_copy, staged_output, writ
 from .io.safetensors import DTYPE_NAMES, ShardWriter, TensorBuffer, TensorEntry
 from .io.shards import ShardReaders, plan_shards
 from .inkling2 import TEXT_PREFIX, Inkling2Config
-from .inkling2 import classify as classify_original
-from .layout import DraftConfig, ModelConfig, TensorSpec, classify, draft_tensors, model_config
+from .tensors import TensorSpec
 
-DRAFT_PREFIX = "dspark."
-DRAFT_ARCHITECTURES = ["DSparkDrafter"]
-DRAFT_MODEL_TYPE = "dspark"
 QUANT_CONFIG = HF_QUANT_CONFIG
 STRIPPED_KEY = "dspark_stripped"          # the note strip leaves in config.json
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9       # HF's default "5GB": the reference draft fits one shard
 _FLOAT_DTYPES = FORMATS["passthrough"].source_dtypes  # the draft is passed through, never quantized
 
 
-def is_draft(name: str) -> bool:
-    return name.startswith(DRAFT_PREFIX)
-
-
 # --------------------------------------------------------------------------- source
 class Source(SimpleNamespace):
-    """A validated source checkpoint: ckpt, headers, config (dict), cfg (ModelConfig or
-    Inkling2Config), and draft = [(shard, TensorEntry)] of its `dspark.*` tensors in file order."""
-
-    @property
-    def original(self) -> bool:
-        return isinstance(self.cfg, Inkling2Config)
+    """A validated source checkpoint: ckpt, headers, config (dict), cfg (Inkling2Config), and
+    draft = [(shard, TensorEntry)] of its `dspark.*` tensors in file order."""
 
 
 def open_source(src: str | Path) -> Source:
@@ -64,34 +52,33 @@ def open_source(src: str | Path) -> Source:
     headers = ckpt.headers()
     config_path = safe_child(ckpt.root, "config.json")
     config = read_json(config_path, "config.json")
-    cfg = model_config(config, str(config_path))
-    original = isinstance(cfg, Inkling2Config)
-    draft = [(s, e) for s in ckpt.shards for e in headers[s].tensors.values() if is_draft(e.name)]
+    if not Inkling2Config.describes(config):
+        raise ConfigError("no 'text_config': not the published Inkling 2 layout (a checkpoint of the layout this "
+                          "project invented before Inkling 2 was published?); that layout is not supported",
+                          path=config_path)
+    cfg = Inkling2Config.from_dict(config, str(config_path))
+    draft = [(s, e) for s in ckpt.shards for e in headers[s].tensors.values() if dspark.is_draft(e.name)]
     if cfg.draft is None:
         if draft:
-            raise ConfigError(f"missing key 'dspark_config', but the checkpoint has {len(draft)} {DRAFT_PREFIX}* "
+            raise ConfigError(f"missing key 'dspark_config', but the checkpoint has {len(draft)} {dspark.PREFIX}* "
                               f"tensors (e.g. {draft[0][1].name!r} in {draft[0][0]})", path=config_path)
         raise CheckpointError(f"no DSpark draft: config.json has no 'dspark_config' and no "
-                              f"tensor name starts with {DRAFT_PREFIX!r} (already stripped?)", path=ckpt.root)
+                              f"tensor name starts with {dspark.PREFIX!r} (already stripped?)", path=ckpt.root)
     if not draft:
         raise CheckpointError(f"no DSpark draft tensors: config.json has a 'dspark_config' "
-                              f"but no tensor name starts with {DRAFT_PREFIX!r}", path=ckpt.root)
-    if original:
-        expected = {s.name: s for s in dspark.draft_tensors(cfg.draft, DRAFT_PREFIX)}
-        _check_draft(ckpt.root, expected, draft, classify_original, f"layers={cfg.draft.num_hidden_layers}")
-    else:
-        expected = {s.name: s for s in draft_tensors(cfg)}
-        _check_draft(ckpt.root, expected, draft, classify, f"num_hidden_layers={cfg.draft.num_hidden_layers}")
+                              f"but no tensor name starts with {dspark.PREFIX!r}", path=ckpt.root)
+    _check_draft(ckpt.root, {s.name: s for s in dspark.draft_tensors(cfg.draft, dspark.PREFIX)}, draft,
+                 f"transformer_layer_config.num_hidden_layers={cfg.draft.num_hidden_layers}")
     return Source(ckpt=ckpt, headers=headers, config=config, cfg=cfg, draft=draft)
 
 
 def _check_draft(root: Path, expected: dict[str, TensorSpec], draft: list[tuple[str, TensorEntry]],
-                 classify_fn, depth: str) -> None:
+                 depth: str) -> None:
     """Every draft tensor is one dspark_config implies, with its shape, unquantized; none missing."""
     for shard, e in draft:
         path, where = root / shard, f"tensor {e.name!r}"
         try:
-            classify_fn(e.name)
+            dspark.classify(e.name)
         except UnknownTensorError as err:
             raise UnknownTensorError(f"{err} (the draft is never quantized)", path=path, tensor=err.tensor) from None
         spec = expected.get(e.name)
@@ -110,56 +97,15 @@ def _check_draft(root: Path, expected: dict[str, TensorSpec], draft: list[tuple[
                               f"e.g. {missing[0]!r}", path=root)
 
 
-def shared_tensor_names(cfg: ModelConfig | Inkling2Config) -> dict[str, str]:
-    """The target tensors the drafter uses but does not own, by role."""
-    if isinstance(cfg, Inkling2Config):  # vLLM shares them (VL/v1/worker/gpu/spec_decode/dspark/utils.py:133-149)
-        return {"embed_tokens": TEXT_PREFIX + "embed.weight", "lm_head": TEXT_PREFIX + "unembed.weight"}
-    embed = "model.embed_tokens.weight"
-    return {"embed_tokens": embed, "lm_head": embed if cfg.tie_word_embeddings else "lm_head.weight"}
-
-
-# --------------------------------------------------------------------------- draft config
-def draft_config(config: dict, cfg: ModelConfig, shared: dict[str, dict]) -> dict:
-    """config.json of the extracted drafter: dspark_config's keys (verbatim) at the top level,
-    what it needs from the target, and the target tensors it shares, by reference."""
-    d = dict(config["dspark_config"])
-    out = {"architectures": d.pop("architectures", DRAFT_ARCHITECTURES),
-           "model_type": d.pop("model_type", DRAFT_MODEL_TYPE),
-           "torch_dtype": config.get("torch_dtype", "bfloat16")}
-    out.update(d)
-    out.setdefault("vocab_size", cfg.vocab_size)
-    if "rms_norm_eps" in config:
-        out.setdefault("rms_norm_eps", config["rms_norm_eps"])
-    out["tensor_prefix"] = DRAFT_PREFIX
-    out["target_hidden_size"] = cfg.hidden_size
-    out["target_model"] = {k: config[k] for k in ("architectures", "model_type", "vocab_size", "hidden_size",
-                                                  "num_hidden_layers", "tie_word_embeddings") if k in config}
-    out["target_shared_tensors"] = shared
-    return out
+def shared_tensor_names() -> dict[str, str]:
+    """The target tensors the drafter uses but does not own, by role: vLLM shares them
+    (VL/v1/worker/gpu/spec_decode/dspark/utils.py:133-149; docs/draft.md)."""
+    return {"embed_tokens": TEXT_PREFIX + "embed.weight", "lm_head": TEXT_PREFIX + "unembed.weight"}
 
 
 def draft_specs(dc: dict, source: str = "draft config.json") -> list[TensorSpec]:
-    """The tensors an extracted draft's config.json implies (same rule as the bundled draft)."""
-    if isinstance(dc, dict) and "speculators_model_type" in dc:  # the published layout's draft
-        return list(dspark.draft_tensors(dspark.DSparkConfig.from_dict(dc, source)))
-    def dim(obj, key: str, limit: int = 1 << 24) -> int:
-        v = obj[key]
-        if type(v) is not int or not 0 < v <= limit:  # untrusted: true, 64.0, "64", -64, 10**12 refused
-            raise ConfigError(f"{key!r} must be an integer in 1..{limit}, got {v!r}", path=source)
-        return v
-
-    try:
-        markov = dc["markov_head"]
-        draft = DraftConfig(markov_hidden_size=dim(markov, "hidden_size"),
-                            **{k: dim(dc, k, 1 << 12 if k == "num_hidden_layers" else 1 << 24)
-                               for k in DraftConfig.__dataclass_fields__ if k != "markov_hidden_size"})
-        view = SimpleNamespace(draft=draft, hidden_size=dim(dc, "target_hidden_size"),
-                               vocab_size=dim(dc["target_model"], "vocab_size"))
-    except KeyError as e:
-        raise ConfigError(f"missing key {e.args[0]!r}", path=source) from None
-    except TypeError as e:
-        raise ConfigError(f"malformed value: {e}", path=source) from None
-    return list(draft_tensors(view))
+    """The tensors an extracted draft's config.json (a speculators-format config) implies."""
+    return list(dspark.draft_tensors(dspark.DSparkConfig.from_dict(dc, source)))
 
 
 # --------------------------------------------------------------------------- extract
@@ -170,17 +116,16 @@ def extract(src: str | Path, out: str | Path, *, overwrite: bool = False, progre
         raise UsageError(f"--max-shard-size must be positive, got {max_shard_bytes}")
     source = open_source(src)
     root, headers = source.ckpt.root, source.headers
-    shared = {}
-    for role, name in shared_tensor_names(source.cfg).items():
-        shard = source.ckpt.weight_map.get(name)
-        if shard is None:
+    shared = list(shared_tensor_names().values())
+    for name in shared:
+        if name not in source.ckpt.weight_map:
             raise CheckpointError(f"the drafter shares the target's {name!r}, which the checkpoint lacks", path=root)
-        e = headers[shard].tensors[name]
-        shared[role] = {"name": name, "shape": list(e.shape), "dtype": DTYPE_NAMES[e.dtype]}
-    if source.original:  # vLLM's speculators config, verbatim; names without the bundle's prefix
-        dconf, rename = source.config[dspark.CONFIG_KEY], (lambda n: n[len(DRAFT_PREFIX):])
-    else:
-        dconf, rename = draft_config(source.config, source.cfg, shared), (lambda n: n)
+    # vLLM's speculators config, verbatim; the names without the bundle's prefix
+    dconf = source.config[dspark.CONFIG_KEY]
+
+    def rename(name: str) -> str:
+        return name[len(dspark.PREFIX):]
+
     plan = plan_shards(source.draft, max_shard_bytes, size=lambda item: item[1].nbytes)
     total = sum(e.nbytes for _, e in source.draft)
 
@@ -203,7 +148,7 @@ def extract(src: str | Path, out: str | Path, *, overwrite: bool = False, progre
         write_json_atomic(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
         write_checksums(tmp / CHECKSUMS, sums)
     return {"action": "extract", "source": str(src), "output": str(out), "tensors": len(weight_map),
-            "bytes": total, "shards": len(plan), "shared_by_reference": [v["name"] for v in shared.values()]}
+            "bytes": total, "shards": len(plan), "shared_by_reference": shared}
 
 
 # --------------------------------------------------------------------------- strip
@@ -224,7 +169,7 @@ def _plan_strip(source: Source) -> tuple[list[tuple[str, str]], dict[str, str], 
     headers = source.headers
     actions = []
     for s in source.ckpt.shards:
-        n_draft = sum(is_draft(n) for n in headers[s].tensors)
+        n_draft = sum(dspark.is_draft(n) for n in headers[s].tensors)
         kind = "link" if n_draft == 0 else ("drop" if n_draft == len(headers[s].tensors) else "rewrite")
         actions.append((s, kind))
     kept = [(s, k) for s, k in actions if k != "drop"]
@@ -244,16 +189,16 @@ def strip(src: str | Path, out: str | Path, *, overwrite: bool = False, progress
     sums_in = source_checksums(root)
     kept, out_names, dropped = _plan_strip(source)
     indexed = (root / INDEX_NAME).exists()
-    total = sum(e.nbytes for s, _ in kept for e in headers[s].tensors.values() if not is_draft(e.name))
+    total = sum(e.nbytes for s, _ in kept for e in headers[s].tensors.values() if not dspark.is_draft(e.name))
     bar_total = sum(headers[s].file_size if k == "link" else
-                    sum(e.nbytes for e in headers[s].tensors.values() if not is_draft(e.name)) for s, k in kept)
+                    sum(e.nbytes for e in headers[s].tensors.values() if not dspark.is_draft(e.name)) for s, k in kept)
 
     weight_map: dict[str, str] = {}
     sums: dict[str, str] = {}
     counts = {"linked": 0, "copied": 0, "rewritten": 0, "dropped": dropped}
     buf = TensorBuffer()
     buf.view(max([e.nbytes for s, k in kept if k == "rewrite" for e in headers[s].tensors.values()
-                  if not is_draft(e.name) or (sums_in is not None and s in sums_in)], default=0))
+                  if not dspark.is_draft(e.name) or (sums_in is not None and s in sums_in)], default=0))
     with staged_output(out, [root], overwrite) as tmp, ShardReaders(root, headers) as readers, \
             tqdm(total=bar_total, unit="B", unit_scale=True, desc="draft strip", disable=not progress) as bar:
         for s, kind in kept:
@@ -263,12 +208,13 @@ def strip(src: str | Path, out: str | Path, *, overwrite: bool = False, progress
                 digest, how = link_or_copy(root / s, tmp / name, copy, expected, sums_in is not None, bar)
                 counts[how] += 1
             else:
-                digest = rewrite_shard(readers.get(s), tmp / name, drop=is_draft, expected=expected, buf=buf, bar=bar)
+                digest = rewrite_shard(readers.get(s), tmp / name, drop=dspark.is_draft, expected=expected, buf=buf,
+                                       bar=bar)
                 counts["rewritten"] += 1
             if digest is not None:
                 sums[name] = digest
             for e in headers[s].tensors.values():
-                if not is_draft(e.name):
+                if not dspark.is_draft(e.name):
                     weight_map[e.name] = name
         if indexed:
             meta = {**ckpt.metadata, "total_size": total}

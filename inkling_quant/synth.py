@@ -1,9 +1,8 @@
 """Write a synthetic Inkling-2-Small-shaped BF16 checkpoint from the layout spec.
 
-Two layouts: `original` (the default) is the published model (inkling_quant.inkling2: the
-names, shapes and dtypes `Inkling2ForConditionalGeneration.save_pretrained` writes, stacked
-experts, plus a DSpark draft named as vLLM's drafter loads it); `legacy` is the layout this
-project invented before the model was published, kept until it is removed (issue 14).
+The published model's layout (inkling_quant.inkling2: the names, shapes and dtypes
+`Inkling2ForConditionalGeneration.save_pretrained` writes, stacked experts), plus a DSpark
+draft named as vLLM's drafter loads it (inkling_quant.dspark).
 
 Presets: `tiny` keeps all 48 layers with toy dimensions (seconds to make, for tests and the
 demo); `bench` keeps the reference config's real expert and attention shapes with fewer layers
@@ -29,34 +28,12 @@ from .io.output import check_paths, staged_output, write_report
 from .io.safetensors import ShardWriter
 from .io.shards import plan_shards
 from . import dspark, inkling2
-from .layout import REFERENCE_CONFIG, ModelConfig, TensorSpec, expected_tensors
+from .tensors import TensorSpec
 
 FILES = Path(__file__).parent / "configs" / "files"  # tokenizer, chat template, ... (tiny stand-ins)
 
+# Presets: overrides of text_config / vision_config of the reference config (configs/inkling-2-small.json).
 PRESETS: dict[str, dict] = {
-    "tiny": {
-        "vocab_size": 512, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "full_attention_num_key_value_heads": 2, "full_attention_head_dim": 32,
-        "sliding_window": 128, "relative_attention_num_buckets": 8, "num_experts": 4,
-        "num_experts_per_tok": 2, "moe_intermediate_size": 96, "max_position_embeddings": 4096,
-        "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
-                          "in_channels": 3, "spatial_merge_size": 2, "out_hidden_size": 64},
-        "dspark_config": {"num_hidden_layers": 5, "hidden_size": 64, "intermediate_size": 128,
-                          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                          "num_speculative_tokens": 7, "num_target_hidden_states": 3,
-                          "markov_head": {"type": "rnn", "hidden_size": 64}},
-        "max_shard_bytes": 1 << 20,
-    },
-    "bench": {
-        "num_hidden_layers": 6, "num_experts": 4, "vocab_size": 16384,
-        "vision_config": {"depth": 1}, "dspark_config": {"num_hidden_layers": 1, "intermediate_size": 3488},
-        "max_shard_bytes": 1 << 30,
-    },
-}
-
-
-# The published model's presets: overrides of text_config / vision_config of the reference.
-ORIGINAL_PRESETS: dict[str, dict] = {
     "tiny": {
         "text_config": {"vocab_size": 512, "unpadded_vocab_size": 500, "hidden_size": 64,
                         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -78,21 +55,22 @@ ORIGINAL_PRESETS: dict[str, dict] = {
 }
 # The bundled DSpark draft's own choices per preset (dspark.DRAFT_DEFAULTS otherwise); its
 # target-derived dimensions follow text_config (docs/draft.md)
-ORIGINAL_DRAFT_PRESETS: dict[str, dict] = {
+DRAFT_PRESETS: dict[str, dict] = {
     "tiny": {"markov_rank": 16},
     "bench": {"num_hidden_layers": 1},
 }
-LAYOUTS = ("legacy", "original")
+# Largest shard per preset: the tiny one spans several shards, so sharding is exercised
+SHARD_BYTES = {"tiny": 1 << 20, "bench": 1 << 30}
 
 
 def make_original_config(preset: str, layers: int | None = None, experts: int | None = None,
                          draft: bool = True) -> dict:
     """config.json of the published model (Inkling2Config's keys) for a preset, with a bundled
     DSpark draft (`dspark_config`, our naming: docs/draft.md) unless `draft` is false."""
-    if preset not in ORIGINAL_PRESETS:
-        raise UsageError(f"unknown preset {preset!r}; known: {', '.join(ORIGINAL_PRESETS)}")
+    if preset not in PRESETS:
+        raise UsageError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     cfg = json.loads(inkling2.REFERENCE_CONFIG.read_text())
-    for k, v in ORIGINAL_PRESETS[preset].items():
+    for k, v in PRESETS[preset].items():
         cfg[k] = {**cfg[k], **v} if isinstance(v, dict) else v
     text = cfg["text_config"]
     if layers is not None:
@@ -103,42 +81,18 @@ def make_original_config(preset: str, layers: int | None = None, experts: int | 
     text["layer_types"] = inkling2.default_layer_types(text["num_hidden_layers"])
     if draft:
         target = inkling2.Inkling2Config.from_dict(cfg, f"preset {preset}").text
-        cfg[dspark.CONFIG_KEY] = dspark.make_draft_config(target, text, ORIGINAL_DRAFT_PRESETS.get(preset))
+        cfg[dspark.CONFIG_KEY] = dspark.make_draft_config(target, text, DRAFT_PRESETS.get(preset))
     return cfg
 
 
-def make_config(preset: str, layers: int | None = None, experts: int | None = None) -> dict:
-    if preset not in PRESETS:
-        raise UsageError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
-    cfg = json.loads(REFERENCE_CONFIG.read_text())
-    for k, v in PRESETS[preset].items():
-        if k == "max_shard_bytes":
-            continue
-        if isinstance(v, dict):
-            cfg[k] = {**cfg[k], **v}
-        else:
-            cfg[k] = v
-    if layers is not None:
-        cfg["num_hidden_layers"] = layers
-    if experts is not None:
-        cfg["num_experts"] = experts
-        cfg["num_experts_per_tok"] = min(cfg["num_experts_per_tok"], experts)
-    n = cfg["num_hidden_layers"]
-    if n < 1 or cfg["num_experts"] < 1:
-        raise UsageError("--layers and --experts must be at least 1")
-    cfg["layer_types"] = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(n)]
-    return cfg
-
-
-# norm modules, whose values sit around 1: the legacy layout's (weight and bias alike, as it
-# always generated them) and the published layout's (weights; LayerNorm biases stay near 0)
-_NORMS = {"norm", "norm1", "norm2", "ln_q", "input_layernorm", "post_attention_layernorm"}
-_ORIGINAL_NORMS = {"embed_norm", "attn_norm", "mlp_norm", "q_input_norm", "k_input_norm", "v_input_norm",
-                   "ln_1", "ln_2", "ln_pre", "q_norm", "k_norm", "hidden_norm"}
+# norm modules, whose weights sit around 1 (LayerNorm biases stay near 0): the text model's,
+# the vision tower's and the draft's
+_NORMS = {"norm", "embed_norm", "attn_norm", "mlp_norm", "q_input_norm", "k_input_norm", "v_input_norm",
+          "ln_1", "ln_2", "ln_pre", "q_norm", "k_norm", "hidden_norm", "input_layernorm", "post_attention_layernorm"}
 
 
 def _is_stacked(spec: TensorSpec) -> bool:
-    """A stacked routed-expert tensor [E, out, in] of the published layout."""
+    """A stacked routed-expert tensor [E, out, in]."""
     return ".mlp.experts.w" in spec.name and len(spec.shape) == 3
 
 
@@ -148,7 +102,7 @@ def synth_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
     stacked = ".mlp.experts.w" in spec.name  # an expert's [out, in] (or a stack of them): rows are matrix rows
     module, _, leaf = spec.name.rpartition(".")
     last = module.rpartition(".")[2]
-    if last in _NORMS or (last in _ORIGINAL_NORMS and leaf == "weight"):
+    if last in _NORMS and leaf == "weight":
         x = 1.0 + 0.05 * torch.randn(spec.shape, generator=g)
     elif len(spec.shape) == 1:
         x = 0.02 * torch.randn(spec.shape, generator=g)
@@ -172,21 +126,15 @@ SEED_MAX = 2**32 - 1
 
 def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, layers: int | None = None,
                      experts: int | None = None, max_shard_bytes: int | None = None,
-                     progress: bool = False, overwrite: bool = False, layout: str = "original") -> Path:
+                     progress: bool = False, overwrite: bool = False) -> Path:
     """Built in OUT.partial and renamed at the end (`staged_output`): a killed synth leaves
     nothing that looks complete."""
     out = Path(out)
     if not 0 <= seed <= SEED_MAX:
         raise UsageError(f"--seed must be between 0 and {SEED_MAX}, got {seed}")
-    if layout == "original":
-        cfg_dict = make_original_config(preset, layers, experts)
-        specs = list(inkling2.checkpoint_tensors(inkling2.Inkling2Config.from_dict(cfg_dict, f"preset {preset}")))
-    elif layout == "legacy":
-        cfg_dict = make_config(preset, layers, experts)
-        specs = list(expected_tensors(ModelConfig.from_dict(cfg_dict, f"preset {preset}")))
-    else:
-        raise UsageError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
-    shards = plan_shards(specs, max_shard_bytes or PRESETS[preset]["max_shard_bytes"])
+    cfg_dict = make_original_config(preset, layers, experts)
+    specs = list(inkling2.checkpoint_tensors(inkling2.Inkling2Config.from_dict(cfg_dict, f"preset {preset}")))
+    shards = plan_shards(specs, max_shard_bytes or SHARD_BYTES[preset])
     weight_map = {}
     total = sum(s.nbytes for s in specs)
     with staged_output(out, (), overwrite) as tmp, \
@@ -213,9 +161,6 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, layer
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output directory")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--layout", default="original", choices=LAYOUTS,
-                   help="original (default): the published Inkling 2 layout (stacked experts, model.llm.* names); "
-                        "legacy: the layout this project invented before the model was published")
     p.add_argument("--layers", type=int_range(1, 4096), help="number of decoder layers (default: the preset's)")
     p.add_argument("--experts", type=int_range(1, 65536), help="routed experts per layer (default: the preset's)")
     p.add_argument("--seed", type=int_range(0, SEED_MAX), default=0)
@@ -229,9 +174,8 @@ def run(args) -> int:
     check_paths(args.out, reports=[args.json])
     quiet = args.quiet or args.json == "-"
     out = write_checkpoint(args.out, args.preset, args.seed, args.layers, args.experts,
-                           args.max_shard_size, progress=not quiet, overwrite=args.overwrite, layout=args.layout)
-    write_report(args.json, json.dumps({"output": str(out), "preset": args.preset, "layout": args.layout,
-                                        "seed": args.seed}, indent=2) + "\n")
+                           args.max_shard_size, progress=not quiet, overwrite=args.overwrite)
+    write_report(args.json, json.dumps({"output": str(out), "preset": args.preset, "seed": args.seed}, indent=2) + "\n")
     if not quiet:
         print(f"wrote {out}")
     return 0

@@ -1,4 +1,5 @@
-"""inkling-quant draft extract / strip on tiny synthetic checkpoints."""
+"""inkling-quant draft extract / strip on tiny synthetic checkpoints (the draft bundled as
+inkling_quant.dspark spells it; tests/test_draft_original.py holds the spec to vLLM)."""
 from __future__ import annotations
 
 import argparse
@@ -9,20 +10,22 @@ from pathlib import Path
 
 import pytest
 
-from inkling_quant import cli, draft
+from inkling_quant import cli, draft, dspark
 from inkling_quant.errors import CheckpointError, ConfigError, InklingQuantError, UsageError
+from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors
 from inkling_quant.io.checkpoint import INDEX_NAME, Checkpoint
 from inkling_quant.io.output import read_checksums
 from inkling_quant.io.safetensors import ShardReader, sha256_file
-from inkling_quant.layout import ModelConfig, draft_tensors, expected_tensors
 from inkling_quant.synth import write_checkpoint
+
+from legacy_checkpoint import write_legacy_checkpoint
 
 
 # --------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def src(tmp_path_factory) -> Path:
-    """The tiny preset: 10 shards of 1 MiB; the draft spans a mixed shard and a draft-only one."""
-    return write_checkpoint(tmp_path_factory.mktemp("draft") / "src", "tiny", layout="legacy")
+    """The tiny preset: 11 shards of 1 MiB; the draft spans a mixed shard and a draft-only one."""
+    return write_checkpoint(tmp_path_factory.mktemp("draft") / "src", "tiny")
 
 
 @pytest.fixture(scope="module")
@@ -66,34 +69,35 @@ def edit_config(root: Path, fn) -> None:
 def test_extract_is_byte_identical(src, extracted):
     source, out = tensor_bytes(src), tensor_bytes(extracted)
     draft_names = {n for n in source if n.startswith("dspark.")}
-    assert draft_names and set(out) == draft_names
+    assert draft_names and set(out) == {n[len("dspark."):] for n in draft_names}  # the drafter's own names
     for name, v in out.items():
-        assert v == source[name], name
+        assert v == source["dspark." + name], name
     sums = read_checksums(extracted / "checksums.sha256")
     assert sums == {s: sha256_file(extracted / s) for s in Checkpoint.open(extracted).shards}
     index = json.loads((extracted / INDEX_NAME).read_text())
     assert index["metadata"]["total_size"] == sum(len(v[2]) for v in out.values())
 
 
-def test_extract_config_describes_the_draft(src, extracted):
+def test_extract_config_describes_the_draft(src, extracted, tmp_path):
     dc = json.loads((extracted / "config.json").read_text())
-    target = ModelConfig.load(src)
-    assert dc["architectures"] == ["DSparkDrafter"] and dc["model_type"] == "dspark"
-    assert dc["num_speculative_tokens"] == 7 == target.draft.num_speculative_tokens
-    assert dc["hidden_size"] == target.draft.hidden_size and dc["target_hidden_size"] == target.hidden_size
+    target = Inkling2Config.load(src)
+    assert dc == json.loads((src / "config.json").read_text())["dspark_config"]  # verbatim
+    assert dc["speculators_model_type"] == "dspark" and dc["architectures"] == ["Qwen3DSparkModel"]
+    assert dc["block_size"] == 7 == dc["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    assert dc["transformer_layer_config"]["hidden_size"] == dc["target_hidden_size"] == target.text.hidden_size
     assert "quantization_config" not in dc
     # the config alone regenerates the tensor list (names, shapes, dtypes) of the extracted shards
     headers = Checkpoint.open(extracted).headers()
     got = {n: (e.shape, e.dtype) for h in headers.values() for n, e in h.tensors.items()}
     assert got == {s.name: (s.shape, s.dtype) for s in draft.draft_specs(dc)}
-    assert got == {s.name: (s.shape, s.dtype) for s in draft_tensors(target)}
+    assert got == {s.name: (s.shape, s.dtype) for s in dspark.draft_tensors(target.draft)}
     # shared tensors by reference: named, not copied, and present in the target
-    shared = dc["target_shared_tensors"]
-    assert {v["name"] for v in shared.values()} == {"model.embed_tokens.weight", "lm_head.weight"}
-    assert not set(got) & {v["name"] for v in shared.values()}
-    src_wm = Checkpoint.open(src).weight_map
-    assert all(v["name"] in src_wm for v in shared.values())
-    assert shared["lm_head"]["shape"] == [target.vocab_size, target.hidden_size]
+    shared = draft.extract(src, tmp_path / "d")["shared_by_reference"]
+    assert shared == ["model.llm.embed.weight", "model.llm.unembed.weight"]
+    assert not set(got) & set(shared)
+    src_headers = Checkpoint.open(src).headers()
+    src_shapes = {n: e.shape for h in src_headers.values() for n, e in h.tensors.items()}
+    assert all(src_shapes[n] == (target.draft.vocab_size, target.draft.hidden_size) for n in shared)
 
 
 def test_extract_splits_shards(src, tmp_path):
@@ -102,26 +106,25 @@ def test_extract_splits_shards(src, tmp_path):
     ckpt = Checkpoint.open(out)
     assert r["shards"] == len(ckpt.shards) > 1
     assert all(os.path.getsize(out / s) < 100_000 + 8192 or len(ckpt.header(s).tensors) == 1 for s in ckpt.shards)
-    assert tensor_bytes(out) == {k: v for k, v in tensor_bytes(src).items() if k.startswith("dspark.")}
+    assert tensor_bytes(out) == {k[len("dspark."):]: v for k, v in tensor_bytes(src).items() if k.startswith("dspark.")}
 
 
 # --------------------------------------------------------------------------- strip
 def test_strip_and_extract_partition_the_source(src, stripped, extracted):
-    source, s, d = tensor_bytes(src), tensor_bytes(stripped), tensor_bytes(extracted)
+    source, s = tensor_bytes(src), tensor_bytes(stripped)
+    d = {"dspark." + n: v for n, v in tensor_bytes(extracted).items()}
     assert not set(s) & set(d)                     # each tensor exactly once
     assert set(s) | set(d) == set(source)
     assert {**s, **d} == source                    # byte-identical
     # the shared tensors stay in the target, once; the draft only names them
-    dc = json.loads((extracted / "config.json").read_text())
-    for ref in dc["target_shared_tensors"].values():
-        assert ref["name"] in s and list(s[ref["name"]][1]) == ref["shape"]
+    assert set(draft.shared_tensor_names().values()) <= set(s)
 
 
 def test_strip_layout(src, stripped):
     src_ckpt, out = Checkpoint.open(src), Checkpoint.open(stripped)
-    # the tiny preset's last shard holds only draft tensors: dropped, the rest renumbered -of-00009
+    # the tiny preset's last shard holds only draft tensors: dropped, the rest renumbered -of-00010
     assert len(out.shards) == len(src_ckpt.shards) - 1
-    assert out.shards == [f"model-{i:05d}-of-00009.safetensors" for i in range(1, 10)]
+    assert out.shards == [f"model-{i:05d}-of-00010.safetensors" for i in range(1, 11)]
     # shards without draft tensors are the source files (hardlinked), the mixed one is rewritten
     for s_src, s_out in zip(src_ckpt.shards, out.shards):
         has_draft = any(n.startswith("dspark.") for n in src_ckpt.header(s_src).tensors)
@@ -136,7 +139,7 @@ def test_strip_layout(src, stripped):
 
 
 def test_strip_then_synth_config_loads(src, stripped):
-    cfg = ModelConfig.load(stripped)
+    cfg = Inkling2Config.load(stripped)
     assert cfg.draft is None
     raw = json.loads((stripped / "config.json").read_text())
     assert "dspark_config" not in raw
@@ -145,26 +148,27 @@ def test_strip_then_synth_config_loads(src, stripped):
     # the stripped checkpoint is exactly what the layout expects of a model without a draft
     headers = Checkpoint.open(stripped).headers()
     got = {n: (e.shape, e.dtype) for h in headers.values() for n, e in h.tensors.items()}
-    assert got == {s.name: (s.shape, s.dtype) for s in expected_tensors(cfg)}
+    assert got == {s.name: (s.shape, s.dtype) for s in checkpoint_tensors(cfg)}
 
 
 def test_strip_keeps_names_when_no_shard_is_dropped(tmp_path):
-    one = write_checkpoint(tmp_path / "one", "tiny", layers=1, max_shard_bytes=1 << 30, layout="legacy")
+    one = write_checkpoint(tmp_path / "one", "tiny", layers=1, max_shard_bytes=1 << 30)
     assert Checkpoint.open(one).shards == ["model-00001-of-00001.safetensors"]
     r = draft.strip(one, tmp_path / "s", copy=True)
     assert (r["rewritten"], r["dropped"], r["linked"]) == (1, 0, 0)
     assert Checkpoint.open(tmp_path / "s").shards == ["model-00001-of-00001.safetensors"]
-    assert ModelConfig.load(tmp_path / "s").draft is None
+    assert Inkling2Config.load(tmp_path / "s").draft is None
 
 
 def test_single_file_checkpoint(tmp_path):
-    one = write_checkpoint(tmp_path / "one", "tiny", layers=1, max_shard_bytes=1 << 30, layout="legacy")
+    one = write_checkpoint(tmp_path / "one", "tiny", layers=1, max_shard_bytes=1 << 30)
     (one / INDEX_NAME).unlink()
     (one / "model-00001-of-00001.safetensors").rename(one / "model.safetensors")
     draft.strip(one, tmp_path / "s")
     draft.extract(one, tmp_path / "d")
     assert sorted(p.name for p in (tmp_path / "s").glob("model*")) == ["model.safetensors"]
-    assert {**tensor_bytes(tmp_path / "s"), **tensor_bytes(tmp_path / "d")} == tensor_bytes(one)
+    extracted = {"dspark." + n: v for n, v in tensor_bytes(tmp_path / "d").items()}
+    assert {**tensor_bytes(tmp_path / "s"), **extracted} == tensor_bytes(one)
 
 
 def test_converted_checkpoint(src, tmp_path):
@@ -178,7 +182,7 @@ def test_converted_checkpoint(src, tmp_path):
 
     r = draft.strip(conv, tmp_path / "s", copy=True)
     s = tmp_path / "s"
-    assert r["copied"] == 8 and r["checksums"]
+    assert r["copied"] == 9 and r["checksums"]
     assert (s / "hf_quant_config.json").read_bytes() == (conv / "hf_quant_config.json").read_bytes()
     assert json.loads((s / "config.json").read_text())["quantization_config"] == qc
     sums = read_checksums(s / "checksums.sha256")
@@ -189,13 +193,14 @@ def test_converted_checkpoint(src, tmp_path):
     draft.extract(conv, tmp_path / "d")
     dc = json.loads((tmp_path / "d" / "config.json").read_text())
     assert "quantization_config" not in dc and not (tmp_path / "d" / "hf_quant_config.json").exists()
-    assert {**tensor_bytes(s), **tensor_bytes(tmp_path / "d")} == tensor_bytes(conv)
+    assert {**tensor_bytes(s), **{"dspark." + n: v for n, v in tensor_bytes(tmp_path / "d").items()}} == \
+        tensor_bytes(conv)
 
     # a source shard that does not match the checksums it ships is refused, by name
-    bad = conv / "model-00009-of-00010.safetensors"
+    bad = conv / "model-00010-of-00011.safetensors"  # the mixed shard: rewritten, so read
     lines = (conv / "checksums.sha256").read_text().replace(sha256_file(bad), "0" * 64)
     (conv / "checksums.sha256").write_text(lines)
-    with pytest.raises(CheckpointError, match="model-00009-of-00010.safetensors.*corrupt"):
+    with pytest.raises(CheckpointError, match="model-00010-of-00011.safetensors.*corrupt"):
         draft.strip(conv, tmp_path / "s2")
     assert not (tmp_path / "s2").exists() and not (tmp_path / "s2.partial").exists()
 
@@ -214,13 +219,27 @@ def test_config_and_tensors_disagree(src, tmp_path):
     with pytest.raises(ConfigError, match="dspark_config"):
         draft.extract(no_cfg, tmp_path / "o1")
     missing_key = copy_ckpt(src, tmp_path / "missing_key")
-    edit_config(missing_key, lambda d: d["dspark_config"].pop("num_speculative_tokens"))
-    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+    edit_config(missing_key, lambda d: d["dspark_config"]["speculators_config"]["proposal_methods"][0].pop(
+        "speculative_tokens"))
+    with pytest.raises(ConfigError, match="speculative_tokens"):
         draft.strip(missing_key, tmp_path / "o2")
     deeper = copy_ckpt(src, tmp_path / "deeper")
-    edit_config(deeper, lambda d: d["dspark_config"].update(num_hidden_layers=6))
+    edit_config(deeper, lambda d: d["dspark_config"]["transformer_layer_config"].update(num_hidden_layers=6))
     with pytest.raises(CheckpointError, match="draft incomplete.*dspark.layers.5"):
         draft.extract(deeper, tmp_path / "o3")
+
+
+def test_legacy_layout_refused(tmp_path, capsys):
+    """A checkpoint of the layout this project invented before Inkling 2 was published (draft
+    tensors named its way, flat config.json): refused, naming config.json, writing nothing."""
+    legacy = write_legacy_checkpoint(tmp_path / "legacy")
+    for fn in (draft.extract, draft.strip):
+        with pytest.raises(ConfigError, match=r"config\.json: no 'text_config'.*not supported"):
+            fn(legacy, tmp_path / fn.__name__)
+    assert cli.main(["draft", "extract", str(legacy), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "config.json" in err and "not supported" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["legacy"]
 
 
 def test_draft_config_without_draft_tensors(stripped, tmp_path):
@@ -246,11 +265,11 @@ def test_out_exists(src, tmp_path):
 
 def test_corrupt_shard_is_named(src, tmp_path):
     bad = copy_ckpt(src, tmp_path / "bad")
-    shard = bad / "model-00003-of-00010.safetensors"
+    shard = bad / "model-00003-of-00011.safetensors"
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) - 100)
     for fn in (draft.extract, draft.strip):
-        with pytest.raises(CheckpointError, match="model-00003-of-00010.safetensors.*truncated"):
+        with pytest.raises(CheckpointError, match="model-00003-of-00011.safetensors.*truncated"):
             fn(bad, tmp_path / fn.__name__)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
 

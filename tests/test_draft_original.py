@@ -43,7 +43,7 @@ def tmp(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def src(tmp) -> Path:
-    return write_checkpoint(tmp / "src", "tiny", layers=LAYERS, layout="original")
+    return write_checkpoint(tmp / "src", "tiny", layers=LAYERS)
 
 
 @pytest.fixture(scope="module")

@@ -3,17 +3,17 @@ import json
 import torch
 from safetensors import safe_open
 
+from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors, classify
 from inkling_quant.io.checkpoint import Checkpoint
-from inkling_quant.layout import ModelConfig, classify, expected_tensors
-from inkling_quant.synth import synth_tensor, write_checkpoint
+from inkling_quant.synth import make_original_config, synth_tensor, write_checkpoint
 
 
 def test_tiny_checkpoint_is_complete_and_readable(tiny_src):
-    cfg = ModelConfig.load(tiny_src)
-    assert cfg.num_hidden_layers == 48
+    cfg = Inkling2Config.load(tiny_src)
+    assert cfg.text.num_hidden_layers == 48 and cfg.text.n_routed_experts == 4 and cfg.draft is not None
     index = json.loads((tiny_src / "model.safetensors.index.json").read_text())
     wm = index["weight_map"]
-    specs = {s.name: s for s in expected_tensors(cfg)}
+    specs = {s.name: s for s in checkpoint_tensors(cfg)}
     assert set(wm) == set(specs)
     ck = Checkpoint.open(tiny_src)
     assert len(ck.shards) > 1
@@ -32,8 +32,8 @@ def test_tiny_checkpoint_is_complete_and_readable(tiny_src):
 
 
 def test_values_deterministic_and_realistic(tmp_path):
-    cfg = ModelConfig.load(write_checkpoint(tmp_path / "a", "tiny", seed=3, layers=1, experts=1, layout="legacy"))
-    spec = next(s for s in expected_tensors(cfg) if s.name.endswith("experts.0.gate_proj.weight"))
+    cfg = Inkling2Config.load(write_checkpoint(tmp_path / "a", "tiny", seed=3, layers=1, experts=1))
+    spec = next(s for s in checkpoint_tensors(cfg) if s.name.endswith("layers.0.attn.wq_du.weight"))
     a, b = synth_tensor(spec, 3), synth_tensor(spec, 3)
     assert torch.equal(a, b) and not torch.equal(a, synth_tensor(spec, 4))
     x = a.float()
@@ -45,9 +45,6 @@ def test_values_deterministic_and_realistic(tmp_path):
 def test_original_layout_stacked_expert_values(tmp_path):
     """Stacked experts [E, 2I, H] get the per-row statistics of a 2-D weight: scaled by the
     input width H (not 2I*H), with outlier rows."""
-    from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors
-    from inkling_quant.synth import make_original_config
-
     cfg = Inkling2Config.from_dict(make_original_config("tiny"))
     spec = next(s for s in checkpoint_tensors(cfg) if s.name.endswith("layers.0.mlp.experts.w13_weight"))
     x = synth_tensor(spec, 0).float()

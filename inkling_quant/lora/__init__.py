@@ -1,16 +1,15 @@
-"""LoRA: merge a PEFT adapter into the BF16 attention projections of a checkpoint.
+"""LoRA: merge a PEFT adapter into the BF16 attention projections (and BF16 routed experts) of a checkpoint.
 
   inkling-quant lora check CKPT ADAPTER          what would be merged where (module, shard,
                                                  rank, alpha, scale); writes nothing
   inkling-quant lora merge CKPT ADAPTER OUT      OUT = CKPT with W' = W + scale * B @ A merged
                                                  into every module the adapter targets
 
-CKPT is a converted checkpoint (NVFP4/MXFP8 routed experts, BF16 attention) or a BF16 source,
-in the published Inkling 2 layout (config.json with text_config: lora/published.py; adapters as
-PEFT writes them for transformers' Inkling2 models, routed experts via target_parameters) or the
-legacy layout (merge.py), dispatched on config.json.
-ADAPTER is a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) or
-a hub repo id org/name[@revision]. The merge is computed in FP32 and rounded once to the stored
+CKPT is a converted checkpoint (NVFP4/MXFP8 routed experts, BF16 attention) or a BF16 source of
+Inkling 2 (config.json with text_config). ADAPTER is a PEFT LoRA adapter directory
+(adapter_config.json + adapter_model.safetensors) or a hub repo id org/name[@revision], as PEFT
+writes it for transformers' Inkling2 models, routed experts via target_parameters
+(lora/published.py: which module merges where). The merge is computed in FP32 and rounded once to the stored
 dtype. Routed-expert adapters are merged only where the experts are BF16 (a source, before
 conversion): the recipe's rule, "expert adapters need BF16 expert weights". Only shards holding
 a merged tensor are rewritten; the others are hardlinked (or copied). OUT is built in
@@ -26,15 +25,16 @@ from pathlib import Path
 from ..errors import InklingQuantError
 from ..io.output import check_paths, read_checksums, write_report
 from .merge import DTYPES, PROVENANCE_KEY, QUANT_CONFIG, Plan, Target, check, merge, merged_config, merged_weight
-from .peft import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGEABLE_PARTS, PATTERN_TIMEOUT_S, PEFT_PREFIX, Adapter,
-                   AdapterConfig, classify_module, open_adapter, resolve_adapter)
+from .peft import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PATTERN_TIMEOUT_S, PEFT_PREFIX, Adapter, AdapterConfig,
+                   open_adapter, resolve_adapter)
+from .published import MERGEABLE_PARTS
 
 # The library API, as `inkling_quant.lora` offered it when it was one module (read_checksums too:
 # callers and tests read OUT's checksums through it).
 __all__ = [
     "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "DTYPES", "MERGEABLE_PARTS", "PATTERN_TIMEOUT_S", "PEFT_PREFIX",
     "PROVENANCE_KEY", "QUANT_CONFIG", "Adapter", "AdapterConfig", "Plan", "Target", "add_arguments", "check",
-    "classify_module", "merge", "merged_config", "merged_weight", "open_adapter", "print_plan", "read_checksums",
+    "merge", "merged_config", "merged_weight", "open_adapter", "print_plan", "read_checksums",
     "resolve_adapter", "run",
 ]
 

@@ -4,8 +4,9 @@
   adapter touches and how much, PEFT's own targeting and scaling rules, and the adapter's own
   patterns matched in bounded time (`_user_match`).
 - The refusal tables: the settings whose value changes what the saved A/B mean (`_UNSUPPORTED`,
-  `_BASE_MODIFYING_INIT`, `_KNOWN_KEYS`), the tensors that are not LoRA deltas
-  (`_REFUSED_TENSORS`), and which parts of the model LoRA merges into (`MERGEABLE_PARTS`).
+  `_BASE_MODIFYING_INIT`, `_KNOWN_KEYS`) and the tensors that are not LoRA deltas
+  (`_REFUSED_TENSORS`). Which parts of the model LoRA merges into is the layout's business
+  (published.py).
 - The adapter files (`open_adapter`): adapter_config.json + adapter_model.safetensors, local or
   from the hub, validated before any tensor data is read.
 """
@@ -21,20 +22,14 @@ import regex
 import torch
 
 from .. import hub
-from ..errors import CheckpointError, ConfigError, UnknownTensorError, UsageError, prefixed
+from ..errors import CheckpointError, ConfigError, UsageError, prefixed
 from ..io.checkpoint import read_json, safe_child
 from ..io.safetensors import DTYPE_NAMES, Header, ShardReader, TensorEntry, read_header, sha256_file
-from ..layout import ATTENTION_PROJECTIONS, TensorName, classify
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what LoRA factors may be stored as
-
-# The parts of the model (layout.classify) LoRA merges into, and the phrase that says so.
-MERGEABLE_PARTS = ("attention", "expert")
-MERGEABLE = (f"the decoder's attention projections ({', '.join(ATTENTION_PROJECTIONS)}) and, when they are BF16, "
-             f"the routed experts")
 
 # adapter_config.json keys whose value changes what the saved A/B mean (or adds tensors we would
 # drop). A truthy value is refused with the reason; PEFT's defaults (false/null/"none") pass.
@@ -64,7 +59,7 @@ _KNOWN_KEYS = {
     "bias", "use_rslora", "init_lora_weights", "layers_to_transform", "layers_pattern", "rank_pattern",
     "alpha_pattern", "megatron_config", "megatron_core", "loftq_config", "eva_config", "corda_config",
     "lora_ga_config", "qalora_group_size", "runtime_config", "ensure_weight_tying",
-    "target_parameters",  # LoRA on nn.Parameters: the published layout's stacked experts (lora/published.py)
+    "target_parameters",  # LoRA on nn.Parameters: the stacked routed experts (lora/published.py)
 } | set(_UNSUPPORTED)
 
 # Tensors of adapter_model.safetensors that are not plain LoRA deltas: (key fragments, why).
@@ -203,9 +198,9 @@ class AdapterConfig:
                    base_model=d.get("base_model_name_or_path"), raw=dict(d))
 
     # PEFT's own rules (peft.tuners.tuners_utils.check_target_module_exists, peft.utils.other.get_pattern_key)
-    def targets(self, module: str, is_linear=None) -> bool:
+    def targets(self, module: str, is_linear) -> bool:
         """Whether PEFT would put a LoRA layer on `module` (its name in the base model).
-        `is_linear(module)` decides "all-linear" (default: a module of the legacy layout)."""
+        `is_linear(module)` decides "all-linear" (the layout knows which modules are Linears)."""
         tm = self.target_modules
         if not tm:  # target_parameters only
             return False
@@ -218,7 +213,7 @@ class AdapterConfig:
                 return False
         if isinstance(tm, str):
             if tm.lower() == "all-linear":  # every Linear but the output layer
-                return (is_linear or (lambda m: classify_module(m) is not None))(module)
+                return is_linear(module)
             return _user_match(tm, module, full=True) is not None
         if module in tm:
             return True
@@ -259,14 +254,6 @@ class AdapterConfig:
         """(r, alpha, scaling) as PEFT computes them: alpha / r, or alpha / sqrt(r) with rsLoRA."""
         r, alpha = self.rank_alpha(module)
         return r, alpha, (alpha / math.sqrt(r) if self.use_rslora else alpha / r)
-
-
-def classify_module(module: str) -> TensorName | None:
-    """The layout record of `module`'s weight, None when it is not a tensor of the layout."""
-    try:
-        return classify(module + ".weight")
-    except UnknownTensorError:
-        return None
 
 
 # --------------------------------------------------------------------------- adapter
@@ -364,7 +351,6 @@ def read_lora(reader: ShardReader, e: TensorEntry) -> torch.Tensor:
         raise prefixed("corrupt adapter: ", CheckpointError(f"tensor {e.name!r} contains NaN or Inf", path=reader.path,
                                                             tensor=e.name))
     return t
-
 
 
 def quantized_refusal(where: str, part: str, fmt: str, path) -> ConfigError:

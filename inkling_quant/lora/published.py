@@ -1,4 +1,4 @@
-"""`lora check/merge` on the published Inkling 2 layout (inkling2.py, docs/layout.md).
+"""What `lora check/merge` merges where in an Inkling 2 checkpoint (inkling2.py, docs/layout.md).
 
 The adapter is what PEFT writes for transformers' Inkling2ForConditionalGeneration (module names
 `model.language_model.layers.N...`) or Inkling2ForCausalLM (`model.layers.N...`); the checkpoint
@@ -21,12 +21,14 @@ import json
 
 import torch
 
+from .. import dspark
 from ..errors import CheckpointError, ConfigError, UnknownTensorError, UsageError
 from ..export import format_of
 from ..formats import FORMATS
 from ..inkling2 import Inkling2Config, classify, experts_module, original_name, transformers_name
 from ..io.safetensors import DTYPE_NAMES, ShardReader, TensorEntry
-from .peft import quantized_refusal, read_lora
+from ..tensors import TensorName
+from .peft import ADAPTER_CONFIG, quantized_refusal, read_lora
 from .target import DTYPES, Target, merged_weight
 
 # The attention nn.Linears of Inkling 2 (original names), all mergeable: q/k/v/r are vLLM's packed
@@ -37,6 +39,7 @@ ATTENTION_PROJECTIONS = ("wq_du", "wk_dv", "wv_dv", "wr_du", "wo_ud", "gate_attn
 # in that order, each ParamWrapper around the previous, so the first is the innermost: saved
 # under `experts.base_layer.` when both are targeted (tuners_utils._inject_parameters).
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+MERGEABLE_PARTS = ("attention", "expert")  # the parts (inkling2.classify) LoRA merges into
 MERGEABLE = (f"the decoder's attention projections ({', '.join(ATTENTION_PROJECTIONS)}) and, when they are BF16, "
              f"the routed experts (target_parameters {', '.join('mlp.experts.' + p for p in EXPERT_PARAMS)})")
 _TEXT_ONLY, _FULL = "model.layers.", "model.language_model.layers."  # Inkling2ForCausalLM vs ...ConditionalGeneration
@@ -89,6 +92,8 @@ def _mergeable(plan, module: str, where: str):
     """(tensor, parameter, key, TensorName) of adapter module `module`; raise unless it is a
     mergeable, unquantized tensor of this checkpoint that the adapter config selects."""
     cfg: Inkling2Config = plan.cfg
+    if dspark.is_draft(module):  # bundled beside the model, not a module of it
+        raise ConfigError(f"{where} is the DSpark draft: LoRA merges only into {MERGEABLE}", path=plan.adapter.path)
     found = resolve(plan, module)
     if found is None:
         raise ConfigError(f"{where} is not a module of the Inkling 2 layout (expected e.g. 'base_model.model."
@@ -121,21 +126,26 @@ def _is_linear(module: str) -> bool:
         return False
 
 
-def _shape_problem(param: str | None, shape: tuple[int, ...], a: TensorEntry, b: TensorEntry, r: int) -> str | None:
-    """Why factors a [r(*E), in] and b [out, r(*E)] do not fit the weight, None when they do."""
-    if param is None:
-        out_f, in_f = shape
-        if a.shape[1] != in_f or b.shape[0] != out_f:
-            return f"B @ A is [{b.shape[0]}, {a.shape[1]}] but the checkpoint's weight is {list(shape)}"
-        return None if a.shape[0] == r else f"lora_A has rank {a.shape[0]}, the adapter config gives r={r}"
-    n_exp, out_f, in_f = shape
+def _check_factors(plan, where: str, t: TensorName, param: str | None, shape: tuple[int, ...],
+                   a: TensorEntry, b: TensorEntry, r: int) -> None:
+    """Raise unless factors a [r(*E), in] and b [out, r(*E)] fit the weight of `shape` ([out, in],
+    or [E, out, in] for a stacked expert parameter)."""
+    n_exp, (out_f, in_f) = (shape[0] if param else 1), shape[-2:]
     if a.shape[1] != in_f or b.shape[0] != out_f:
-        return (f"{param} factors give an [{b.shape[0]}, {a.shape[1]}] delta per expert but the checkpoint's "
-                f"stacked weight is {list(shape)}")
+        hint, hidden = "", plan.cfg.text.hidden_size
+        reads_hidden = param == "gate_up_proj" or (param is None and t.projection != "wo_ud")
+        if reads_hidden and a.shape[1] != in_f:  # lora_A's columns are the hidden size it was trained on
+            hint = f" (trained on hidden_size {a.shape[1]}; this checkpoint has {hidden})"
+        delta = f"the {param} factors give an [{b.shape[0]}, {a.shape[1]}] delta per expert" if param else \
+            f"B @ A is [{b.shape[0]}, {a.shape[1]}]"
+        raise ConfigError(f"{where}: shape mismatch: {delta} but the checkpoint's weight is {list(shape)}{hint}: "
+                          f"adapter for another model", path=plan.adapter.path)
     if a.shape[0] != r * n_exp:
-        return (f"lora_A has {a.shape[0]} rows, expected r * experts = {r} * {n_exp} (PEFT's ParamWrapper "
-                f"stacks one rank-{r} factor per expert)")
-    return None
+        want = f"r * experts = {r} * {n_exp} rows (PEFT's ParamWrapper stacks one rank-r factor per expert)" \
+            if param else f"r={r}"
+        raise ConfigError(f"{where}: lora_A has rank {a.shape[0]} but the adapter config gives {want} for this "
+                          f"module (r / rank_pattern): the scale alpha/r would be wrong, or the adapter is for "
+                          f"another model", path=plan.adapter.path)
 
 
 def _target(plan, module: str, a: TensorEntry, b: TensorEntry, dtype: str, scale: float):
@@ -155,45 +165,63 @@ def _target(plan, module: str, a: TensorEntry, b: TensorEntry, dtype: str, scale
     if len(e.shape) != (3 if param else 2):
         raise CheckpointError(f"tensor {tensor!r} has shape {list(e.shape)}", path=plan.ckpt.root / shard,
                               tensor=tensor)
-    problem = _shape_problem(param, tuple(e.shape), a, b, r)
-    if problem is not None:
-        raise ConfigError(f"{where}: {problem}: adapter for another model (or r / rank_pattern wrong, "
-                          f"so alpha/r would be)", path=plan.adapter.path)
+    _check_factors(plan, where, t, param, tuple(e.shape), a, b, r)
     return Target(key, t.part, t.layer, tensor, shard, tuple(e.shape), e.dtype, r, alpha, scaling, scaling * scale,
                   factors=module, param=param)
 
 
-def _selected(plan) -> list[str]:
-    """PEFT keys (modules, or experts' module.parameter) target_modules / target_parameters select
-    among this checkpoint's mergeable tensors, named as the adapter names its modules."""
+def _peft_name(tensor: str, text_only: bool) -> str | None:
+    """The name an adapter gives checkpoint tensor `tensor` (transformers' name; a text-only
+    model's `model.layers.`; the bundled draft, no module of the model, its own), None for none."""
+    if dspark.is_draft(tensor):
+        return tensor
+    try:
+        hf = transformers_name(tensor)
+    except UnknownTensorError:  # a quantized tensor's scales
+        return None
+    return _TEXT_ONLY + hf[len(_FULL):] if text_only and hf.startswith(_FULL) else hf
+
+
+def _selected(plan) -> list[tuple[str, int]]:
+    """(PEFT key, layer) of the mergeable tensors target_modules / target_parameters select (keys:
+    modules, or experts' module.parameter, named as the adapter names its modules); raise when they
+    select none, naming what they select instead."""
     acfg = plan.adapter.config
     text_only = any(m.startswith(_TEXT_ONLY) for m in plan.adapter.modules)
-    keys = []
+    keys, elsewhere = [], []
     for tensor in plan.ckpt.weight_map:
         try:
             t = classify(tensor)
-            hf = transformers_name(tensor)
         except UnknownTensorError:
             continue
-        if text_only and hf.startswith(_FULL):
-            hf = _TEXT_ONLY + hf[len(_FULL):]
-        if t.part == "attention" and t.projection in ATTENTION_PROJECTIONS:
-            module = hf[: -len(".weight")]
-            if acfg.targets(module, _is_linear):
-                keys.append(module)
-        elif t.part == "expert" and t.suffix == "weight" and acfg.targets_parameter(hf):
-            keys.append(hf)
+        hf = _peft_name(tensor, text_only)
+        if hf is None:
+            continue
+        if t.part == "expert":
+            if t.suffix == "weight" and acfg.targets_parameter(hf):
+                keys.append((hf, t.layer))
+        elif hf.endswith(".weight") and acfg.targets(hf[: -len(".weight")], _is_linear):
+            mergeable = t.part == "attention" and t.projection in ATTENTION_PROJECTIONS
+            (keys if mergeable else elsewhere).append((hf[: -len(".weight")], t.layer if mergeable else t.part))
+    where = plan.adapter.root / ADAPTER_CONFIG
+    config = f"target_modules={json.dumps(acfg.target_modules)} / target_parameters={json.dumps(acfg.target_parameters)}"
+    if not keys and elsewhere:
+        module, part = elsewhere[0]
+        raise ConfigError(f"{config} select only modules LoRA cannot be merged into (e.g. {module!r}, {part}): "
+                          f"LoRA merges only into {MERGEABLE}", path=where)
+    if not keys:
+        raise ConfigError(f"{config} match no attention projection or routed expert of {plan.ckpt.root}: adapter "
+                          f"for another model", path=where)
     return keys
+
+
+def _span(layers: list[int]) -> str:
+    return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
 
 
 def plan_targets(plan, dtype: str, scale: float) -> None:
     """Fill plan.targets from the adapter's modules; raise on anything refused."""
-    acfg = plan.adapter.config
     selected = _selected(plan)
-    if not selected:
-        raise ConfigError(f"target_modules={json.dumps(acfg.target_modules)} / target_parameters="
-                          f"{json.dumps(acfg.target_parameters)} match no attention projection or routed expert of "
-                          f"{plan.ckpt.root}: adapter for another model", path=plan.adapter.root / "adapter_config.json")
     by_tensor = {}
     for module, (a, b) in plan.adapter.modules.items():
         tgt = _target(plan, module, a, b, dtype, scale)
@@ -202,12 +230,18 @@ def plan_targets(plan, dtype: str, scale: float) -> None:
                               path=plan.adapter.path)
         by_tensor[tgt.tensor] = module
         plan.targets.append(tgt)
+    # what target_modules / target_parameters select here but the adapter lacks: another (smaller) model
     have = {t.module for t in plan.targets}
-    missing = [k for k in selected if k not in have]
+    missing = [(k, layer) for k, layer in selected if k not in have]
     if missing:
+        had, lack = sorted({t.layer for t in plan.targets}), sorted({layer for _, layer in missing})
+        if had and lack[0] > had[-1]:
+            raise ConfigError(f"LoRA weights for layers {_span(had)} only, but target_modules / target_parameters "
+                              f"select layers up to {lack[-1]} of this {plan.cfg.text.num_hidden_layers}-layer "
+                              f"checkpoint: adapter for another model (fewer layers)", path=plan.adapter.path)
         raise ConfigError(f"target_modules / target_parameters select {len(missing)} tensor(s) of this checkpoint "
-                          f"the adapter has no weights for, e.g. {missing[0]!r}: incomplete adapter or another model "
-                          f"(fewer layers)", path=plan.adapter.path)
+                          f"the adapter has no weights for, e.g. {missing[0][0]!r}: incomplete adapter or another "
+                          f"model", path=plan.adapter.path)
 
 
 # --------------------------------------------------------------------------- merge

@@ -1,4 +1,4 @@
-"""One merge target and the merge of one weight: shared by both layouts (merge.py, published.py)."""
+"""One merge target and the merge of one weight (planned by published.py, merged by merge.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +15,8 @@ class Target:
     module: str
     part: str           # "attention" or "expert"
     layer: int
-    tensor: str         # the checkpoint tensor merged into (legacy: module + ".weight"; published: its
-    #                     original name, inkling2.original_name of the module's transformers name)
+    tensor: str         # the checkpoint tensor merged into: its original name (inkling2.original_name
+    #                     of the module's transformers name)
     shard: str
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -25,7 +25,7 @@ class Target:
     scaling: float      # PEFT's scaling (alpha/r or alpha/sqrt(r))
     scale: float        # scaling * --scale: what multiplies B @ A
     factors: str | None = None  # the adapter's module holding lora_A/lora_B, when not `module`
-    param: str | None = None    # published layout: the stacked expert parameter (PEFT target_parameters)
+    param: str | None = None    # the stacked expert parameter (PEFT target_parameters), None for a Linear
 
     @property
     def adapter_module(self) -> str:
