@@ -1,10 +1,13 @@
 """Plan a vLLM deployment of Inkling 2: parameters, bytes on disk, weights, KV cache and state per
 GPU, MoE divisibility, verdict, and the serving recipe's figures beside ours.
 
-The library behind `inkling-quant plan` (its CLI: plan_cmd.py), answering from config.json alone
-(the published `Inkling2Config`; default: the reference config, Inkling2Config's defaults); no
-tensor is read. docs/budget.md derives every
-figure and states every assumption; in short:
+The library behind `inkling-quant plan` (its CLI and rendering: plan_cmd.py), answering from
+config.json alone (the published `Inkling2Config`; default: the reference config, Inkling2Config's
+defaults); no tensor is read. A standard Hugging Face MoE config (Qwen3-MoE, Mixtral, DeepSeek-V3,
+...) is planned the same way from `budget_hf` (its tensors, parameters and bytes) and
+`kvcache.hf_layer_specs`; `load_config` decides which. `placement` holds what both share: how a
+tensor splits over TP/EP and the `Weights` tally. docs/budget.md derives every figure and
+states every assumption; for Inkling 2, in short:
 
 * parameters as transformers counts them (`inkling2.param_counts`): active = the text model with
   8 of 384 routed experts, without the embedding tables;
@@ -25,13 +28,17 @@ from __future__ import annotations
 
 import math
 import re
-from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .budget_hf import HFModel, is_hf_moe
+from .budget_hf import check_parallel as hf_check_parallel
+from .budget_hf import param_counts as hf_param_counts
+from .budget_hf import weight_bytes as hf_weight_bytes
 from .errors import UsageError
-from .kvcache import CONV, DEFAULT_BLOCK_SIZE, FULL, SLIDING, KVLayout, cdiv, kv_layout, layer_specs
+from .kvcache import DEFAULT_BLOCK_SIZE, KINDS, KVLayout, cdiv, hf_layer_specs, kv_layout, layer_specs
 from .moe_checks import Check, moe_checks
+from .placement import HEADS, HIDDEN, KV_HEADS, REPLICATED, VOCAB, Weights, add_experts, rank_bytes  # noqa: F401
 
 if TYPE_CHECKING:
     from .inkling2 import Inkling2Config, ParamCounts
@@ -77,7 +84,6 @@ DEFAULT_UTILIZATION = 0.9     # vLLM's gpu_memory_utilization default
 # docs/budget.md, "The reserve", sizes each; 12 GiB is our assumption, not a measurement.
 DEFAULT_RESERVE_GIB = 12.0
 ASYNC_BATCHES = 2             # VllmConfig.max_concurrent_batches with async scheduling (the default)
-VOCAB_PADDING = 64            # DEFAULT_VOCAB_PADDING_SIZE (vocab_parallel_embedding.py)
 VRAM_RULE_OF_THUMB = 1.2      # the recipe's vram_minimum_gb = ceil(1.2 x checkpoint GB): our reading
 
 
@@ -99,8 +105,6 @@ M = 1_048_576
 
 
 # --------------------------------------------------------------------------- how tensors split
-REPLICATED, HEADS, KV_HEADS, HIDDEN, VOCAB = "replicated", "heads", "KV heads", "hidden", "vocab"
-
 # (name after "model.llm.", part, split). vLLM 0.33's Inkling 1 code packs wq_du/wk_dv/wv_dv/wr_du
 # into one column-parallel qkvr and makes wo_ud row-parallel (attention.py:95-130), replicates the
 # embedding table on every rank (InklingReplicatedEmbedding, model.py:243-277) and vocab-shards
@@ -136,16 +140,6 @@ def split_of(name: str) -> tuple[str, str]:
     raise UsageError(f"no split rule for tensor {name!r}")  # pragma: no cover - inkling2 names only
 
 
-def rank_bytes(nbytes: int, rows: int, split: str, tp: int) -> int:
-    """Bytes of one tensor on the fullest rank (TP divides heads, KV heads and hidden: checked)."""
-    if split == REPLICATED:
-        return nbytes
-    if split == VOCAB:  # VocabParallelEmbedding / ParallelLMHead: pad to 64, ceil-divide the rows
-        padded = cdiv(rows, VOCAB_PADDING) * VOCAB_PADDING
-        return nbytes // rows * cdiv(padded, tp)
-    return cdiv(nbytes, tp)
-
-
 def check_parallel(cfg: Inkling2Config, tp: int) -> None:
     t = cfg.text
     if tp < 1:
@@ -159,43 +153,6 @@ def check_parallel(cfg: Inkling2Config, tp: int) -> None:
 
 
 # --------------------------------------------------------------------------- bytes
-@dataclass
-class Weights:
-    """Bytes on disk (whole checkpoint) and on the fullest GPU, per (part, format)."""
-
-    disk: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
-    per_gpu: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
-    elements: dict[str, int] = field(default_factory=lambda: defaultdict(int))   # part -> tensor elements
-    splits: dict[str, set] = field(default_factory=lambda: defaultdict(set))     # part -> split kinds
-    fmt_layers: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # expert format -> layers
-
-    @property
-    def disk_total(self) -> int:
-        return sum(self.disk.values())
-
-    @property
-    def per_gpu_total(self) -> int:
-        return sum(self.per_gpu.values())
-
-    def disk_part(self, part: str) -> int:
-        return sum(b for (p, _), b in self.disk.items() if p == part)
-
-    def per_gpu_part(self, part: str) -> int:
-        return sum(b for (p, _), b in self.per_gpu.items() if p == part)
-
-    def parts(self) -> list[str]:
-        return sorted({p for p, _ in self.disk}, key=lambda p: -self.disk_part(p))
-
-
-def expert_shapes(cfg: Inkling2Config, tp_split: int = 1) -> dict[str, tuple[int, int]]:
-    """[out, in] of each projection of one routed expert (gate and up rows of w13, w2), with the
-    intermediate dim divided by `tp_split` (pure-TP experts)."""
-    t = cfg.text
-    inter = t.moe_intermediate_size // tp_split
-    return {"gate_proj": (inter, t.hidden_size), "up_proj": (inter, t.hidden_size),
-            "down_proj": (t.hidden_size, inter)}
-
-
 def weight_bytes(cfg: Inkling2Config, scheme_name: str, tp: int, ep: bool = True,
                  include_draft: bool = True) -> Weights:
     """Checkpoint bytes per (part, format), each format asked for its own size, and the fullest
@@ -212,22 +169,8 @@ def weight_bytes(cfg: Inkling2Config, scheme_name: str, tp: int, ep: bool = True
         layer = int(m.group(1)) if (m := re.match(r"layers\.(\d+)\.", s.name[len(TEXT_PREFIX):])) else None
         fmt = scheme.format_for(t, TensorName(s.name, part, layer))
         nbytes = fmt.nbytes(s.shape, s.dtype)
-        w.disk[(part, fmt.name)] += nbytes
-        w.per_gpu[(part, fmt.name)] += rank_bytes(nbytes, s.shape[0], split, tp)
-        w.elements[part] += s.numel
-        w.splits[part].add(split)
-    full, rank = expert_shapes(cfg), expert_shapes(cfg, 1 if ep else tp)
-    for i in range(t.num_hidden_layers):
-        fmt = scheme.format_for(t, TensorName(f"{TEXT_PREFIX}layers.{i}.mlp.experts.w13_weight", "expert", i))
-        per_expert = sum(fmt.nbytes(shape, torch.bfloat16) for shape in full.values())
-        w.disk[("expert", fmt.name)] += per_expert * t.n_routed_experts
-        w.elements["expert"] += sum(math.prod(s) for s in full.values()) * t.n_routed_experts
-        w.fmt_layers[fmt.name].append(i)
-        if ep:  # whole experts, padded to a multiple of EP (moe.py:440)
-            w.per_gpu[("expert", fmt.name)] += per_expert * cdiv(t.n_routed_experts, tp)
-        else:
-            w.per_gpu[("expert", fmt.name)] += _tp_expert_bytes(fmt, rank, per_expert, tp) * t.n_routed_experts
-    w.splits["expert"].add(f"EP{tp}" if ep else "TP intermediate")
+        w.add(part, fmt.name, nbytes, rank_bytes(nbytes, s.shape[0], split, tp), s.numel, split)
+    add_experts(w, t, scheme, range(t.num_hidden_layers), tp, ep, torch.bfloat16)
     if include_draft:
         draft = round(RECIPE_DRAFT_GB * GB)
         w.disk[("draft", "recipe")] += draft
@@ -236,19 +179,10 @@ def weight_bytes(cfg: Inkling2Config, scheme_name: str, tp: int, ep: bool = True
     return w
 
 
-def _tp_expert_bytes(fmt, rank_shapes: dict, per_expert: int, tp: int) -> int:
-    import torch
-
-    try:
-        return sum(fmt.nbytes(shape, torch.bfloat16) for shape in rank_shapes.values())
-    except Exception:  # noqa: BLE001 - a rank slice the format cannot hold: the checks say so
-        return cdiv(per_expert, tp)
-
-
 # --------------------------------------------------------------------------- the plan
 @dataclass
 class Plan:
-    cfg: Inkling2Config
+    cfg: Inkling2Config | HFModel
     gpu: GPU
     tp: int
     ep: bool
@@ -265,6 +199,8 @@ class Plan:
     weights: Weights
     kv: KVLayout
     checks: list[Check]
+    hf: bool = False              # a standard HF MoE config (budget_hf), not Inkling 2's
+    notes: tuple[str, ...] = ()   # what the HF plan assumes or leaves out, for this config
 
     @property
     def requested_bytes(self) -> int:
@@ -340,7 +276,7 @@ class Plan:
         max_model_len request's share of the pool."""
         needed = self.kv.bytes_by_kind(self.max_model_len)
         out = {}
-        for kind in (FULL, SLIDING, CONV):
+        for kind in KINDS:
             specs = [s for s in self.kv.specs if s.kind == kind]
             if not specs:
                 continue
@@ -352,6 +288,15 @@ class Plan:
         return out
 
     def to_dict(self) -> dict:
+        d = self._dict()
+        if self.hf:
+            d["params"]["active_counts"] = ("text model with num_experts_per_tok of the routed experts, without "
+                                            "the embedding tables (embed, lm_head)")
+            d["params"]["active_with_embedding_tables"] = self.params.active + self.params.embed + self.params.lm_head
+            d["notes"] = list(self.notes)
+        return d
+
+    def _dict(self) -> dict:
         w, pc = self.weights, self.params
         return {
             "model": self.cfg.raw.get("_name_or_path") or self.cfg.raw.get("model_type"),
@@ -385,11 +330,33 @@ class Plan:
         }
 
 
-def plan(cfg: Inkling2Config, gpu: str = "gb200", tp: int = 4, *, ep: bool = True, max_model_len: int | None = None,
-         max_num_seqs: int | None = None, utilization: float = DEFAULT_UTILIZATION,
+def load_config(path: str | None) -> Inkling2Config | HFModel:
+    """The config `plan` plans for: a config.json or a directory holding one; Inkling 2's
+    (`Inkling2Config`) or a standard HF MoE config (`budget_hf.HFModel`, which also reads a
+    checkpoint directory's shard headers for the vision tower); default: the reference config."""
+    from pathlib import Path
+
+    from .errors import ConfigError
+    from .inkling2 import Inkling2Config
+    from .io.checkpoint import CONFIG_NAME, read_json, safe_child
+
+    if path is None:
+        return Inkling2Config.reference()
+    p = Path(path)
+    cfg_path = safe_child(p, CONFIG_NAME) if p.is_dir() else p
+    d = read_json(cfg_path, CONFIG_NAME, ConfigError)
+    if is_hf_moe(d):
+        return HFModel.from_config(d, str(cfg_path), p if p.is_dir() else None)
+    return Inkling2Config.from_dict(d, str(cfg_path))
+
+
+def plan(cfg: Inkling2Config | HFModel, gpu: str = "gb200", tp: int = 4, *, ep: bool = True,
+         max_model_len: int | None = None, max_num_seqs: int | None = None, utilization: float = DEFAULT_UTILIZATION,
          max_num_batched_tokens: int | None = None, concurrent_batches: int = ASYNC_BATCHES,
          scheme: str = "default", reserve_gib: float = DEFAULT_RESERVE_GIB, block_size: int = DEFAULT_BLOCK_SIZE,
          include_draft: bool = True) -> Plan:
+    """The plan at TP = tp on `gpu`. A standard HF config has no DSpark draft (include_draft is
+    ignored for it)."""
     from .inkling2 import param_counts
 
     if gpu not in GPUS:
@@ -408,13 +375,23 @@ def plan(cfg: Inkling2Config, gpu: str = "gb200", tp: int = 4, *, ep: bool = Tru
     length = upper if max_model_len is None else max_model_len
     if not 1 <= length <= upper:
         raise UsageError(f"--max-model-len must be between 1 and max_position_embeddings ({upper}), got {length}")
-    check_parallel(cfg, tp)
-    w = weight_bytes(cfg, scheme, tp, ep, include_draft)
-    kv = kv_layout(layer_specs(cfg.text, tp, block_size), concurrent_batches * batched)
+    hf = isinstance(cfg, HFModel)
+    if hf:
+        hf_check_parallel(cfg.text, tp)
+        include_draft = False
+        w, params = hf_weight_bytes(cfg, scheme, tp, ep), hf_param_counts(cfg)
+        specs = hf_layer_specs(cfg.text, tp, block_size)
+    else:
+        check_parallel(cfg, tp)
+        w, params = weight_bytes(cfg, scheme, tp, ep, include_draft), param_counts(cfg)
+        specs = layer_specs(cfg.text, tp, block_size)
+    kv = kv_layout(specs, concurrent_batches * batched)
     return Plan(cfg=cfg, gpu=g, tp=tp, ep=ep, scheme=scheme, max_model_len=length, max_num_seqs=max_num_seqs,
                 utilization=utilization, max_num_batched_tokens=batched, concurrent_batches=concurrent_batches,
                 reserve_bytes=round(reserve_gib * GiB), include_draft=include_draft, block_size=block_size,
-                params=param_counts(cfg), weights=w, kv=kv, checks=moe_checks(cfg, tp, ep, set(w.fmt_layers)))
+                params=params, weights=w, kv=kv, hf=hf,
+                checks=moe_checks(cfg, tp, ep, set(w.fmt_layers), recipe=not hf),
+                notes=cfg.notes if hf else ())
 
 
 # --------------------------------------------------------------------------- the recipe's figures
@@ -479,88 +456,10 @@ def _row(claim: str, recipe: str, ours: str, reproduced: bool) -> dict:
     return {"claim": claim, "recipe": recipe, "ours": ours, "reproduced": bool(reproduced)}
 
 
-# --------------------------------------------------------------------------- output
+# --------------------------------------------------------------------------- figures in messages
 def _gib(n: int) -> str:  # as vLLM's format_gib prints it
     return f"{n / GiB:.2f}"
 
 
 def _gb(n: int) -> str:  # decimal, as the recipe's GB
     return f"{n / GB:.2f}"
-
-
-def _split_label(splits: set, tp: int) -> str:
-    return ", ".join(s if s.startswith(("EP", "TP")) or s == REPLICATED else f"{s} 1/{tp}" for s in sorted(splits))
-
-
-def render_weights(p: Plan) -> list[str]:
-    w = p.weights
-    hdr = f"{'part':<11} {'elements':>9} {'format':<15} {'disk GB':>8}  {'split at TP' + str(p.tp):<35} {'GiB/GPU':>7}"
-    out = [hdr, "-" * len(hdr)]
-    for part in w.parts():
-        fmts = sorted((f, b) for (q, f), b in w.disk.items() if q == part)
-        for j, (f, b) in enumerate(fmts):
-            layers = w.fmt_layers.get(f) if part == "expert" else None
-            label = f"{f} {layers[0]}-{layers[-1]}" if layers else f
-            elems = "(recipe)" if part == "draft" else f"{w.elements[part] / 1e9:.3f}B"
-            out.append(f"{part if j == 0 else '':<11} {elems if j == 0 else '':>9} {label:<15} {_gb(b):>8}  "
-                       f"{_split_label(w.splits[part], p.tp) if j == 0 else '':<35} {_gib(w.per_gpu[(part, f)]):>7}")
-    out += ["-" * len(hdr), f"{'total':<11} {'':>9} {'':<15} {_gb(w.disk_total):>8}  {'':<35} {_gib(w.per_gpu_total):>7}"]
-    return out
-
-
-def render_kv(p: Plan) -> list[str]:
-    kinds = p.kv_kinds()
-    names = {FULL: "full attention", SLIDING: "sliding window", CONV: "short-conv state"}
-    out = [f"KV cache and state per GPU (vLLM 0.33 Inkling specs on Inkling 2 shapes; BF16; block {p.block_size}; "
-           f"{p.max_in_flight_tokens:,} tokens in flight = {p.concurrent_batches} x max_num_batched_tokens "
-           f"{p.max_num_batched_tokens:,}):"]
-    for kind, k in kinds.items():
-        spec = "FullAttentionSpec" if kind == FULL else f"SlidingWindowSpec(window {k['sliding_window']})"
-        unit = "B/token/layer" if kind != CONV else "B/state/layer"
-        width = f"K+V {k['head_size']}" if k["head_size_v"] else f"packed {k['head_size']}"
-        out.append(f"  {names[kind]:<16} {k['layers']:>2} layers  {spec:<29} {k['num_kv_heads_per_rank']} heads x "
-                   f"{width:<11}  {k['bytes_per_token_per_layer']:>6,} {unit}  page "
-                   f"{k['page_size_bytes']:,} (block {k['block_size']})  request {_gib(k['request_bytes'])} GiB")
-    groups: dict[str, int] = defaultdict(int)
-    for g in p.kv.groups:
-        groups[g.spec.kind] += 1
-    out.append(f"  {p.kv.mode} pool: " + " + ".join(f"{n} {k}" for k, n in groups.items()) +
-               f" group(s), {p.kv.bytes_per_block:,} B per block")
-    out.append(f"  one {p.max_model_len:,}-token request needs {_gib(p.kv_needed_bytes)} GiB per GPU")
-    out.append(f"  {p.gpu.name.upper()} memory.total {_gib(p.gpu.total_bytes)} GiB ({p.gpu.vendor_gb} GB, "
-               f"{p.gpu.source}) x {p.utilization} = {_gib(p.requested_bytes)} GiB - weights "
-               f"{_gib(p.weights.per_gpu_total)} GiB - reserve {_gib(p.reserve_bytes)} GiB = KV budget "
-               f"{_gib(p.kv_budget_bytes)} GiB")
-    out.append(f"  largest --max-model-len that fits: {p.largest_max_model_len:,}; concurrent "
-               f"{p.max_model_len:,}-token requests: {p.concurrency:.2f}")
-    return out
-
-
-def render(p: Plan, rows: list[dict] | None = None) -> str:
-    pc = p.params
-    out = [f"inkling-quant plan: scheme {p.scheme!r}, {p.where()}, TP{p.tp} attention + "
-           f"{f'EP{p.tp}' if p.ep else f'TP{p.tp} (no EP)'} experts, max_model_len {p.max_model_len:,}", "",
-           f"Parameters: {pc.total / 1e9:.2f} B total (vision {pc.vision / 1e9:.2f} B), {pc.active / 1e9:.2f} B active "
-           f"(text model, {p.cfg.text.num_experts_per_tok} of {p.cfg.text.n_routed_experts} experts, without the "
-           f"embedding tables)", ""]
-    out += render_weights(p)
-    w = p.weights
-    draft = w.disk_part("draft")
-    out.append(f"On disk: {_gb(w.disk_total - draft)} GB computed" + (
-        f" + {_gb(draft)} GB DSpark draft (the recipe's figure: its definition is not published; assumed "
-        f"replicated on every GPU) = {_gb(w.disk_total)} GB" if draft else " (without the draft)"))
-    out.append("")
-    out += render_kv(p)
-    out.append(f"  reserve (--reserve-gib, default {DEFAULT_RESERVE_GIB:g}): activations at max_num_batched_tokens, "
-               f"sampler logits, CUDA graphs, NCCL/kernel workspaces, the draft's KV cache and activations "
-               f"(docs/budget.md)")
-    if p.checks:
-        out.append("")
-        out += [f"{c.level.upper()}: {c.message}" for c in p.checks]
-    out += ["", p.verdict()]
-    if rows:
-        out += ["", "The recipe's figures (Inkling-2-Small.recipe.json) beside ours:",
-                f"  {'claim':<52} {'recipe':<13} {'reproduced':<11} ours"]
-        out += [f"  {r['claim']:<52} {r['recipe']:<13} {'yes' if r['reproduced'] else 'NO':<11} {r['ours']}"
-                for r in rows]
-    return "\n".join(out)

@@ -14,6 +14,11 @@ the same four short-conv streams per layer):
   head_size_v=0)` holding K, V, attention-output and MLP-output streams packed per head; it
   asserts TP <= KV heads and BF16.
 
+A standard Hugging Face MoE config (`budget_hf.HFText`) gets the specs vLLM 0.33's generic
+attention layers emit (`hf_layer_specs`): `FullAttentionSpec` in every layer, `SlidingWindowSpec`
+in every layer where the config's one window applies to all of them, or DeepSeek's
+`MLAAttentionSpec` (one latent "head" of kv_lora_rank + qk_rope_head_dim, not split by TP).
+
 Pages are unified and layers grouped as vllm/v1/core/kv_cache_planning.py does (docs/budget.md
 cites the lines). `budget.plan` asks it. Light: no torch.
 """
@@ -25,12 +30,13 @@ from typing import TYPE_CHECKING
 from .errors import UsageError
 
 if TYPE_CHECKING:
+    from .budget_hf import HFText
     from .inkling2 import TextConfig
 
 DEFAULT_BLOCK_SIZE = 16   # CacheConfig.block_size on CUDA
 DTYPE_BYTES = 2           # BF16: --kv-cache-dtype auto = the model dtype; the conv state asserts bf16
-FULL, SLIDING, CONV = "full", "sliding", "conv"
-KINDS = (FULL, SLIDING, CONV)
+FULL, SLIDING, CONV, MLA = "full", "sliding", "conv", "mla"
+KINDS = (FULL, MLA, SLIDING, CONV)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -48,7 +54,7 @@ def conv_head_size(head_dim: int, hidden_size: int, num_kv_heads: int) -> int:
 class KVSpec:
     """One layer's cache on one GPU, as vllm/v1/kv_cache_interface.py states it."""
 
-    kind: str                       # FULL, SLIDING or CONV
+    kind: str                       # FULL, MLA (a full-attention spec), SLIDING or CONV
     num_kv_heads: int               # per rank
     head_size: int
     head_size_v: int
@@ -74,7 +80,7 @@ class KVSpec:
 
     def max_memory_usage_bytes(self, max_model_len: int, max_in_flight_tokens: int) -> int:
         """One request's admission cap (kv_cache_interface.py:643-648 full, 917-955 sliding)."""
-        if self.kind == FULL:
+        if self.kind in (FULL, MLA):  # MLAAttentionSpec is a FullAttentionSpec (kv_cache_interface.py:729)
             return cdiv(max_model_len, self.block_size) * self.page_size_bytes
         # the last sliding_window - 1 tokens plus every scheduled-but-unsettled token, capped by
         # max_model_len, +1 block because the window need not start at a block boundary
@@ -99,6 +105,23 @@ def layer_specs(text: TextConfig, tp: int, block_size: int = DEFAULT_BLOCK_SIZE)
         k = text.conv_kernel_size
         specs.append(KVSpec(CONV, nkv // tp, conv_head_size(hd, text.hidden_size, nkv), 0, k, sliding_window=k))
     return specs
+
+
+def hf_layer_specs(text: HFText, tp: int, block_size: int = DEFAULT_BLOCK_SIZE) -> list[KVSpec]:
+    """Every layer's cache spec on one GPU for a standard HF config, as vLLM 0.33's `Attention`
+    and `MLAAttention` emit them (model_executor/layers/attention/attention.py:624-682,
+    mla_attention.py:1371-1399). KV heads per rank `max(1, KV // TP)`: fewer KV heads than TP
+    ranks are replicated (qwen3_moe.py:266-275)."""
+    dtype = text.dtype_bytes  # --kv-cache-dtype auto: the model's dtype
+    if text.mla is not None:  # num_kv_heads=1, max_tp_shards=1: every rank holds the whole latent
+        head = text.mla.kv_lora_rank + text.mla.qk_rope_head_dim  # mla_attention.py:480
+        return [KVSpec(MLA, 1, head, 0, block_size, dtype_bytes=dtype)] * text.num_hidden_layers
+    kv_r, hd = max(1, text.num_key_value_heads // tp), text.head_dim
+    if text.sliding_window is not None:
+        spec = KVSpec(SLIDING, kv_r, hd, hd, block_size, sliding_window=text.sliding_window, dtype_bytes=dtype)
+    else:
+        spec = KVSpec(FULL, kv_r, hd, hd, block_size, dtype_bytes=dtype)
+    return [spec] * text.num_hidden_layers
 
 
 @dataclass(frozen=True)

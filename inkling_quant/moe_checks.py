@@ -1,7 +1,7 @@
 """What vLLM 0.33's ModelOpt MoE methods and their backends need of the per-rank routed-expert
-shapes of an Inkling 2 checkpoint at a given TP, with or without expert parallelism (the research
-notes' section 7; docs/budget.md, "MoE divisibility"). `budget.plan` reports them. Light: torch
-only through `formats`, imported where it checks."""
+shapes of an Inkling 2 checkpoint (or of a standard HF MoE config) at a given TP, with or without
+expert parallelism (the research notes' section 7; docs/budget.md, "MoE divisibility").
+`budget.plan` reports them. Light: torch only through `formats`, imported where it checks."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from .kvcache import cdiv
 
 if TYPE_CHECKING:
+    from .budget_hf import HFModel
     from .inkling2 import Inkling2Config
 
 
@@ -19,9 +20,10 @@ class Check:
     message: str
 
 
-def moe_checks(cfg: Inkling2Config, tp: int, ep: bool, formats: set[str]) -> list[Check]:
+def moe_checks(cfg: Inkling2Config | HFModel, tp: int, ep: bool, formats: set[str], recipe: bool = True) -> list[Check]:
     """What vLLM's ModelOpt MoE methods and their backends need of the per-rank expert shapes
-    (the research notes' section 7)."""
+    (the research notes' section 7). `cfg.text` names the dimensions as Inkling's TextConfig does
+    (a standard HF config's `budget_hf.HFText` too); `recipe`: the EP advice cites Inkling's recipe."""
     from .formats import FORMATS
 
     t, out = cfg.text, []
@@ -54,7 +56,8 @@ def moe_checks(cfg: Inkling2Config, tp: int, ep: bool, formats: set[str]) -> lis
         out.append(Check("warning", f"EP{tp} does not divide {t.n_routed_experts} experts: vLLM pads to "
                                     f"{cdiv(t.n_routed_experts, tp) * tp} (moe.py:440)"))
     if not ep and out:
+        cite = f"the recipe's TP{tp} = " if recipe else ""
         out.append(Check("warning", f"pure TP{tp} splits every expert's intermediate dim to {i_r}; "
-                                    f"recommend EP (the recipe's TP{tp} = TP{tp} attention + EP{tp} experts), "
+                                    f"recommend EP ({cite}TP{tp} attention + EP{tp} experts), "
                                     f"which keeps whole experts and whole scale blocks on each rank"))
     return out

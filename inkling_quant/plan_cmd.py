@@ -1,19 +1,24 @@
 """`inkling-quant plan`: the CLI over inkling_quant.budget (the plan, its rendering and the
-recipe's figures beside ours); docs/budget.md."""
+recipe's figures beside ours; a standard HF MoE config through budget_hf); docs/budget.md."""
 from __future__ import annotations
 
 import argparse
 import json
+from collections import defaultdict
 
-from .budget import (ASYNC_BATCHES, DEFAULT_BLOCK_SIZE, DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION, GPUS, plan,
-                     recipe_rows, render)
+from .budget import (ASYNC_BATCHES, DEFAULT_BLOCK_SIZE, DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION, GPUS, Plan, _gb,
+                     _gib, load_config, plan, recipe_rows)
 from .cli_common import float_range, int_range
 from .errors import UsageError
+from .kvcache import CONV, FULL, MLA
+from .placement import KV_HEADS, REPLICATED
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", nargs="?", help="checkpoint directory whose config.json to plan for")
-    parser.add_argument("--config", metavar="FILE|DIR", help="a config.json, or a directory holding one "
-                        "(default, with neither: the reference config, Inkling2Config's defaults)")
+    parser.add_argument("--config", metavar="FILE|DIR", help="a config.json, or a directory holding one: Inkling 2's "
+                        "or a standard Hugging Face MoE config (default, with neither: the reference config, "
+                        "Inkling2Config's defaults)")
     parser.add_argument("--gpu", default="gb200", choices=sorted(GPUS), help="default: gb200 (the recipe's verified GPU)")
     parser.add_argument("--tp", type=int_range(1, 4096), default=4,
                         help="tensor parallel size; experts are expert-parallel over the same GPUs (default 4)")
@@ -36,32 +41,144 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="print nothing (the exit code says whether it fits)")
 
 
-def load_config(checkpoint: str | None, config: str | None):
-    if checkpoint and config:
-        raise UsageError("give a checkpoint or --config, not both")
-    from .inkling2 import Inkling2Config
-
-    if checkpoint or config:
-        return Inkling2Config.load(checkpoint or config)
-    return Inkling2Config.reference()
-
-
 def run(args) -> int:
     from .io.output import check_paths, write_report
 
     check_paths(None, [args.checkpoint, args.config], reports=[args.json])
-    cfg = load_config(args.checkpoint, args.config)
+    if args.checkpoint and args.config:
+        raise UsageError("give a checkpoint or --config, not both")
+    cfg = load_config(args.checkpoint or args.config)
     p = plan(cfg, args.gpu, args.tp, ep=not args.no_ep, max_model_len=args.max_model_len,
              max_num_seqs=args.max_num_seqs, utilization=args.gpu_memory_utilization,
              max_num_batched_tokens=args.max_num_batched_tokens,
              concurrent_batches=1 if args.no_async_scheduling else ASYNC_BATCHES, scheme=args.scheme,
              reserve_gib=args.reserve_gib, block_size=args.block_size, include_draft=not args.no_draft)
-    try:  # the recipe's TP4/TP8 comparisons need a config both TPs can serve
-        rows = recipe_rows(cfg, p)
-    except UsageError:
-        rows = []
+    rows = []
+    if not p.hf:
+        try:  # the recipe's TP4/TP8 comparisons need a config both TPs can serve
+            rows = recipe_rows(cfg, p)
+        except UsageError:
+            rows = []
     write_report(args.json, json.dumps({**p.to_dict(), "recipe": rows}, indent=2) + "\n")
     if not (args.quiet or args.json == "-"):
         print(render(p, rows))
     return 0 if p.fits else 1
 
+
+# --------------------------------------------------------------------------- output
+def _split_label(p: Plan, splits: set) -> str:
+    kv = p.cfg.text.num_key_value_heads if p.hf else None
+
+    def one(s: str) -> str:
+        if s.startswith(("EP", "TP")) or s == REPLICATED:
+            return s
+        if s == KV_HEADS and kv is not None and kv < p.tp:
+            return f"{s} 1/{kv} (replicated over TP)"
+        return f"{s} 1/{p.tp}"
+
+    return ", ".join(one(s) for s in sorted(splits))
+
+
+def render_weights(p: Plan) -> list[str]:
+    w = p.weights
+    pw = max([11] + [len(part) for part in w.parts()])
+    split = "split at TP" + str(p.tp)
+    hdr = f"{'part':<{pw}} {'elements':>9} {'format':<15} {'disk GB':>8}  {split:<35} {'GiB/GPU':>7}"
+    out = [hdr, "-" * len(hdr)]
+    for part in w.parts():
+        fmts = sorted((f, b) for (q, f), b in w.disk.items() if q == part)
+        for j, (f, b) in enumerate(fmts):
+            layers = w.fmt_layers.get(f) if part == "expert" else None
+            label = f"{f} {layers[0]}-{layers[-1]}" if layers else f
+            elems = "(recipe)" if part == "draft" else f"{w.elements[part] / 1e9:.3f}B"
+            out.append(f"{part if j == 0 else '':<{pw}} {elems if j == 0 else '':>9} {label:<15} {_gb(b):>8}  "
+                       f"{_split_label(p, w.splits[part]) if j == 0 else '':<35} {_gib(w.per_gpu[(part, f)]):>7}")
+    out += ["-" * len(hdr),
+            f"{'total':<{pw}} {'':>9} {'':<15} {_gb(w.disk_total):>8}  {'':<35} {_gib(w.per_gpu_total):>7}"]
+    return out
+
+
+def _kv_header(p: Plan) -> str:
+    flight = (f"block {p.block_size}; {p.max_in_flight_tokens:,} tokens in flight = {p.concurrent_batches} x "
+              f"max_num_batched_tokens {p.max_num_batched_tokens:,}")
+    if not p.hf:
+        return f"KV cache and state per GPU (vLLM 0.33 Inkling specs on Inkling 2 shapes; BF16; {flight}):"
+    return (f"KV cache per GPU (vLLM 0.33's attention specs on the config's shapes; {p.cfg.text.dtype}, "
+            f"--kv-cache-dtype auto; {flight}):")
+
+
+def render_kv(p: Plan) -> list[str]:
+    kinds = p.kv_kinds()
+    names = {FULL: "full attention", MLA: "MLA latent", "sliding": "sliding window", CONV: "short-conv state"}
+    out = [_kv_header(p)]
+    for kind, k in kinds.items():
+        spec = {FULL: "FullAttentionSpec", MLA: "MLAAttentionSpec"}.get(
+            kind, f"SlidingWindowSpec(window {k['sliding_window']})")
+        unit = "B/token/layer" if kind != CONV else "B/state/layer"
+        packed = "latent" if kind == MLA else "packed"
+        width = f"K+V {k['head_size']}" if k["head_size_v"] else f"{packed} {k['head_size']}"
+        out.append(f"  {names[kind]:<16} {k['layers']:>2} layers  {spec:<29} {k['num_kv_heads_per_rank']} heads x "
+                   f"{width:<11}  {k['bytes_per_token_per_layer']:>6,} {unit}  page "
+                   f"{k['page_size_bytes']:,} (block {k['block_size']})  request {_gib(k['request_bytes'])} GiB")
+    groups: dict[str, int] = defaultdict(int)
+    for g in p.kv.groups:
+        groups[g.spec.kind] += 1
+    out.append(f"  {p.kv.mode} pool: " + " + ".join(f"{n} {k}" for k, n in groups.items()) +
+               f" group(s), {p.kv.bytes_per_block:,} B per block")
+    out.append(f"  one {p.max_model_len:,}-token request needs {_gib(p.kv_needed_bytes)} GiB per GPU")
+    out.append(f"  {p.gpu.name.upper()} memory.total {_gib(p.gpu.total_bytes)} GiB ({p.gpu.vendor_gb} GB, "
+               f"{p.gpu.source}) x {p.utilization} = {_gib(p.requested_bytes)} GiB - weights "
+               f"{_gib(p.weights.per_gpu_total)} GiB - reserve {_gib(p.reserve_bytes)} GiB = KV budget "
+               f"{_gib(p.kv_budget_bytes)} GiB")
+    out.append(f"  largest --max-model-len that fits: {p.largest_max_model_len:,}; concurrent "
+               f"{p.max_model_len:,}-token requests: {p.concurrency:.2f}")
+    return out
+
+
+def _params_line(p: Plan) -> str:
+    pc, t = p.params, p.cfg.text
+    experts = f"{t.num_experts_per_tok} of {t.n_routed_experts} experts"
+    if not p.hf:
+        return (f"Parameters: {pc.total / 1e9:.2f} B total (vision {pc.vision / 1e9:.2f} B), {pc.active / 1e9:.2f} B "
+                f"active (text model, {experts}, without the embedding tables)")
+    multimodal = isinstance(p.cfg.raw.get("vision_config"), dict)
+    vision = f" (vision {pc.vision / 1e9:.2f} B)" if pc.vision else " (vision tower not counted)"
+    vision = vision if multimodal else ""
+    tables = pc.active + pc.embed + pc.lm_head
+    return (f"Parameters: {pc.total / 1e9:.2f} B total{vision}, {pc.active / 1e9:.2f} B active (text model, "
+            f"{experts}, without the embedding tables; {tables / 1e9:.2f} B with them, as model cards count)")
+
+
+def _disk_line(p: Plan) -> str:
+    w = p.weights
+    if p.hf:
+        return (f"On disk: {_gb(w.disk_total)} GB computed (routed experts in the scheme's formats, every other "
+                f"tensor as stored, {p.cfg.text.dtype})")
+    draft = w.disk_part("draft")
+    return f"On disk: {_gb(w.disk_total - draft)} GB computed" + (
+        f" + {_gb(draft)} GB DSpark draft (the recipe's figure: its definition is not published; assumed "
+        f"replicated on every GPU) = {_gb(w.disk_total)} GB" if draft else " (without the draft)")
+
+
+def render(p: Plan, rows: list[dict] | None = None) -> str:
+    out = [f"inkling-quant plan: scheme {p.scheme!r}, {p.where()}, TP{p.tp} attention + "
+           f"{f'EP{p.tp}' if p.ep else f'TP{p.tp} (no EP)'} experts, max_model_len {p.max_model_len:,}", "",
+           _params_line(p), ""]
+    out += render_weights(p)
+    out += [_disk_line(p), ""]
+    out += render_kv(p)
+    draft = "" if p.hf else ", the draft's KV cache and activations"
+    out.append(f"  reserve (--reserve-gib, default {DEFAULT_RESERVE_GIB:g}): activations at max_num_batched_tokens, "
+               f"sampler logits, CUDA graphs, NCCL/kernel workspaces{draft} (docs/budget.md)")
+    if p.notes:
+        out += [""] + [f"NOTE: {n}" for n in p.notes]
+    if p.checks:
+        out.append("")
+        out += [f"{c.level.upper()}: {c.message}" for c in p.checks]
+    out += ["", p.verdict()]
+    if rows:
+        out += ["", "The recipe's figures (Inkling-2-Small.recipe.json) beside ours:",
+                f"  {'claim':<52} {'recipe':<13} {'reproduced':<11} ours"]
+        out += [f"  {r['claim']:<52} {r['recipe']:<13} {'yes' if r['reproduced'] else 'NO':<11} {r['ours']}"
+                for r in rows]
+    return "\n".join(out)

@@ -1,0 +1,95 @@
+"""Where a tensor's bytes land on the GPUs of a TP / EP deployment, for both plans (`budget` for
+Inkling 2, `budget_hf` for a standard HF MoE config): the kinds of split, the fullest rank's
+bytes of one tensor, the routed experts' bytes per format, and the `Weights` tally they fill.
+docs/budget.md, "Weights per GPU", cites vLLM for each split."""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .kvcache import cdiv
+
+REPLICATED, HEADS, KV_HEADS, HIDDEN, VOCAB = "replicated", "heads", "KV heads", "hidden", "vocab"
+TP_SPLIT = "intermediate"     # a dense or shared-expert MLP: gate/up by columns, down by rows
+VOCAB_PADDING = 64            # DEFAULT_VOCAB_PADDING_SIZE (vocab_parallel_embedding.py)
+
+
+def rank_bytes(nbytes: int, rows: int, split: str, tp: int, kv_heads: int | None = None) -> int:
+    """Bytes of one tensor on the fullest rank (TP divides heads, KV heads and hidden: checked;
+    with fewer `kv_heads` than ranks, each rank holds one KV head)."""
+    if split == REPLICATED:
+        return nbytes
+    if split == KV_HEADS and kv_heads is not None and kv_heads < tp:
+        return nbytes // kv_heads
+    if split == VOCAB:  # VocabParallelEmbedding / ParallelLMHead: pad to 64, ceil-divide the rows
+        padded = cdiv(rows, VOCAB_PADDING) * VOCAB_PADDING
+        return nbytes // rows * cdiv(padded, tp)
+    return cdiv(nbytes, tp)
+
+
+@dataclass
+class Weights:
+    """Bytes on disk (whole checkpoint) and on the fullest GPU, per (part, format)."""
+
+    disk: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    per_gpu: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    elements: dict[str, int] = field(default_factory=lambda: defaultdict(int))   # part -> tensor elements
+    splits: dict[str, set] = field(default_factory=lambda: defaultdict(set))     # part -> split kinds
+    fmt_layers: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # expert format -> layers
+
+    @property
+    def disk_total(self) -> int:
+        return sum(self.disk.values())
+
+    @property
+    def per_gpu_total(self) -> int:
+        return sum(self.per_gpu.values())
+
+    def disk_part(self, part: str) -> int:
+        return sum(b for (p, _), b in self.disk.items() if p == part)
+
+    def per_gpu_part(self, part: str) -> int:
+        return sum(b for (p, _), b in self.per_gpu.items() if p == part)
+
+    def parts(self) -> list[str]:
+        return sorted({p for p, _ in self.disk}, key=lambda p: (-self.disk_part(p), p))  # ties by name: stable
+
+    def add(self, part: str, fmt: str, nbytes: int, rank: int, elements: int, split: str) -> None:
+        self.disk[(part, fmt)] += nbytes
+        self.per_gpu[(part, fmt)] += rank
+        self.elements[part] += elements
+        self.splits[part].add(split)
+
+
+def expert_shapes(text, tp_split: int = 1) -> dict[str, tuple[int, int]]:
+    """[out, in] of each projection of one routed expert of `text` (its hidden_size and
+    moe_intermediate_size), the intermediate dim divided by `tp_split` (pure-TP experts)."""
+    inter = text.moe_intermediate_size // tp_split
+    return {"gate_proj": (inter, text.hidden_size), "up_proj": (inter, text.hidden_size),
+            "down_proj": (text.hidden_size, inter)}
+
+
+def add_experts(w: Weights, text, scheme, layers, tp: int, ep: bool, dtype) -> None:
+    """The routed experts of `layers` into `w`, each layer in the format the scheme names for it
+    (the format asked for its own size; `dtype`: what passthrough stores). Per rank: whole
+    experts with EP (the fullest rank cdiv(E, EP): vLLM's expert map, Inkling's moe.py:440,
+    fused_moe/expert_map_manager.py:67-69), else every expert's intermediate dim / TP."""
+    from .tensors import TensorName
+
+    full, rank = expert_shapes(text), expert_shapes(text, 1 if ep else tp)
+    n = text.n_routed_experts
+    for i in layers:
+        fmt = scheme.format_for(text, TensorName(f"layers.{i}.mlp.experts", "expert", i))
+        per_expert = sum(fmt.nbytes(shape, dtype) for shape in full.values())
+        on_rank = per_expert * cdiv(n, tp) if ep else _tp_expert_bytes(fmt, rank, per_expert, tp, dtype) * n
+        w.add("expert", fmt.name, per_expert * n, on_rank, sum(math.prod(s) for s in full.values()) * n,
+              f"EP{tp}" if ep else "TP intermediate")
+        w.fmt_layers[fmt.name].append(i)
+
+
+def _tp_expert_bytes(fmt, rank_shapes: dict, per_expert: int, tp: int, dtype) -> int:
+    try:
+        return sum(fmt.nbytes(shape, dtype) for shape in rank_shapes.values())
+    except Exception:  # noqa: BLE001 - a rank slice the format cannot hold: the checks say so
+        return cdiv(per_expert, tp)
