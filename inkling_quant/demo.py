@@ -36,7 +36,7 @@ def run(args) -> int:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
         src, out, dft = work / "tiny-bf16", work / "tiny-default", work / "tiny-dspark"
-        write_checkpoint(src, "tiny", seed=args.seed, overwrite=True, layout="original")
+        write_checkpoint(src, "tiny", seed=args.seed, overwrite=True)
         say(f"[1/6] synth: a tiny BF16 checkpoint in the published Inkling 2 layout (48 layers, 4 stacked "
             f"experts, a DSpark draft) at {src}")
 

@@ -52,10 +52,6 @@ def open_source(src: str | Path) -> Source:
     headers = ckpt.headers()
     config_path = safe_child(ckpt.root, "config.json")
     config = read_json(config_path, "config.json")
-    if not Inkling2Config.describes(config):
-        raise ConfigError("no 'text_config': not the published Inkling 2 layout (a checkpoint of the layout this "
-                          "project invented before Inkling 2 was published?); that layout is not supported",
-                          path=config_path)
     cfg = Inkling2Config.from_dict(config, str(config_path))
     draft = [(s, e) for s in ckpt.shards for e in headers[s].tensors.values() if dspark.is_draft(e.name)]
     if cfg.draft is None:

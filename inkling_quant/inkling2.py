@@ -32,6 +32,8 @@ TEXT_PREFIX = "model.llm."   # conversion_mapping.py "inkling2": model.llm. <-> 
 # how Inkling-2-Small-MXFP8 (the release) stores every routed expert: e4m3 + e8m0 per 32,
 # stacked like the BF16 ones (conversion_mapping.py inkling2_text; docs/layout.md)
 RELEASE_EXPERT_FORMAT = "mxfp8"
+NOT_PUBLISHED = ("no 'text_config': not the published Inkling 2 layout; the flat layout this project invented before "
+                 "the model was published is no longer supported (docs/layout.md)")
 VISION_PREFIX = "model.visual."
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -118,6 +120,11 @@ class Inkling2Config:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "Inkling2Config":
+        if isinstance(d, dict) and d.get("model_type", "inkling2") != "inkling2":
+            raise ConfigError(f"model_type {_short(d['model_type'])}: not an Inkling 2 checkpoint ('inkling2'); "
+                              f"this command reads the Inkling 2 layout only", path=source)
+        if isinstance(d, dict) and "text_config" not in d:
+            raise ConfigError(NOT_PUBLISHED, path=source)
         top = ConfigFields(d, "", source, _LIMITS)
         t = ConfigFields(top.need("text_config"), "text_config.", source, _LIMITS)
         n = t.int("num_hidden_layers")
@@ -162,9 +169,9 @@ class Inkling2Config:
 
     @staticmethod
     def describes(d) -> bool:
-        """Whether a config.json object is the published model's (text_config nested), not the
-        legacy invented layout's."""
-        return isinstance(d, dict) and "text_config" in d
+        """Whether a config.json object is an Inkling 2 model's (`model_type` "inkling2", as
+        transformers writes it), not another family's (which may nest `text_config` too)."""
+        return isinstance(d, dict) and d.get("model_type") == "inkling2"
 
     @classmethod
     def load(cls, path: str | Path) -> "Inkling2Config":

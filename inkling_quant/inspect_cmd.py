@@ -70,9 +70,6 @@ def summarize(root: str | Path) -> Summary:
     ckpt = Checkpoint.open(root)
     path = safe_child(root, CONFIG_NAME)
     raw = read_json(path, CONFIG_NAME, ConfigError)
-    if not Inkling2Config.describes(raw):
-        raise ConfigError("no text_config: not the published Inkling 2 layout (a checkpoint of the layout this "
-                          "project invented before the model was published is no longer supported)", path=path)
     return _summarize(root, ckpt, Inkling2Config.from_dict(raw, str(path)))
 
 

@@ -63,7 +63,7 @@ DRAFT_PRESETS: dict[str, dict] = {
 SHARD_BYTES = {"tiny": 1 << 20, "bench": 1 << 30}
 
 
-def make_original_config(preset: str, layers: int | None = None, experts: int | None = None,
+def make_config(preset: str, layers: int | None = None, experts: int | None = None,
                          draft: bool = True) -> dict:
     """config.json of the published model (Inkling2Config's keys) for a preset, with a bundled
     DSpark draft (`dspark_config`, our naming: docs/draft.md) unless `draft` is false."""
@@ -132,7 +132,7 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, layer
     out = Path(out)
     if not 0 <= seed <= SEED_MAX:
         raise UsageError(f"--seed must be between 0 and {SEED_MAX}, got {seed}")
-    cfg_dict = make_original_config(preset, layers, experts)
+    cfg_dict = make_config(preset, layers, experts)
     specs = list(inkling2.checkpoint_tensors(inkling2.Inkling2Config.from_dict(cfg_dict, f"preset {preset}")))
     shards = plan_shards(specs, max_shard_bytes or SHARD_BYTES[preset])
     weight_map = {}

@@ -385,7 +385,7 @@ def test_legacy_layout_refused(tiny_src, tmp_path, capsys, output_format):
                "--output-format", output_format])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err, err
-    assert f"{src}/config.json" in err and "text_config" in err and "not supported" in err, err
+    assert f"{src}/config.json" in err and "text_config" in err and "no longer supported" in err, err
     assert not (tmp_path / "out").exists()
 
 

@@ -1,4 +1,4 @@
-"""convert on the published Inkling 2 layout (synth --layout original: transformers' names,
+"""convert on the published Inkling 2 layout (synth: transformers' names,
 stacked row-interleaved experts) into the Inkling stacked form (formats/stacked.py), checked
 against independent paths: the per-module quantization of each expert's gate, up and down
 taken apart from the source, and transformers' own inkling2_loop dequantization ops."""
@@ -31,7 +31,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("orig")
-    src = write_checkpoint(tmp / "src", "tiny", layers=LAYERS, layout="original")
+    src = write_checkpoint(tmp / "src", "tiny", layers=LAYERS)
     report = convert(src, tmp / "out", Options(default_activation_amax=AMAX, max_shard_bytes=1 << 17), quiet=True)
     return src, tmp / "out", report
 

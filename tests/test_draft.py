@@ -234,11 +234,11 @@ def test_legacy_layout_refused(tmp_path, capsys):
     tensors named its way, flat config.json): refused, naming config.json, writing nothing."""
     legacy = write_legacy_checkpoint(tmp_path / "legacy")
     for fn in (draft.extract, draft.strip):
-        with pytest.raises(ConfigError, match=r"config\.json: no 'text_config'.*not supported"):
+        with pytest.raises(ConfigError, match=r"config\.json: no 'text_config'.*no longer supported"):
             fn(legacy, tmp_path / fn.__name__)
     assert cli.main(["draft", "extract", str(legacy), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert "config.json" in err and "not supported" in err and "Traceback" not in err
+    assert "config.json" in err and "no longer supported" in err and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["legacy"]
 
 

@@ -1,4 +1,4 @@
-"""`draft extract` / `draft strip` on the published Inkling 2 layout (synth --layout original with
+"""`draft extract` / `draft strip` on the published Inkling 2 layout (synth with
 its bundled DSpark draft, named as vLLM's DSpark drafter names it: inkling_quant/dspark.py), the
 extracted config checked with vLLM 0.33's own speculators config code where its source is here."""
 from __future__ import annotations

@@ -43,7 +43,7 @@ from inkling_quant.errors import ConfigError, InklingQuantError, UnsafePathError
 from inkling_quant.io.checkpoint import INDEX_NAME, MAX_JSON_BYTES, Checkpoint, read_json, safe_child
 from inkling_quant.io.safetensors import DTYPES, MAX_HEADER_BYTES, ShardReader, ShardWriter, read_header
 from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors, classify, experts_module
-from inkling_quant.synth import make_original_config
+from inkling_quant.synth import make_config
 
 CORPUS = Path(__file__).parent / "fuzz_corpus"
 PEAK_BYTES = 32 << 20  # every input here is < 1 MiB; a reader trusting a length would ask for far more
@@ -453,7 +453,7 @@ def test_single_file_checkpoint_symlinked_outside(tmp_path, valid_bytes):
 
 
 # =========================================================================== config.json
-_TINY = make_original_config("tiny", layers=2, experts=2)  # the published layout's, with a DSpark draft
+_TINY = make_config("tiny", layers=2, experts=2)  # the published layout's, with a DSpark draft
 _CONFIG_KEYS = list(dict.fromkeys([*_TINY, *_TINY["text_config"], *_TINY["vision_config"], "dspark_config",
                                    "transformer_layer_config", "aux_hidden_state_layer_ids", "bogus"]))
 _CONFIG_VALUES = st.one_of(JSON, st.integers(-5, 70), st.sampled_from(
@@ -630,7 +630,7 @@ def _adapter_config(d):
 
     cfg = AdapterConfig.from_dict(d, "adapter_config.json")
     for m in _MODULES:
-        cfg.targets(m)
+        cfg.targets(m, is_linear=lambda module: not module.endswith("lm_head"))
         cfg.scaling(m)
     return cfg
 

@@ -84,7 +84,8 @@ def test_tiny_parameter_counts(saved):
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda d: d.pop("text_config"), "missing key 'text_config'"),
+    (lambda d: d.pop("text_config"), "no 'text_config': not the published Inkling 2 layout"),
+    (lambda d: d.update(model_type="qwen3_moe"), "model_type 'qwen3_moe': not an Inkling 2 checkpoint"),
     (lambda d: d["text_config"].update(layer_types=["hybrid"]), "layer_types has 1 entries"),
     (lambda d: d["text_config"].update(layer_types=["full_attention"] * 48), "unknown"),
     (lambda d: d["text_config"].update(hidden_size=4608.0), "hidden_size must be an integer"),
@@ -117,14 +118,14 @@ def _transformers_layout(cfg_dict: dict) -> dict[str, tuple[tuple[int, ...], tor
 
 @pytest.mark.parametrize("preset", ["tiny", "bench"])
 def test_synth_original_layout_equals_transformers(tmp_path, preset):
-    """synth --layout original: the names, shapes and dtypes transformers writes for the same
+    """synth: the names, shapes and dtypes transformers writes for the same
     config (tiny: the files themselves; bench, too big to write here: the specs)."""
-    from inkling_quant.synth import make_original_config, write_checkpoint
+    from inkling_quant.synth import make_config, write_checkpoint
 
-    cfg_dict = make_original_config(preset)
+    cfg_dict = make_config(preset)
     theirs = _transformers_layout(cfg_dict)
     if preset == "tiny":
-        ours = on_disk(write_checkpoint(tmp_path / "s", preset, layout="original"))
+        ours = on_disk(write_checkpoint(tmp_path / "s", preset))
     else:
         ours = {s.name: (s.shape, s.dtype) for s in checkpoint_tensors(Inkling2Config.from_dict(cfg_dict))}
         t = Inkling2Config.from_dict(cfg_dict).text

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_verify import legacy_checkpoint
+from legacy_checkpoint import write_legacy_checkpoint
 
 from inkling_quant import dspark, inspect_cmd
 from inkling_quant.cli import main
@@ -23,7 +23,7 @@ from inkling_quant.formats.stacked import stack_experts
 from inkling_quant.inkling2 import Inkling2Config, experts_module
 from inkling_quant.io import safetensors as st
 from inkling_quant.io.checkpoint import Checkpoint
-from inkling_quant.synth import make_original_config
+from inkling_quant.synth import make_config
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def _hand_quantized(root: Path, weight_only: bool = False) -> Path:
     """A one-shard checkpoint without draft: layer 0's experts NVFP4, layer 47's MXFP8, stacked
     from the formats' own per-expert tensors, with a quantization config declaring both."""
     root.mkdir(parents=True)
-    cfg_dict = make_original_config("tiny", draft=False)
+    cfg_dict = make_config("tiny", draft=False)
     t = Inkling2Config.from_dict(cfg_dict).text
     fmts = {0: FORMATS["nvfp4"], 47: FORMATS["mxfp8"]}
     q = quantization([(experts_module(i), f) for i, f in fmts.items()], weight_only, EXCLUDE_MODULES_ORIGINAL)
@@ -157,7 +157,7 @@ def test_unknown_tensors_and_unrecognized_modules(tmp_path):
 def test_legacy_layout_is_refused(tmp_path, capsys):
     """A config.json without text_config (the retired invented layout): a ConfigError naming
     config.json, exit status 2 from the command line, no traceback."""
-    root = legacy_checkpoint(tmp_path / "legacy")
+    root = write_legacy_checkpoint(tmp_path / "legacy")
     with pytest.raises(ConfigError, match="not the published Inkling 2 layout") as e:
         inspect_cmd.summarize(root)
     assert e.value.path == str(root / "config.json")

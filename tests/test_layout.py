@@ -1,86 +1,153 @@
+"""Layout detection on checkpoints real tools write: tiny models of five Hugging Face MoE families
+saved by transformers' own save_pretrained (tests/hf_moe_reference.py), and the published Inkling 2
+layout. Detection places every tensor (text prefix, routed-expert storage, shared experts, dense
+MLPs, routers, vision tower, projector) or names what it could not place."""
 import json
 
 import pytest
-import torch
+from safetensors import safe_open
 
-from inkling_quant.errors import ConfigError, UnknownTensorError
-from inkling_quant.layout import ModelConfig, classify, expected_tensors, source_spec
-from inkling_quant.synth import make_config
+from hf_moe_reference import save
+from inkling_quant.errors import CheckpointError, ConfigError
+from inkling_quant.layout import MoEConfig, detect
 
-
-def test_reference_config_shape():
-    cfg = ModelConfig.reference()
-    assert cfg.num_hidden_layers == 48
-    assert cfg.full_attention_layers == tuple(range(5, 48, 6))  # every 6th layer, 8 of them
-    assert len(cfg.full_attention_layers) == 8
-    assert cfg.draft.num_hidden_layers == 5 and cfg.draft.num_speculative_tokens == 7
-    assert cfg.vision.depth == 23
-
-
-def test_every_expected_name_classifies_and_roundtrips():
-    cfg = ModelConfig.from_dict(make_config("tiny"))
-    parts = set()
-    for s in expected_tensors(cfg):
-        t = classify(s.name)
-        parts.add(t.part)
-        if t.part != "expert":
-            assert source_spec(cfg, s.name) == s
-    assert parts == {"embed", "attention", "attn_sink", "rel_bias", "short_conv", "attn_res", "norm",
-                     "router", "expert", "vision", "draft", "lm_head"}
+# family -> (text prefix, storage kind, block, projection names, expert layers, vision, projector)
+EXPECTED = {
+    "qwen3_moe": ("model.", "per_expert", "mlp", ("gate_proj", "up_proj", "down_proj"), (1, 2), None, None),
+    "mixtral": ("model.", "per_expert", "block_sparse_moe", ("w1", "w3", "w2"), (0, 1, 2), None, None),
+    "deepseek_v3": ("model.", "per_expert", "mlp", ("gate_proj", "up_proj", "down_proj"), (1, 2), None, None),
+    "qwen3_vl_moe": ("model.language_model.", "stacked", "mlp", ("gate_proj", "up_proj", "down_proj"), (0, 1, 2),
+                     "model.visual.", None),
+    "llama4": ("language_model.model.", "stacked", "feed_forward", ("gate_proj", "up_proj", "down_proj"), (0, 1),
+               "vision_model.", "multi_modal_projector."),
+}
 
 
-@pytest.mark.parametrize("name, part, layer, expert, proj, suffix", [
-    ("model.layers.7.mlp.experts.383.down_proj.weight", "expert", 7, 383, "down_proj", "weight"),
-    ("model.layers.0.mlp.experts.1.gate_proj.weight_scale_2", "expert", 0, 1, "gate_proj", "weight_scale_2"),
-    ("model.layers.41.mlp.experts.2.up_proj.input_scale", "expert", 41, 2, "up_proj", "input_scale"),
-    ("model.layers.3.mlp.gate.weight", "router", 3, None, None, "weight"),
-    ("model.layers.3.self_attn.g_proj.weight", "attention", 3, None, "g_proj", "weight"),
-    ("model.layers.3.self_attn.sinks", "attn_sink", 3, None, None, "sinks"),
-    ("model.layers.3.attn_res.mlp_query", "attn_res", 3, None, None, "mlp_query"),
-    ("model.layers.3.mlp.input_conv.weight", "short_conv", 3, None, "input_conv", "weight"),
-    ("model.visual.blocks.22.mlp.fc2.bias", "vision", 22, None, "mlp.fc2", "bias"),
-    ("dspark.layers.4.mlp.down_proj.weight", "draft", 4, None, "mlp.down_proj", "weight"),
-    ("dspark.markov_head.rnn.weight_hh", "draft", None, None, "markov_head.rnn", "weight_hh"),
-    ("lm_head.weight", "lm_head", None, None, None, "weight"),
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    base = tmp_path_factory.mktemp("hf")
+    out = {}
+    for family in EXPECTED:
+        d = save(family, base / family)
+        names = []
+        for f in sorted(d.glob("*.safetensors")):
+            with safe_open(f, "pt") as h:
+                names += list(h.keys())
+        out[family] = (json.loads((d / "config.json").read_text()), names)
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(EXPECTED))
+def test_detects_each_family(saved, family):
+    d, names = saved[family]
+    cfg = MoEConfig.from_dict(d)
+    assert (cfg.num_experts, cfg.expert_width, cfg.hidden_size) == (4, 32, 64)
+    assert cfg.nested == (family in ("qwen3_vl_moe", "llama4"))
+    lay = detect(names, cfg)
+    prefix, kind, block, projections, layers, vision, projector = EXPECTED[family]
+    assert (lay.text_prefix, lay.experts.kind, lay.experts.block, lay.experts.names) == (prefix, kind, block, projections)
+    assert (lay.expert_layers, lay.vision_prefix, lay.projector_prefix) == (layers, vision, projector)
+    recs = [lay.classify(n) for n in names]
+    experts = [r for r in recs if r.part == "expert"]
+    per_layer = 3 * cfg.num_experts if kind == "per_expert" else 2
+    assert len(experts) == per_layer * len(layers)
+    assert {r.layer for r in experts} == set(layers)
+    if kind == "per_expert":
+        assert {r.expert for r in experts} == set(range(cfg.num_experts))
+        assert {r.projection for r in experts} == {"gate", "up", "down"}
+    else:
+        assert {r.projection for r in experts} == {"gate_up", "down"}
+    assert sum(r.part == "router" for r in recs) >= len(layers)
+    assert sum(r.part == "lm_head" for r in recs) == 1
+    assert sum(r.part == "embed" for r in recs) == 1
+    if vision:
+        assert any(r.part == "vision" for r in recs)
+
+
+def test_shared_experts_and_dense_layers_are_not_routed_experts(saved):
+    d, names = saved["deepseek_v3"]
+    lay = detect(names, MoEConfig.from_dict(d))
+    parts = {n: lay.classify(n).part for n in names}
+    assert parts["model.layers.1.mlp.shared_experts.gate_proj.weight"] == "shared_expert"
+    assert parts["model.layers.0.mlp.gate_proj.weight"] == "dense_mlp"
+    assert parts["model.layers.1.mlp.gate.e_score_correction_bias"] == "router"
+    assert parts["model.layers.1.mlp.experts.3.down_proj.weight"] == "expert"
+    d, names = saved["llama4"]
+    lay = detect(names, MoEConfig.from_dict(d))
+    assert lay.classify("language_model.model.layers.0.feed_forward.shared_expert.up_proj.weight").part == "shared_expert"
+    assert lay.classify("language_model.model.layers.0.feed_forward.router.weight").part == "router"
+    assert lay.classify("language_model.lm_head.weight").part == "lm_head"
+
+
+@pytest.mark.parametrize("key", ["num_experts", "num_local_experts", "n_routed_experts"])
+def test_expert_count_aliases(key):
+    cfg = MoEConfig.from_dict({"hidden_size": 8, "num_hidden_layers": 2, key: 4, "num_experts_per_tok": 2,
+                               "intermediate_size": 16})
+    assert (cfg.num_experts, cfg.expert_width, cfg.dense_layers, cfg.nested) == (4, 16, None, False)
+
+
+@pytest.mark.parametrize("extra,dense", [
+    ({"first_k_dense_replace": 2}, {0, 1}),
+    ({"mlp_only_layers": [3]}, {3}),
+    ({"decoder_sparse_step": 2}, {0, 2}),
+    ({"interleave_moe_layer_step": 2}, {0, 2}),
+    ({"moe_layers": [1, 3]}, {0, 2}),
 ])
-def test_classify(name, part, layer, expert, proj, suffix):
-    t = classify(name)
-    assert (t.part, t.layer, t.expert, t.projection, t.suffix) == (part, layer, expert, proj, suffix)
+def test_dense_layer_rules(extra, dense):
+    d = {"text_config": {"hidden_size": 8, "num_hidden_layers": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 16, **extra}}
+    assert MoEConfig.from_dict(d).dense_layers == dense
 
 
-@pytest.mark.parametrize("name", ["model.layers.1.mlp.experts.1.gate_proj.bias", "model.layers.x.self_attn.q_proj.weight",
-                                  "transformer.h.0.attn.weight", "", "lm_head.weight.extra"])
-def test_unknown_names_raise(name):
-    with pytest.raises(UnknownTensorError, match="not part of the Inkling 2 Small layout"):
-        classify(name)
+@pytest.mark.parametrize("d,match", [
+    ({"hidden_size": 8, "num_hidden_layers": 2, "intermediate_size": 16}, "no routed-expert count"),
+    ({"hidden_size": 8, "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 5,
+      "intermediate_size": 16}, "num_experts_per_tok must be between 1 and 4"),
+    ({"hidden_size": "8", "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2,
+      "intermediate_size": 16}, "hidden_size must be an integer"),
+    ({"text_config": {"num_hidden_layers": 2, "num_experts": 4}}, r"missing key text_config\.'hidden_size'"),
+])
+def test_config_errors_name_the_key(d, match):
+    with pytest.raises(ConfigError, match=match):
+        MoEConfig.from_dict(d, "x/config.json")
 
 
-def test_layer_past_config_is_unknown():
-    cfg = ModelConfig.from_dict(make_config("tiny"))
-    with pytest.raises(UnknownTensorError):
-        source_spec(cfg, "model.layers.48.self_attn.q_proj.weight")
+def test_unplaced_names_are_listed(saved):
+    d, names = saved["qwen3_moe"]
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) fit no part.*'extra\.thing\.weight'") as e:
+        detect(names + ["extra.thing.weight"], MoEConfig.from_dict(d), "ckpt")
+    assert e.value.tensor == "extra.thing.weight" and e.value.path == "ckpt"
 
 
-def test_full_attention_layers_have_their_own_geometry():
-    cfg = ModelConfig.reference()
-    assert source_spec(cfg, "model.layers.5.self_attn.k_proj.weight").shape == (16 * 512, 3072)
-    assert source_spec(cfg, "model.layers.4.self_attn.k_proj.weight").shape == (8 * 128, 3072)
-    assert source_spec(cfg, "model.layers.4.self_attn.sinks").dtype == torch.float32
+def test_config_and_tensors_disagreeing_on_expert_layers(saved):
+    d, names = saved["qwen3_moe"]
+    cfg = MoEConfig.from_dict({**d, "mlp_only_layers": [0, 1]})
+    with pytest.raises(CheckpointError, match=r"routed experts in 1 layers, the tensors in 2 .*\[1\]"):
+        detect(names, cfg)
 
 
-def test_config_errors(tmp_path):
-    d = make_config("tiny")
-    del d["hidden_size"]
-    with pytest.raises(ConfigError, match="missing key 'hidden_size'"):
-        ModelConfig.from_dict(d)
-    d = make_config("tiny")
-    d["layer_types"] = d["layer_types"][:-1]
-    with pytest.raises(ConfigError, match="layer_types has 47"):
-        ModelConfig.from_dict(d)
-    p = tmp_path / "config.json"
-    p.write_text("{not json")
-    with pytest.raises(ConfigError, match="not valid JSON"):
-        ModelConfig.load(tmp_path)
-    p.write_text(json.dumps([1]))
-    with pytest.raises(ConfigError, match="JSON object"):
-        ModelConfig.load(p)
+def test_mixed_or_missing_expert_storage():
+    per = [f"model.layers.0.mlp.experts.{e}.{p}.weight" for e in range(2) for p in ("gate_proj", "up_proj", "down_proj")]
+    stacked = ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"]
+    with pytest.raises(CheckpointError, match="expected one storage.*found per_expert under mlp, stacked under mlp"):
+        detect(per + stacked)
+    with pytest.raises(CheckpointError, match="found none"):
+        detect(["model.layers.0.mlp.gate_proj.weight"])
+    with pytest.raises(CheckpointError, match="no decoder layers found"):
+        detect(["encoder.block.0.weight"])
+    with pytest.raises(CheckpointError, match="mix naming schemes"):
+        detect(["model.layers.0.block_sparse_moe.experts.0.w1.weight",
+                "model.layers.0.block_sparse_moe.experts.0.up_proj.weight"])
+
+
+def test_the_published_inkling_layout_is_detected(tiny_src):
+    from inkling_quant.io.checkpoint import Checkpoint
+
+    names = [n for h in Checkpoint.open(tiny_src).headers().values() for n in h.tensors]
+    d = json.loads((tiny_src / "config.json").read_text())
+    cfg = MoEConfig.from_dict(d)
+    lay = detect([n for n in names if not n.startswith("dspark.")], cfg)
+    assert (lay.text_prefix, lay.experts.kind, lay.vision_prefix) == ("model.llm.", "interleaved", "model.visual.")
+    assert lay.expert_layers == tuple(range(cfg.num_hidden_layers))
+    assert lay.classify("model.llm.layers.3.mlp.experts.w13_weight").projection == "gate_up"
+    assert lay.classify("model.llm.unembed.weight").part == "lm_head"

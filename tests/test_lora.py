@@ -479,11 +479,11 @@ def test_legacy_layout_refused(shapes, tmp_path, capsys):
     naming config.json, writing nothing."""
     legacy = write_legacy_checkpoint(tmp_path / "legacy")
     d = attention_adapter(tmp_path / "a", shapes, layers=[0], projections=("q_proj.linear",))
-    with pytest.raises(ConfigError, match=r"config\.json: no 'text_config'.*not supported"):
+    with pytest.raises(ConfigError, match=r"config\.json: no 'text_config'.*no longer supported"):
         lora.check(legacy, d)
     rc = cli.main(["lora", "merge", str(legacy), str(d), str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert rc == 2 and "config.json" in err and "not supported" in err and "Traceback" not in err
+    assert rc == 2 and "config.json" in err and "no longer supported" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
 

@@ -944,7 +944,7 @@ def test_expert_width_error_names_file_and_tensor(tmp_path):
     convert exits 2 and the message names the .safetensors file and the tensor."""
     from inkling_quant import synth
 
-    with mock.patch.dict(synth.ORIGINAL_PRESETS["tiny"]["text_config"], {"moe_intermediate_size": 40}):
+    with mock.patch.dict(synth.PRESETS["tiny"]["text_config"], {"moe_intermediate_size": 40}):
         s = write_checkpoint(tmp_path / "w40", "tiny", experts=4)
     assert json.loads((s / "config.json").read_text())["text_config"]["moe_intermediate_size"] == 40
     r = call("convert", s, tmp_path / "out", *AMAX)

@@ -8,7 +8,7 @@ from inkling_quant.cli import main
 from inkling_quant.errors import UsageError
 from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors, classify
 from inkling_quant.schemes import SCHEMES, get_scheme
-from inkling_quant.synth import make_original_config
+from inkling_quant.synth import make_config
 
 
 def _formats_by_layer(scheme, cfg: Inkling2Config) -> dict[int, str]:
@@ -18,7 +18,7 @@ def _formats_by_layer(scheme, cfg: Inkling2Config) -> dict[int, str]:
 
 
 def _config(layers=None, experts=4) -> Inkling2Config:
-    return Inkling2Config.from_dict(make_original_config("tiny", layers, experts, draft=False))
+    return Inkling2Config.from_dict(make_config("tiny", layers, experts, draft=False))
 
 
 def test_default_is_the_recipe_at_48_layers():

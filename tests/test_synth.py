@@ -5,7 +5,7 @@ from safetensors import safe_open
 
 from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors, classify
 from inkling_quant.io.checkpoint import Checkpoint
-from inkling_quant.synth import make_original_config, synth_tensor, write_checkpoint
+from inkling_quant.synth import make_config, synth_tensor, write_checkpoint
 
 
 def test_tiny_checkpoint_is_complete_and_readable(tiny_src):
@@ -45,7 +45,7 @@ def test_values_deterministic_and_realistic(tmp_path):
 def test_original_layout_stacked_expert_values(tmp_path):
     """Stacked experts [E, 2I, H] get the per-row statistics of a 2-D weight: scaled by the
     input width H (not 2I*H), with outlier rows."""
-    cfg = Inkling2Config.from_dict(make_original_config("tiny"))
+    cfg = Inkling2Config.from_dict(make_config("tiny"))
     spec = next(s for s in checkpoint_tensors(cfg) if s.name.endswith("layers.0.mlp.experts.w13_weight"))
     x = synth_tensor(spec, 0).float()
     assert x.shape == (4, 2 * 96, 64) and torch.equal(x, synth_tensor(spec, 0).float())

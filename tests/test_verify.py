@@ -14,6 +14,7 @@ from xml.etree import ElementTree as ET
 import pytest
 import torch
 
+from legacy_checkpoint import write_legacy_checkpoint
 from inkling_quant.cli import main
 from inkling_quant.convert import Options, convert
 from inkling_quant.errors import CheckpointError, prefixed
@@ -100,22 +101,6 @@ def _patch_bytes(root: Path, name: str, at: int, data: bytes) -> str:
         f.seek(e.begin + at)
         f.write(data)
     return shard
-
-
-def legacy_checkpoint(root: Path) -> Path:
-    """A checkpoint of the layout this project invented before the model was published (top-level
-    dimensions in config.json, per-expert modules), written by hand: verify and inspect refuse it."""
-    root.mkdir(parents=True)
-    (root / "config.json").write_text(json.dumps({
-        "vocab_size": 8, "hidden_size": 64, "num_hidden_layers": 1, "layer_types": ["sliding_attention"],
-        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96}))
-    tensors = {"model.embed_tokens.weight": torch.zeros(8, 64, dtype=torch.bfloat16),
-               "model.layers.0.mlp.experts.0.gate_proj.weight": torch.zeros(96, 64, dtype=torch.bfloat16)}
-    w = ShardWriter(root / "model.safetensors", [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
-    for n, t in tensors.items():
-        w.write(n, t)
-    w.commit()
-    return root
 
 
 def _run(capsys, *argv) -> tuple[int, str, dict]:
@@ -223,7 +208,7 @@ def test_help_documents_exit_codes(capsys):
 def test_legacy_layout_is_refused(tmp_path, capsys):
     """A config.json without text_config (the retired invented layout): the config check says
     so, naming config.json; nothing is checked against a layout; exit 1, no traceback."""
-    root = legacy_checkpoint(tmp_path / "legacy")
+    root = write_legacy_checkpoint(tmp_path / "legacy")
     rc, out, r = _run(capsys, root)
     assert rc == 1 and "not the published Inkling 2 layout" in out
     assert "no longer supported" in _problem(r, "config", "config.json", None)["message"]

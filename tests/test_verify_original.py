@@ -1,4 +1,4 @@
-"""`inkling-quant verify` on the published Inkling 2 layout (synth --layout original): a BF16
+"""`inkling-quant verify` on the published Inkling 2 layout (synth): a BF16
 source and its conversion into the Inkling stacked form pass every check; copies broken one
 defect each fail the right check, naming the file and the tensor, never with a traceback."""
 import json
@@ -24,7 +24,7 @@ P = "model.llm.layers.{}.mlp.experts."
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("verify-orig")
-    src = write_checkpoint(tmp / "src", "tiny", layers=LAYERS, layout="original")
+    src = write_checkpoint(tmp / "src", "tiny", layers=LAYERS)
     convert(src, tmp / "out", Options(default_activation_amax=AMAX, max_shard_bytes=1 << 18), quiet=True)
     return src, tmp / "out"
 

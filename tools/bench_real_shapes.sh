@@ -1,9 +1,9 @@
 #!/bin/bash
-# The published layout at real shapes: convert a `synth --layout original --preset bench
+# The published layout at real shapes: convert a `synth --preset bench
 # --layers 2 --experts 8` input (1.7 GB: stacked experts [8, 4608, 4608] and [8, 4608, 2304] per
 # layer, the rest pass-through) with each scheme and output format, side by side with cp +
 # sha256sum of the same bytes; wall, CPU and peak RSS per run (GNU time). Usage:
-#   python -m inkling_quant.cli synth "$W/src" --layout original --preset bench --layers 2 --experts 8
+#   python -m inkling_quant.cli synth "$W/src" --preset bench --layers 2 --experts 8
 #   W=/path/to/work tools/bench_real_shapes.sh > results.txt
 set -u
 export W=${W:-/work/bench}

@@ -41,10 +41,10 @@ import bench_convert as bc  # noqa: E402  (the process measurement and the child
 
 def bench_sizes(layers: int, experts: int) -> tuple[int, int]:
     """(total bf16 bytes, routed-expert bytes) of the bench preset at layers x experts."""
-    from inkling_quant.layout import ModelConfig, classify, expected_tensors
+    from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors, classify
     from inkling_quant.synth import make_config
 
-    specs = list(expected_tensors(ModelConfig.from_dict(make_config("bench", layers, experts))))
+    specs = list(checkpoint_tensors(Inkling2Config.from_dict(make_config("bench", layers, experts))))
     return sum(s.nbytes for s in specs), sum(s.nbytes for s in specs if classify(s.name).part == "expert")
 
 
@@ -62,13 +62,13 @@ def child(spec: dict) -> None:
 
 def reference_bytes(scheme_name: str = "default") -> dict:
     """bytes of the real model by what the scheme makes of them."""
-    from inkling_quant.layout import ModelConfig, classify, expected_tensors
+    from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors, classify
     from inkling_quant.schemes import get_scheme
 
-    cfg = ModelConfig.reference()
+    cfg = Inkling2Config.reference()
     scheme = get_scheme(scheme_name)
     out = {"passthrough": 0, "nvfp4": 0, "mxfp8": 0}
-    for s in expected_tensors(cfg):
+    for s in checkpoint_tensors(cfg):
         out[scheme.format_name(cfg, classify(s.name))] += s.nbytes
     out["total"] = sum(out.values())
     return out

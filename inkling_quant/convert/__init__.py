@@ -1,6 +1,7 @@
 """Convert an Inkling 2 Small checkpoint in the published layout (BF16/FP16/FP32, or the MXFP8
-release): routed experts to NVFP4/MXFP8 per the scheme, everything else passed through bit-exact,
-as the Inkling stacked form or ModelOpt's MIXED_PRECISION Hugging Face export.
+release) or a Hugging Face MoE checkpoint (inkling_quant.layout detects its layout): routed
+experts to NVFP4/MXFP8 per the scheme, everything else passed through bit-exact, as the Inkling
+stacked form or ModelOpt's MIXED_PRECISION Hugging Face export.
 
 A pipeline read top to bottom: validate the source against the layout -> plan output shards
 (a stacked expert tensor is one unit: gate and up of an expert, interleaved in w13, share one
@@ -15,6 +16,7 @@ A killed run leaves no index, so nothing looks complete; `--resume` redoes only 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import sys
@@ -33,10 +35,9 @@ from ..formats import FORMATS
 from ..io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG, INDEX_NAME, copy_file_atomic, write_json_atomic
 from ..io.output import CHECKSUMS, OutputLock, check_paths, write_checksums, write_report
 from ..io.safetensors import fsync_files, sha256_file
-from ..inkling2 import transformers_name
 from ..schemes import get_scheme
-from .planner import (FLOAT_SOURCES, OUTPUT_FORMATS, Options, Prepared, ShardJob, SrcTensor, Unit, list_source, load_activation_amax,
-                      load_calibration, load_config, plan, validate_source)
+from .planner import (FLOAT_SOURCES, OUTPUT_FORMATS, Options, Prepared, ShardJob, SrcTensor, Unit, list_source,
+                      load_activation_amax, load_calibration, load_config, output_format, plan, validate_source)
 from .runner import (MANIFEST, MANIFEST_GLOB, confirm_complete, fingerprint, manifest_path, manifests, part_jobs,
                      previous_output, recorded_checksums, refuse_symlinks, remove_temps, run_jobs, start_output,
                      writing)
@@ -54,14 +55,14 @@ def prepare(src: str, opts: Options) -> Prepared:
     decided before any byte is written (the same for every part and every resume)."""
     root, repo, revision = hub.resolve(str(src))
     cfg = load_config(root)
-    if opts.output_format not in OUTPUT_FORMATS:
-        raise UsageError(f"--output-format {opts.output_format!r}: known {', '.join(OUTPUT_FORMATS)}")
+    opts = dataclasses.replace(opts, output_format=output_format(cfg, opts.output_format))
     scheme = get_scheme(opts.scheme)
     listing, other_files, stat = list_source(root, repo, revision)
-    tensors = validate_source(cfg, listing, str(src))
-    calibrated = {} if opts.weight_only else load_calibration(opts.activation_scales, tensors, src)
-    jobs = plan(cfg, tensors, scheme, opts, calibrated, str(src))
-    return Prepared(root, repo, revision, cfg, jobs, other_files, fingerprint(jobs, opts, stat))
+    tensors, layout = validate_source(cfg, listing, str(src))
+    calibrated = {} if opts.weight_only else load_calibration(opts.activation_scales, tensors, layout, src)
+    jobs = plan(cfg, layout, tensors, scheme, opts, calibrated, str(src))
+    return Prepared(root, repo, revision, cfg, layout, jobs, other_files, fingerprint(jobs, opts, stat),
+                    opts.output_format)
 
 
 def convert(src: str, out: str | Path, opts: Options, *, resume: bool = False, overwrite: bool = False,
@@ -138,16 +139,23 @@ def _finalize(out: Path, prep: Prepared, opts: Options) -> dict:
     return {"output": str(out), "shards": len(prep.jobs), "finalized": True}
 
 
-def quant_config(jobs: list[ShardJob], weight_only: bool) -> dict:
-    """ModelOpt's MIXED_PRECISION config of the planned conversion (inkling_quant.export): a
-    stacked expert tensor's module is its layer's `mlp.experts` (w13 and w2 share the layer's
-    format); pass-through tensors are no module of it."""
-    def module(u: Unit) -> str:
-        if u.per_expert:  # ModelOpt keys its experts module by transformers' name
-            return transformers_name(u.sources[0].name).rsplit(".", 1)[0]
-        return u.sources[0].name[: -len(f".{u.stacked}_weight")]
+def quant_config(prep: Prepared, weight_only: bool) -> dict:
+    """ModelOpt's MIXED_PRECISION config of the planned conversion (inkling_quant.export): every
+    quantized routed expert's module is its layer's experts module (`...mlp.experts`, ModelOpt's
+    key for an MoE layer; gate/up and down share the layer's format); pass-through tensors are no
+    module of it."""
+    def module(u: Unit) -> str | None:
+        if u.format == "passthrough":
+            return None
+        if u.per_expert:  # the module ModelOpt's per-expert modules go under
+            return u.experts_module
+        if u.stacked:  # the Inkling stacked form: the tensor's own module
+            return u.sources[0].name[: -len(f".{u.stacked}_weight")]
+        if u.storage == "per_expert":
+            return prep.layout.experts_modules[prep.layout.classify(u.sources[0].name).layer]
+        return None
 
-    return quantization(((module(u), FORMATS[u.format]) for j in jobs for u in j.units if u.stacked),
+    return quantization(((m, FORMATS[u.format]) for j in prep.jobs for u in j.units if (m := module(u))),
                         weight_only, EXCLUDE_MODULES_ORIGINAL)
 
 
@@ -155,16 +163,16 @@ def _write_configs(out: Path, prep: Prepared, opts: Options) -> list[str]:
     """hf_quant_config.json (with a `converter` entry naming who wrote it), then config.json with
     `quantization_config`; a conversion that quantizes nothing (scheme `none`) writes config.json
     as the source has it, as ModelOpt leaves an unquantized model. Returns the names written."""
-    q = quant_config(prep.jobs, opts.weight_only)
-    if opts.output_format == "modelopt-hf":  # exactly ModelOpt's two files, nothing of ours
+    q = quant_config(prep, opts.weight_only)
+    if not q["quantized_layers"]:
+        write_json_atomic(out / CONFIG_NAME, prep.cfg.raw)
+        return [CONFIG_NAME]
+    if prep.output_format == "modelopt-hf":  # exactly ModelOpt's two files, nothing of ours
         q.pop("exclude_modules")
         write_json_atomic(out / HF_QUANT_CONFIG, modelopt_hf_quant_config(q))
         write_json_atomic(out / CONFIG_NAME, {**prep.cfg.raw, "quantization_config": modelopt_quantization_config(
             modelopt_hf_quant_config(q)["quantization"])})
         return [HF_QUANT_CONFIG, CONFIG_NAME]
-    if not q["quantized_layers"]:
-        write_json_atomic(out / CONFIG_NAME, prep.cfg.raw)
-        return [CONFIG_NAME]
     converter = {"name": "inkling-quant", "version": __version__, "scheme": opts.scheme,
                  "weight_only": opts.weight_only}
     write_json_atomic(out / HF_QUANT_CONFIG, hf_quant_config(q, converter))
@@ -219,10 +227,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="output shard size (default 5GB)")
     p.add_argument("--buffered-io", action="store_true",
                    help="write shards through the page cache instead of O_DIRECT (docs/convert.md)")
-    p.add_argument("--output-format", choices=OUTPUT_FORMATS, default="inkling",
-                   help="published-layout sources: 'inkling' (original names, stacked experts, the release's form) "
+    p.add_argument("--output-format", choices=OUTPUT_FORMATS, default=None,
+                   help="Inkling 2 sources: 'inkling' (default: original names, stacked experts, the release's form) "
                         "or 'modelopt-hf' (exactly what ModelOpt's exporter writes: transformers' names, per-expert "
-                        "tensors, its config)")
+                        "tensors, its config); other families: 'modelopt-hf' only (their own names)")
     a = p.add_argument_group("NVFP4 activation scales (W4A4 needs one input_scale per expert projection)")
     a.add_argument("--activation-scales", metavar="FILE|DIR",
                    help="calibration amax per module: JSON {module: amax}, safetensors {module.input_amax}, or a "

@@ -1,11 +1,14 @@
-"""Planning: everything decided before any byte is written. The source is listed and checked
-against the published Inkling 2 layout (inkling_quant.inkling2), each NVFP4 stacked expert tensor
-gets its activation amax, tensors become units (a pass-through tensor, or a stacked expert tensor
-converted expert by expert) and the units are packed into output shards."""
+"""Planning: everything decided before any byte is written. The source is listed, its layout
+detected (inkling_quant.layout) and checked (the published Inkling 2 layout strictly, against
+inkling_quant.inkling2; a Hugging Face MoE against its config), each NVFP4 expert gets its
+activation amax, tensors become units (a pass-through tensor, an expert's gate and up sharing one
+global scale, or a stacked expert tensor converted expert by expert) and the units are packed
+into output shards."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .. import hub
@@ -13,11 +16,13 @@ from ..errors import CheckpointError, ConfigError, FormatError, UsageError, prin
 from ..formats import FORMATS
 from ..formats.stacked import expert_module_specs, projection_specs
 from ..inkling2 import (RELEASE_EXPERT_FORMAT, Inkling2Config, Spec, checkpoint_tensors, classify, modelopt_tensor,
-                        transformers_name)
+                        stacked_of_expert_module, transformers_name)
 from ..io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child, shard_name
 from ..io.safetensors import DTYPE_NAMES, DTYPES, ShardReader
 from ..io.shards import ShardReaders, plan_shards
+from ..layout import PER_EXPERT_NAMES, Layout, MoEConfig, detect, model_config, stacked_orientation
 from ..schemes import Scheme
+from ..tensors import TensorName
 
 FLOAT_SOURCES = FORMATS["passthrough"].source_dtypes
 
@@ -35,9 +40,11 @@ class SrcTensor:
 
 @dataclass(frozen=True)
 class Unit:
-    """What is converted as one: a pass-through tensor, or a stacked expert tensor (all experts of
-    a layer's w13 or w2, `stacked` names which; with the MXFP8 release's scale beside it),
-    converted expert by expert. `input_amax` and `amax_origin` have one entry."""
+    """What is converted as one: a pass-through tensor; an expert's gate and up (per-expert
+    sources, one NVFP4 global scale for both) or one expert projection; or a stacked expert tensor
+    (all experts of a layer's gate/up or down, `stacked` names which: "w13" or "w2"; with the MXFP8
+    release's scale beside it), converted expert by expert. `input_amax` and `amax_origin` have
+    one entry per source tensor (one for a stacked unit)."""
 
     sources: tuple[SrcTensor, ...]
     format: str
@@ -50,6 +57,11 @@ class Unit:
     rows: int | None = None
     per_expert: bool = False  # a stacked unit written as ModelOpt's per-expert modules
     source_format: str | None = None  # a quantized source's format (the MXFP8 release); None: float
+    # a stacked unit's storage: "interleaved" (Inkling's w13 [E, 2I, H], gate/up rows alternating)
+    # or "stacked" (transformers' gate_up_proj, gate then up; down_proj); "per_expert": 2-D experts
+    storage: str = "interleaved"
+    transposed: bool = False  # "stacked" stored [E, in, out] (the Hub's Qwen3-VL-MoE, Llama 4)
+    experts_module: str | None = None  # per_expert: the module ModelOpt's per-expert modules go under
 
 
 @dataclass(frozen=True)
@@ -62,7 +74,7 @@ class ShardJob:
     out_bytes: int
 
 
-OUTPUT_FORMATS = ("inkling", "modelopt-hf")
+OUTPUT_FORMATS = ("inkling", "modelopt-hf")  # Hugging Face MoE sources: modelopt-hf only
 
 
 @dataclass
@@ -75,7 +87,7 @@ class Options:
     workers: int = 1
     device: str = "cpu"
     buffered_io: bool = False  # how the bytes are written, not which: left out of the resume fingerprint
-    output_format: str = "inkling"  # "inkling" (stacked, original names) or "modelopt-hf"
+    output_format: str | None = None  # "inkling" (stacked, original names) or "modelopt-hf"; None: the source's
 
 
 @dataclass
@@ -85,10 +97,12 @@ class Prepared:
     root: Path
     repo: str | None
     revision: str | None
-    cfg: Inkling2Config
+    cfg: Inkling2Config | MoEConfig
+    layout: Layout
     jobs: list[ShardJob]
     other_files: list[Path]
     fingerprint: str
+    output_format: str  # settled: the one asked for, else the source's own (`output_format`)
 
 
 # --------------------------------------------------------------------------- the source
@@ -105,19 +119,80 @@ def list_source(root: Path, repo: str | None, revision: str | None) -> tuple[Lis
     return listing, ckpt.other_files(), stat
 
 
-def load_config(root: Path) -> Inkling2Config:
-    """The source's config.json, the published model's (text_config nested). The layout this
-    project invented before the model was published (a flat config) is no longer read."""
+def load_config(root: Path) -> Inkling2Config | MoEConfig:
+    """The source's config.json: the published Inkling 2 model's or a Hugging Face MoE model's."""
     path = safe_child(root, CONFIG_NAME)
-    d = read_json(path, CONFIG_NAME, ConfigError)
-    if not Inkling2Config.describes(d):
-        raise ConfigError("has no 'text_config': not the published Inkling 2 layout, the only one convert "
-                          "reads (the layout this project invented before the model was published is not "
-                          "supported; docs/layout.md)", path=path)
-    return Inkling2Config.from_dict(d, str(path))
+    return model_config(read_json(path, CONFIG_NAME, ConfigError), str(path))
 
 
-def validate_source(cfg: Inkling2Config, listing: Listing, root: str) -> list[SrcTensor]:
+def output_format(cfg: Inkling2Config | MoEConfig, requested: str | None) -> str:
+    """The output form: what was asked for, else the source's own (Inkling's stacked form for
+    Inkling 2; ModelOpt's export, the only one for other families)."""
+    if requested is not None and requested not in OUTPUT_FORMATS:
+        raise UsageError(f"--output-format {requested!r}: known {', '.join(OUTPUT_FORMATS)}")
+    if isinstance(cfg, Inkling2Config):
+        return requested or "inkling"
+    if requested == "inkling":
+        raise UsageError(f"--output-format inkling is the Inkling 2 layout's stacked form; a {cfg.model_type} "
+                         f"checkpoint is written as ModelOpt exports it (--output-format modelopt-hf)")
+    return "modelopt-hf"
+
+
+def validate_source(cfg: Inkling2Config | MoEConfig, listing: Listing, root: str) -> tuple[list[SrcTensor], Layout]:
+    """The source's tensors and its detected layout: every tensor placed (inkling_quant.layout),
+    float (Inkling's routed experts also as the MXFP8 release stores them), of the shape its
+    config implies; none missing."""
+    names = [n for entries in listing.values() for n in entries]
+    if isinstance(cfg, Inkling2Config):  # the strict spec first: its errors name the tensor exactly
+        tensors = _validate_inkling(cfg, listing, root)
+        return tensors, detect(names, cfg, root)
+    return _validate_moe(cfg, detect(names, cfg, root), listing, root)
+
+
+def _validate_moe(cfg: MoEConfig, layout: Layout, listing: Listing, root: str) -> tuple[list[SrcTensor], Layout]:
+    """A Hugging Face MoE: float tensors, routed experts of the config's width and count in
+    every expert layer (per expert: gate/up [I, H], down [H, I]; stacked: gate_up and down
+    [E, 2I, H] and [E, H, I], or transposed, the same in every layer); the rest passes through as
+    it is. Returns the layout with the stacked orientation settled."""
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.expert_width
+    entries = {name: (shard, dtype, tuple(shape)) for shard, e in listing.items() for name, (dtype, shape) in e.items()}
+    want = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    if layout.experts.kind == "stacked":
+        first = layout.experts_modules[layout.expert_layers[0]]
+        transposed = stacked_orientation(entries.get(f"{first}.down_proj", (None, ()))[2],
+                                         entries.get(f"{first}.gate_up_proj", (None, ()))[2], H, I)
+        layout = replace(layout, experts=replace(layout.experts, transposed=bool(transposed)))
+        want = {"gate_up": (E, 2 * I, H), "down": (E, H, I)}
+        if transposed:
+            want = {"gate_up": (E, H, 2 * I), "down": (E, I, H)}
+    tensors, seen = [], set()
+    for name, (shard, dtype, shape) in entries.items():
+        path, rec = f"{root}/{shard}", layout.classify(name)
+        if DTYPES[dtype] not in FLOAT_SOURCES:
+            raise CheckpointError(f"tensor {name!r}: dtype {dtype}: the source is already quantized; convert "
+                                  f"takes BF16/FP16/FP32 checkpoints of this family", path=path, tensor=name)
+        if rec.part == "expert":
+            if rec.suffix != "weight" or shape != want[rec.projection]:
+                raise CheckpointError(f"tensor {name!r}: shape {list(shape)} disagrees with config.json (expected "
+                                      f"{list(want[rec.projection])} for a routed expert's {rec.projection} "
+                                      f"weight)", path=path, tensor=name)
+            if rec.expert is not None and rec.expert >= E:
+                raise CheckpointError(f"tensor {name!r}: expert {rec.expert}, config.json has {E}", path=path,
+                                      tensor=name)
+            seen.add((rec.layer, rec.expert, rec.projection))
+        tensors.append(SrcTensor(name, shard, dtype, shape))
+    projections = ("gate_up", "down") if layout.experts.kind == "stacked" else ("gate", "up", "down")
+    for layer in layout.expert_layers:
+        for e in ((None,) if layout.experts.kind == "stacked" else range(E)):
+            for proj in projections:
+                if (layer, e, proj) not in seen:
+                    what = f"layer {layer}" + (f" expert {e}" if e is not None else "")
+                    raise CheckpointError(f"{what}: the routed expert's {proj} weight is missing (config.json: "
+                                          f"{E} experts)", path=root)
+    return tensors, layout
+
+
+def _validate_inkling(cfg: Inkling2Config, listing: Listing, root: str) -> list[SrcTensor]:
     """Every tensor one of `checkpoint_tensors(cfg)` (a list bounded by layers, not experts),
     float (the routed experts also as the MXFP8 release stores them), of its shape; none missing."""
     expected = {s.name: s for s in checkpoint_tensors(cfg)}
@@ -191,11 +266,8 @@ def _amax_from_safetensors(p: Path) -> dict[str, float]:
 def _amax_from_checkpoint(root: Path) -> dict[str, float]:
     """module -> amax from a quantized checkpoint's own activation scales, taken verbatim (the
     format's exact inverse, so the scale is written back bit for bit): ModelOpt's per-module
-    `<module>.input_scale` (its per-expert export of the published model keyed by the stacked
-    tensor that holds the expert: one scale per layer and projection) and the Inkling form's
-    `<stacked>.input_amax` [E]. Where experts differ, the largest (vLLM takes the max)."""
-    from ..inkling2 import stacked_of_expert_module
-
+    `<module>.input_scale` and the Inkling form's `<stacked>.input_amax` [E] (the largest of its
+    experts: vLLM takes the max). `load_calibration` maps the modules onto the source's."""
     scaled = next(f for f in FORMATS.values() if f.static_activation_scale)
     out: dict[str, float] = {}
     ckpt = Checkpoint.open(root)
@@ -205,7 +277,6 @@ def _amax_from_checkpoint(root: Path) -> dict[str, float]:
             for name, e in h.tensors.items():
                 if name.endswith(".input_scale"):
                     module = name[: -len(".input_scale")]
-                    module = stacked_of_expert_module(module) or module
                     values = [scaled.activation_amax(v) for v in _floats(readers.get(shard), name, e)]
                 elif name.endswith(".input_amax"):
                     module, values = name[: -len(".input_amax")], _floats(readers.get(shard), name, e)
@@ -248,44 +319,88 @@ def _amax_from_json(p: Path) -> dict[str, float]:
     return out
 
 
-def load_calibration(path: str | None, tensors: list[SrcTensor], src: str) -> dict[str, float]:
-    """--activation-scales: every module it names must be one of the source's. An activation amax
-    is keyed by the stacked expert tensor it scales (vLLM reads it as `<name>.input_amax`)."""
+def load_calibration(path: str | None, tensors: list[SrcTensor], layout: Layout, src: str) -> dict[str, float]:
+    """--activation-scales, keyed by the source's activation modules: a per-expert source's
+    `<experts>.<e>.<proj>` modules, a stacked source's stacked tensors (vLLM reads one input
+    scale per layer and projection there: the largest of the experts' calibrated values). Every
+    module the file names must map onto one of the source's."""
     calibrated = load_activation_amax(path)
-    modules = {t.name for t in tensors if (rec := classify(t.name)).part == "expert" and rec.suffix == "weight"}
-    unknown = sorted(k for k in calibrated if k not in modules)
+    modules = {key for t in tensors if (key := activation_key(layout, layout.classify(t.name))) is not None}
+    out: dict[str, float] = {}
+    unknown = []
+    for k, v in calibrated.items():
+        key = k if k in modules else _stacked_key(layout, k)
+        if key in modules:
+            out[key] = max(out.get(key, 0.0), v)
+        else:
+            unknown.append(k)
     if unknown:
+        unknown.sort()
         raise CheckpointError(f"{len(unknown)} of {len(calibrated)} module name(s) match "
                               f"no module of {src} (first: {printable(unknown[0][:200])!r}); calibration for "
                               f"another model or another naming?", path=path)
-    return calibrated
+    return out
+
+
+def activation_key(layout: Layout, rec: TensorName) -> str | None:
+    """The module a routed expert's activation amax is keyed by (None for other tensors and for
+    a quantized source's scales): per expert its module, stacked its tensor."""
+    if rec.part != "expert" or rec.suffix != "weight":
+        return None
+    return rec.module if layout.experts.kind == "per_expert" else rec.name
+
+
+_PER_EXPERT_MODULE = re.compile(
+    r"(?P<experts>.+\.experts)\.\d+\.(?P<proj>" + "|".join(n for names in PER_EXPERT_NAMES for n in names) + ")")
+
+
+def _stacked_key(layout: Layout, module: str) -> str | None:
+    """The stacked tensor of a stacked source that holds a per-expert module of ModelOpt's export
+    (`<experts>.<e>.gate_proj` -> `<experts>.gate_up_proj`; the Inkling layout's under
+    transformers' names -> `...mlp.experts.w13_weight`)."""
+    if layout.experts.kind == "interleaved":
+        return stacked_of_expert_module(module)
+    m = _PER_EXPERT_MODULE.fullmatch(module)
+    if layout.experts.kind != "stacked" or m is None:
+        return None
+    return f"{m['experts']}.{'down_proj' if m['proj'] in ('down_proj', 'w2') else 'gate_up_proj'}"
 
 
 # --------------------------------------------------------------------------- units and shards
-def plan(cfg: Inkling2Config, tensors: list[SrcTensor], scheme: Scheme, opts: Options,
+def plan(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTensor], scheme: Scheme, opts: Options,
          calibrated: dict[str, float], root: str = ".") -> list[ShardJob]:
-    """Units packed into output shards. An NVFP4 expert tensor's activation amax comes from
-    `calibrated` (--activation-scales), else --default-activation-amax. Every tensor is checked
-    against its format (block divisibility) here, before any byte is written."""
-    return _pack(_units(cfg, tensors, scheme, opts, calibrated, root), opts)
+    """Units packed into output shards. An NVFP4 expert's activation amax comes from `calibrated`
+    (--activation-scales), else --default-activation-amax. Every tensor is checked against its
+    format (block divisibility) here, before any byte is written. `opts.output_format` is settled
+    (`output_format`)."""
+    return _pack(_units(cfg, layout, tensors, scheme, opts, calibrated, root), opts)
 
 
-def _units(cfg: Inkling2Config, tensors: list[SrcTensor], scheme: Scheme, opts: Options,
+def _units(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTensor], scheme: Scheme, opts: Options,
            calibrated: dict[str, float], root: str) -> list[Unit]:
     """Each tensor's unit, format and activation amax, in source order; a format error names the
     tensor at once, missing activation amaxes are reported together at the end."""
     units: list[Unit] = []
     by_name = {t.name: t for t in tensors}
+    done: set[str] = set()
     missing_amax: list[str] = []
+    inkling = isinstance(cfg, Inkling2Config)
     for t in tensors:
-        rec = classify(t.name)
+        if t.name in done:
+            continue
+        rec = layout.classify(t.name)
         fmt = scheme.format_name(cfg, rec)
-        if rec.part == "expert":
-            if rec.suffix == "weight":  # a quantized source's scales go with their weight
-                scale = by_name.get(t.name + "_scale") if DTYPES[t.dtype] not in FLOAT_SOURCES else None
-                units.append(_stacked_unit(t, scale, rec.projection, fmt, opts, calibrated, root, missing_amax))
-        else:
+        if rec.part != "expert":
             units.append(_passthrough_unit(cfg, t, fmt, opts.output_format))
+        elif layout.experts.kind == "per_expert":
+            group = _group(layout, t, rec, fmt, by_name)
+            done.update(g.name for g in group)
+            units.append(_expert_unit(layout, group, fmt, opts, calibrated, root, missing_amax))
+        elif rec.suffix == "weight":  # a quantized source's scales go with their weight
+            proj = classify(t.name).projection if inkling else ("w13" if rec.projection == "gate_up" else "w2")
+            scale = by_name.get(t.name + "_scale") if DTYPES[t.dtype] not in FLOAT_SOURCES else None
+            units.append(_stacked_unit(t, scale, proj, fmt, opts, calibrated, root, missing_amax,
+                                       layout.experts.kind, layout.experts.transposed))
     if missing_amax:
         raise UsageError(
             f"NVFP4 (W4A4) needs an activation scale per expert projection; none for {missing_amax[0]!r}"
@@ -294,61 +409,109 @@ def _units(cfg: Inkling2Config, tensors: list[SrcTensor], scheme: Scheme, opts: 
     return units
 
 
+def _group(layout: Layout, t: SrcTensor, rec: TensorName, fmt: str, by_name: dict[str, SrcTensor]) -> list[SrcTensor]:
+    """A per-expert source's unit: an expert's gate and up (in that order) share one global scale
+    in a format that fuses them (NVFP4; ModelOpt and vLLM's fused w13), so they are converted
+    together wherever the source put them; down, or any projection of another format, alone."""
+    if not (FORMATS[fmt].fuses_gate_up and rec.projection in ("gate", "up")):
+        return [t]
+    gate, up = layout.experts.names[:2]
+    own = gate if rec.projection == "gate" else up
+    return [by_name[t.name.replace(f".{own}.", f".{p}.")] for p in (gate, up)]
+
+
+def _expert_unit(layout: Layout, group: list[SrcTensor], fmt: str, opts: Options, calibrated: dict[str, float],
+                 root: str, missing_amax: list[str]) -> Unit:
+    """An expert's projection(s) of a per-expert source, written under their own names with the
+    format's suffixes (what ModelOpt exports); gate and up read the same activations: one amax."""
+    amax, origin = [], []
+    for g in group:
+        try:
+            _out_names(g, fmt, opts.weight_only)
+        except FormatError as e:
+            raise FormatError(f"tensor {g.name!r}: {e}", path=f"{root}/{g.shard}", tensor=g.name) from None
+        a, o = None, None
+        if FORMATS[fmt].static_activation_scale and not opts.weight_only:
+            a, o = _activation_amax(activation_key(layout, layout.classify(g.name)), fmt, opts, calibrated)
+            if a is None:
+                missing_amax.append(g.name[: -len(".weight")])
+        amax.append(a)
+        origin.append(o)
+    if len(group) == 2 and None not in amax:
+        amax = [max(amax)] * 2
+    return Unit(tuple(group), fmt, tuple(amax), tuple(origin), storage="per_expert")
+
+
 def _stacked_unit(t: SrcTensor, scale: SrcTensor | None, proj: str, fmt: str, opts: Options,
-                  calibrated: dict[str, float], root: str, missing_amax: list[str]) -> Unit:
-    """One stacked expert tensor (all experts of a layer's w13 or w2; with `scale`, stored in the
-    MXFP8 release form), its activation amax keyed by its own name; its format checked against
-    every expert's shape here. An MXFP8 source kept MXFP8 (or left as is) is copied bit-exact."""
+                  calibrated: dict[str, float], root: str, missing_amax: list[str],
+                  storage: str = "interleaved", transposed: bool = False) -> Unit:
+    """One stacked expert tensor (all experts of a layer's gate/up or down; with `scale`, stored
+    in the MXFP8 release form), its activation amax keyed by its own name; its format checked
+    against every expert's shape here. An MXFP8 source kept MXFP8 (or left as is) is copied
+    bit-exact; a transformers-stacked tensor the scheme leaves alone passes through as it is."""
     source_format = None if scale is None else RELEASE_EXPERT_FORMAT
     if source_format is not None and fmt == "passthrough":
         fmt = source_format  # nothing to quantize: the stored experts pass through
-    if opts.output_format == "modelopt-hf" and fmt == "passthrough":
+    per_expert = opts.output_format == "modelopt-hf"
+    if fmt == "passthrough" and storage == "stacked":
+        return Unit((t,), fmt, (None,), (None,))
+    if per_expert and fmt == "passthrough":
         raise UsageError(f"--output-format modelopt-hf writes quantized experts as ModelOpt exports them; the "
                          f"scheme leaves {t.name!r} unquantized: use --output-format inkling", tensor=t.name)
-    try:
-        _stacked_names(t, proj, fmt, opts.weight_only, opts.output_format == "modelopt-hf")
-    except FormatError as e:
-        raise FormatError(f"tensor {t.name!r}: {e}", path=f"{root}/{t.shard}", tensor=t.name) from None
     a, o = None, None
     if FORMATS[fmt].static_activation_scale and not opts.weight_only:
         a, o = _activation_amax(t.name, fmt, opts, calibrated)
         if a is None:
             missing_amax.append(t.name)
-    return Unit((t,) if scale is None else (t, scale), fmt, (a,), (o,), stacked=proj,
-                per_expert=opts.output_format == "modelopt-hf", source_format=source_format)
+    module = None
+    if per_expert:  # ModelOpt's experts module: transformers' name for Inkling, the source's own otherwise
+        module = (transformers_name(t.name) if storage == "interleaved" else t.name).rsplit(".", 1)[0]
+    u = Unit((t,) if scale is None else (t, scale), fmt, (a,), (o,), stacked=proj, per_expert=per_expert,
+             source_format=source_format, storage=storage, transposed=transposed, experts_module=module)
+    try:
+        _stacked_names(u, opts.weight_only)
+    except FormatError as e:
+        raise FormatError(f"tensor {t.name!r}: {e}", path=f"{root}/{t.shard}", tensor=t.name) from None
+    return u
 
 
-def _stacked_names(src: SrcTensor, proj: str, fmt: str, weight_only: bool,
-                   per_expert: bool = False) -> list[tuple[str, str, tuple[int, ...]]]:
-    """The tensors written for a stacked source: the Inkling stacked form (formats.stacked names
-    them under its module), or ModelOpt's per-expert modules under transformers' names
+def slab_shape(u: Unit) -> tuple[int, ...]:
+    """A stacked unit's tensor as [E, out, in] (a transposed one is stored [E, in, out])."""
+    shape = u.sources[0].shape
+    return (shape[0], shape[2], shape[1]) if u.transposed else shape
+
+
+def _stacked_names(u: Unit, weight_only: bool) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The tensors written for a stacked unit: the Inkling stacked form (formats.stacked names
+    them under its module), or ModelOpt's per-expert modules
     (`<experts module>.<e>.<gate_proj|up_proj|down_proj>.<suffix>`, expert by expert)."""
-    if not per_expert:
+    src, proj = u.sources[0], u.stacked
+    if not u.per_expert:
         prefix = src.name[: -len(f"{proj}_weight")]
-        specs = projection_specs(FORMATS[fmt], proj, src.shape, dtype=DTYPES[src.dtype],
+        specs = projection_specs(FORMATS[u.format], proj, src.shape, dtype=DTYPES[src.dtype],
                                  activation_scale=not weight_only)
         return [(prefix + k, DTYPE_NAMES[o.dtype], tuple(o.shape)) for k, o in specs.items()]
-    return [spec for _, _, _, spec in expert_modules(src, proj, fmt, weight_only)]
+    return [spec for _, _, _, spec in expert_modules(u, weight_only)]
 
 
-def expert_modules(src: SrcTensor, proj: str, fmt: str,
-                   weight_only: bool) -> list[tuple[int, str, str, tuple[str, str, tuple[int, ...]]]]:
+def expert_modules(u: Unit, weight_only: bool) -> list[tuple[int, str, str, tuple[str, str, tuple[int, ...]]]]:
     """(expert, module, suffix, output spec) of every tensor ModelOpt exports for a stacked
-    source, in write order: per expert, its modules, each module's tensors in the format's order."""
-    prefix = transformers_name(src.name).rsplit(".", 1)[0]  # model.language_model.layers.N.mlp.experts
-    specs = expert_module_specs(FORMATS[fmt], proj, src.shape, dtype=DTYPES[src.dtype],
+    unit, in write order: per expert, its modules, each module's tensors in the format's order."""
+    src = u.sources[0]
+    specs = expert_module_specs(FORMATS[u.format], u.stacked, slab_shape(u), dtype=DTYPES[src.dtype],
                                 activation_scale=not weight_only)
-    return [(e, m, k, (f"{prefix}.{e}.{m}.{k}", DTYPE_NAMES[o.dtype], tuple(o.shape))) for (e, m, k), o in specs.items()]
+    return [(e, m, k, (f"{u.experts_module}.{e}.{m}.{k}", DTYPE_NAMES[o.dtype], tuple(o.shape)))
+            for (e, m, k), o in specs.items()]
 
 
-def _passthrough_unit(cfg: Inkling2Config, t: SrcTensor, fmt: str, output_format: str) -> Unit:
+def _passthrough_unit(cfg: Inkling2Config | MoEConfig, t: SrcTensor, fmt: str, output_format: str) -> Unit:
     """A tensor copied bit-exact: under its own name, or in a modelopt-hf output under transformers'
     name with the unembedding cut to the rows transformers' lm_head keeps (core_model_loading.py
     Inkling2UnpadVocab). A bundled DSpark draft, which transformers' model (and so ModelOpt's
     export) does not have, keeps its own names: nothing of the source is dropped."""
     if fmt != "passthrough":  # the schemes quantize routed experts only
         raise UsageError(f"convert quantizes routed experts only; the scheme gives {t.name!r} {fmt}", tensor=t.name)
-    if output_format != "modelopt-hf":
+    if output_format != "modelopt-hf" or not isinstance(cfg, Inkling2Config):  # other families: their own names
         return Unit((t,), fmt, (None,), (None,))
     out, rows = modelopt_tensor(cfg, t.name)
     return Unit((t,), fmt, (None,), (None,), out_name=out, rows=rows)
@@ -392,9 +555,16 @@ def _job(index: int, count: int, units: list[Unit], weight_only: bool) -> ShardJ
 
 def _unit_specs(u: Unit, weight_only: bool) -> list[tuple[str, str, tuple[int, ...]]]:
     if u.stacked is not None:
-        return _stacked_names(u.sources[0], u.stacked, u.format, weight_only, u.per_expert)
+        return _stacked_names(u, weight_only)
+    if u.storage == "per_expert":
+        return [s for src in u.sources for s in _out_names(src, u.format, weight_only)]
     src = u.sources[0]
     return [(u.out_name or src.name, src.dtype, (u.rows, *src.shape[1:]) if u.rows is not None else src.shape)]
+
+
+def _out_names(src: SrcTensor, fmt: str, weight_only: bool) -> list[tuple[str, str, tuple[int, ...]]]:
+    out = FORMATS[fmt].out_tensors(src.name, src.shape, DTYPES[src.dtype], activation_scale=not weight_only)
+    return [(name, DTYPE_NAMES[o.dtype], tuple(o.shape)) for name, o in out.items()]
 
 
 def spec_nbytes(spec: tuple[str, str, tuple[int, ...]]) -> int:

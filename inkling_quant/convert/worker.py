@@ -85,6 +85,8 @@ def _steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, counts: dic
     piece of a tensor written in pieces."""
     if u.stacked is not None:
         yield from _stacked_steps(u, sources, buffer_sets, device, counts, progress)
+    elif u.storage == "per_expert":
+        yield [(n, t, True) for n, t in _convert_unit(u, sources, next(buffer_sets), device, counts, progress)]
     else:
         yield [_passthrough(u, sources, next(buffer_sets)[0], counts, progress)]
 
@@ -144,6 +146,8 @@ def _expert(u: Unit, sources: ShardReaders, e: int, buffers, device: str, counts
     reader = sources.get(src.shard)
     slab = reader.get_slice(src.name, e, buffers[0])
     nbytes = slab.numel() * slab.element_size()
+    if u.transposed:  # an [in, out] slab: quantized as [out, in], blocks along `in`
+        slab = slab.t()
     q = None
     if u.source_format is not None:  # the MXFP8 release: weight + e8m0 scale
         scale = u.sources[1]
@@ -177,11 +181,38 @@ def _per_expert_steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, 
     expert, its slab quantized as stored, then split into ModelOpt's modules (gate_proj, up_proj
     from w13's interleaved rows; down_proj from w2), in the order the plan declared them."""
     src, fmt, proj = u.sources[0], FORMATS[u.format], u.stacked
-    layout = expert_modules(src, proj, u.format, u.input_amax[0] is None)
+    layout = expert_modules(u, u.input_amax[0] is None)
     per = len(layout) // src.shape[0]  # tensors per expert
     for e in range(src.shape[0]):
-        mods = slab_modules(fmt, proj, _expert(u, sources, e, next(buffer_sets), device, counts, progress))
+        mods = slab_modules(fmt, proj, _expert(u, sources, e, next(buffer_sets), device, counts, progress),
+                            interleaved=u.storage == "interleaved")
         yield [(spec[0], mods[m][k], True) for _, m, k, spec in layout[e * per:(e + 1) * per]]
+
+
+def _convert_unit(u: Unit, sources: ShardReaders, buffers, device: str, counts: dict[str, int],
+                  progress) -> list[tuple[str, torch.Tensor]]:
+    """One unit of a per-expert source (an expert's gate and up sharing one global scale, or one
+    projection): read, quantize, return (name, tensor) to write under the source's names."""
+    fmt = FORMATS[u.format]
+    ws = []
+    for k, src in enumerate(u.sources):
+        reader = sources.get(src.shard)
+        w = reader.get(src.name, buffers[k])
+        if u.format == "passthrough":  # the quantizers check their own input
+            _check_finite(w, reader.path, src.name)
+        ws.append((src, w if device == "cpu" else w.to(device), reader.path))
+    global_amax = fmt.fused_global_amax([w for _, w, _ in ws]) if len(ws) > 1 else None
+    outputs = []
+    for (src, w, path), ia in zip(ws, u.input_amax):
+        try:
+            out = fmt.quantize(w, global_amax=global_amax, input_amax=ia)
+        except FormatError as e:
+            raise FormatError(f"tensor {src.name!r}: {e.message}", path=path, tensor=src.name) from None
+        outputs += [(fmt.tensor_name(src.name, suffix), t.cpu() if device != "cpu" else t) for suffix, t in out.items()]
+        counts[u.format] = counts.get(u.format, 0) + 1
+        if progress is not None:
+            progress(w.numel() * w.element_size())
+    return outputs
 
 
 def _check_stored(fmt, stored: dict[str, torch.Tensor], path, name: str, e: int) -> None:

@@ -211,13 +211,21 @@ def _scalar_slices(fmt: Format, proj: str, scale2: torch.Tensor | None, input_sc
     return out
 
 
-def slab_modules(fmt: Format, proj: str, quantized: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+def slab_modules(fmt: Format, proj: str, quantized: Mapping[str, torch.Tensor], *,
+                 interleaved: bool = True) -> dict[str, dict[str, torch.Tensor]]:
     """The same quantized slab as ModelOpt's per-expert modules (gate_proj/up_proj from w13's
-    interleaved rows, down_proj from w2), each module's scalars shared: what ModelOpt exports."""
+    rows: interleaved as Inkling stores them, or gate then up as transformers stacks them;
+    down_proj from w2), each module's scalars shared: what ModelOpt exports."""
     mods = PROJECTIONS[proj]
     rows = set(_row_suffixes(fmt))
-    return {m: {k: (t[i::len(mods)].contiguous() if k in rows else t.clone()) for k, t in quantized.items()}
-            for i, m in enumerate(mods)}
+
+    def part(t: torch.Tensor, i: int) -> torch.Tensor:
+        if interleaved:
+            return t[i::len(mods)].contiguous()
+        n = t.shape[0] // len(mods)
+        return t[i * n:(i + 1) * n].contiguous()
+
+    return {m: {k: (part(t, i) if k in rows else t.clone()) for k, t in quantized.items()} for i, m in enumerate(mods)}
 
 
 def slab_slices(fmt: Format, proj: str, quantized: Mapping[str, torch.Tensor], *,

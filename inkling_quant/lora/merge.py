@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from .. import __version__
-from ..errors import CheckpointError, ConfigError, UsageError
+from ..errors import CheckpointError, UsageError
 from ..export import read_quantization
 from ..io.checkpoint import HF_QUANT_CONFIG, INDEX_NAME, Checkpoint, read_json, safe_child, write_json_atomic
 from ..io.derive import carry_checksums, copy_other_files, rewrite_shard, source_checksums
@@ -69,10 +69,6 @@ def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0,
     headers = ckpt.headers()
     config_path = safe_child(ckpt.root, "config.json")
     config = read_json(config_path, "config.json")
-    if not Inkling2Config.describes(config):
-        raise ConfigError("no 'text_config': not the published Inkling 2 layout (a checkpoint of the layout this "
-                          "project invented before Inkling 2 was published?); that layout is not supported",
-                          path=config_path)
     cfg = Inkling2Config.from_dict(config, str(config_path))
     adapter = open_adapter(adapter_spec)
     plan = Plan(ckpt, headers, config, cfg, adapter, [], float(scale), [], read_quantization(ckpt.root, config))

@@ -1,0 +1,149 @@
+"""convert on Hugging Face MoE checkpoints written by transformers' own save_pretrained, against
+NVIDIA ModelOpt's own quantize + export of the same model (tests/hf_moe_reference.py): with
+ModelOpt's activation scales, our output holds exactly ModelOpt's tensor names, every tensor
+bit-identical, and the same config.json and hf_quant_config.json. Families: per-expert experts
+(Qwen3-MoE with a dense first layer, Mixtral's w1/w3/w2, DeepSeek-V3 with shared experts) and
+stacked ones (Qwen3-VL-MoE: nested text_config, a vision tower), the latter also as the Hub stores
+them ([E, in, out])."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from hf_moe_reference import FAMILIES, export
+from inkling_quant.cli import main
+from inkling_quant.convert import Options, convert
+from inkling_quant.errors import CheckpointError, UsageError
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """family -> (BF16 source by save_pretrained, ModelOpt's export of it)."""
+    base = tmp_path_factory.mktemp("hf")
+    return {f: (base / f"{f}-bf16", export(f, base / f"{f}-modelopt", base / f"{f}-bf16")) for f in FAMILIES}
+
+
+def _tensors(root: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(root.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                     b.reshape(-1).view(torch.uint8))
+
+
+def _assert_equals_modelopt(ours: Path, modelopt: Path) -> None:
+    a, b = _tensors(modelopt), _tensors(ours)
+    assert set(a) == set(b), (sorted(set(a) - set(b))[:5], sorted(set(b) - set(a))[:5])
+    differ = sorted(k for k in a if not _same_bits(a[k], b[k]))
+    assert not differ, differ[:5]
+    for name in ("config.json", "hf_quant_config.json"):
+        assert json.loads((ours / name).read_text()) == json.loads((modelopt / name).read_text()), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_default_scheme_equals_modelopt_export(exported, tmp_path, family):
+    src, modelopt = exported[family]
+    out = tmp_path / "out"
+    report = convert(str(src), out, Options(scheme="default", activation_scales=str(modelopt)), quiet=True)
+    _assert_equals_modelopt(out, modelopt)
+    q = json.loads((out / "hf_quant_config.json").read_text())["quantization"]["quantized_layers"]
+    assert [e["quant_algo"] for e in q.values()][-1] == "MXFP8" and "NVFP4" in {e["quant_algo"] for e in q.values()}
+    assert report["activation_scales"]["calibrated"] > 0 and report["activation_scales"]["default"] == 0
+
+
+def test_shared_experts_and_dense_layers_pass_through(exported, tmp_path):
+    src, _ = exported["deepseek_v3"]
+    out = tmp_path / "out"
+    convert(str(src), out, Options(scheme="nvfp4", default_activation_amax=4.0), quiet=True)
+    a, b = _tensors(src), _tensors(out)
+    for name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.1.mlp.shared_experts.up_proj.weight",
+                 "model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
+                 "model.embed_tokens.weight", "lm_head.weight"):
+        assert _same_bits(a[name], b[name]), name
+    assert b["model.layers.2.mlp.experts.3.down_proj.weight"].dtype == torch.uint8
+    assert "model.layers.1.mlp.shared_experts.up_proj.weight_scale" not in b
+
+
+def test_stacked_experts_stored_as_the_hub_stores_them(exported, tmp_path):
+    """Qwen3-VL-MoE's Hub checkpoints store gate_up_proj [E, H, 2I] and down_proj [E, I, H]
+    (transformers transposes them on load); converted, they give ModelOpt's export exactly."""
+    src, modelopt = exported["qwen3_vl_moe"]
+    hub = tmp_path / "hub-form"
+    hub.mkdir()
+    for p in src.iterdir():
+        if p.suffix == ".safetensors":
+            sd = {k: (v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                      else v) for k, v in load_file(p).items()}
+            save_file(sd, hub / p.name, metadata={"format": "pt"})
+        else:
+            (hub / p.name).write_bytes(p.read_bytes())
+    with safe_open(hub / "model.safetensors", "pt") as h:
+        assert h.get_slice("model.language_model.layers.0.mlp.experts.down_proj").get_shape() == [4, 32, 64]
+    out = tmp_path / "out"
+    convert(str(hub), out, Options(activation_scales=str(modelopt)), quiet=True)
+    _assert_equals_modelopt(out, modelopt)
+
+
+def test_scheme_none_copies_every_tensor(exported, tmp_path):
+    src, _ = exported["qwen3_vl_moe"]
+    out = tmp_path / "out"
+    convert(str(src), out, Options(scheme="none"), quiet=True)
+    a, b = _tensors(src), _tensors(out)
+    assert set(a) == set(b) and all(_same_bits(a[k], b[k]) for k in a)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+
+
+def test_a_users_scheme_file(exported, tmp_path):
+    src, _ = exported["mixtral"]
+    scheme = tmp_path / "mine.toml"
+    scheme.write_text('[[rules]]\npart = "expert"\nlayers = "1"\nformat = "mxfp8"\n')
+    out = tmp_path / "out"
+    convert(str(src), out, Options(scheme=str(scheme)), quiet=True)
+    q = json.loads((out / "hf_quant_config.json").read_text())["quantization"]["quantized_layers"]
+    assert q == {"model.layers.1.block_sparse_moe.experts": {"quant_algo": "MXFP8", "group_size": 32}}
+    b = _tensors(out)
+    assert b["model.layers.1.block_sparse_moe.experts.0.w1.weight"].dtype == torch.float8_e4m3fn
+    assert b["model.layers.0.block_sparse_moe.experts.0.w1.weight"].dtype == torch.bfloat16
+
+
+def test_inkling_output_format_is_refused_for_other_families(exported, tmp_path, capsys):
+    src, _ = exported["qwen3_moe"]
+    assert main(["convert", str(src), str(tmp_path / "out"), "--output-format", "inkling",
+                 "--default-activation-amax", "4", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--output-format inkling" in err and "qwen3_moe" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_calibration_for_another_model_is_refused(exported, tmp_path):
+    src, _ = exported["qwen3_moe"]
+    _, other = exported["mixtral"]
+    with pytest.raises(CheckpointError, match=r"module name\(s\) match no module of .*block_sparse_moe"):
+        convert(str(src), tmp_path / "out", Options(activation_scales=str(other)), quiet=True)
+    with pytest.raises(UsageError, match="needs an activation scale.*model.layers.1.mlp.experts.0.down_proj"):
+        convert(str(src), tmp_path / "out", Options(), quiet=True)
+
+
+def test_a_missing_expert_or_a_wrong_shape_names_the_tensor(exported, tmp_path):
+    src, _ = exported["qwen3_moe"]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_bytes((src / "config.json").read_bytes())
+    sd = load_file(src / "model.safetensors")
+    del sd["model.layers.2.mlp.experts.3.up_proj.weight"]
+    save_file(sd, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="layer 2 expert 3: the routed expert's up weight is missing"):
+        convert(str(bad), tmp_path / "out", Options(default_activation_amax=4.0), quiet=True)
+    sd = load_file(src / "model.safetensors")
+    sd["model.layers.1.mlp.experts.0.down_proj.weight"] = sd["model.layers.1.mlp.experts.0.down_proj.weight"][:, :16].contiguous()
+    save_file(sd, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"experts\.0\.down_proj\.weight': shape \[64, 16\] disagrees") as e:
+        convert(str(bad), tmp_path / "out", Options(default_activation_amax=4.0), quiet=True)
+    assert e.value.tensor == "model.layers.1.mlp.experts.0.down_proj.weight"
