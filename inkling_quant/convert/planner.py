@@ -63,6 +63,12 @@ class Unit:
     transposed: bool = False  # "stacked" stored [E, in, out] (the Hub's Qwen3-VL-MoE, Llama 4)
     experts_module: str | None = None  # per_expert: the module ModelOpt's per-expert modules go under
 
+    @property
+    def activation_scale(self) -> bool:
+        """Whether its outputs carry an activation scale: decided once, by the planner, in setting
+        input_amax (a W4A4 NVFP4 unit has one; weight-only and MXFP8 units none)."""
+        return any(a is not None for a in self.input_amax)
+
 
 @dataclass(frozen=True)
 class ShardJob:
@@ -427,7 +433,7 @@ def _expert_unit(layout: Layout, group: list[SrcTensor], fmt: str, opts: Options
     amax, origin = [], []
     for g in group:
         try:
-            _out_names(g, fmt, opts.weight_only)
+            _out_names(g, fmt, activation_scale=False)  # the weight's own checks (block divisibility)
         except FormatError as e:
             raise FormatError(f"tensor {g.name!r}: {e}", path=f"{root}/{g.shard}", tensor=g.name) from None
         a, o = None, None
@@ -469,7 +475,7 @@ def _stacked_unit(t: SrcTensor, scale: SrcTensor | None, proj: str, fmt: str, op
     u = Unit((t,) if scale is None else (t, scale), fmt, (a,), (o,), stacked=proj, per_expert=per_expert,
              source_format=source_format, storage=storage, transposed=transposed, experts_module=module)
     try:
-        _stacked_names(u, opts.weight_only)
+        _stacked_names(u)
     except FormatError as e:
         raise FormatError(f"tensor {t.name!r}: {e}", path=f"{root}/{t.shard}", tensor=t.name) from None
     return u
@@ -481,7 +487,7 @@ def slab_shape(u: Unit) -> tuple[int, ...]:
     return (shape[0], shape[2], shape[1]) if u.transposed else shape
 
 
-def _stacked_names(u: Unit, weight_only: bool) -> list[tuple[str, str, tuple[int, ...]]]:
+def _stacked_names(u: Unit) -> list[tuple[str, str, tuple[int, ...]]]:
     """The tensors written for a stacked unit: the Inkling stacked form (formats.stacked names
     them under its module), or ModelOpt's per-expert modules
     (`<experts module>.<e>.<gate_proj|up_proj|down_proj>.<suffix>`, expert by expert)."""
@@ -489,17 +495,17 @@ def _stacked_names(u: Unit, weight_only: bool) -> list[tuple[str, str, tuple[int
     if not u.per_expert:
         prefix = src.name[: -len(f"{proj}_weight")]
         specs = projection_specs(FORMATS[u.format], proj, src.shape, dtype=DTYPES[src.dtype],
-                                 activation_scale=not weight_only)
+                                 activation_scale=u.activation_scale)
         return [(prefix + k, DTYPE_NAMES[o.dtype], tuple(o.shape)) for k, o in specs.items()]
-    return [spec for _, _, _, spec in expert_modules(u, weight_only)]
+    return [spec for _, _, _, spec in expert_modules(u)]
 
 
-def expert_modules(u: Unit, weight_only: bool) -> list[tuple[int, str, str, tuple[str, str, tuple[int, ...]]]]:
+def expert_modules(u: Unit) -> list[tuple[int, str, str, tuple[str, str, tuple[int, ...]]]]:
     """(expert, module, suffix, output spec) of every tensor ModelOpt exports for a stacked
     unit, in write order: per expert, its modules, each module's tensors in the format's order."""
     src = u.sources[0]
     specs = expert_module_specs(FORMATS[u.format], u.stacked, slab_shape(u), dtype=DTYPES[src.dtype],
-                                activation_scale=not weight_only)
+                                activation_scale=u.activation_scale)
     return [(e, m, k, (f"{u.experts_module}.{e}.{m}.{k}", DTYPE_NAMES[o.dtype], tuple(o.shape)))
             for (e, m, k), o in specs.items()]
 
@@ -542,28 +548,28 @@ def _check_activation_amax(amax: float, origin: str, module: str, fmt: str, opts
 def _pack(units: list[Unit], opts: Options) -> list[ShardJob]:
     """Units in order into shards of at most --max-shard-size of output (a larger unit alone)."""
     shards = plan_shards(units, opts.max_shard_bytes,
-                         size=lambda u: sum(spec_nbytes(s) for s in _unit_specs(u, opts.weight_only)))
+                         size=lambda u: sum(spec_nbytes(s) for s in _unit_specs(u)))
     shards = [s for s in shards if s]  # no units, no shard
-    return [_job(i, len(shards), s, opts.weight_only) for i, s in enumerate(shards)]
+    return [_job(i, len(shards), s) for i, s in enumerate(shards)]
 
 
-def _job(index: int, count: int, units: list[Unit], weight_only: bool) -> ShardJob:
-    specs = tuple(s for u in units for s in _unit_specs(u, weight_only))
+def _job(index: int, count: int, units: list[Unit]) -> ShardJob:
+    specs = tuple(s for u in units for s in _unit_specs(u))
     src_bytes = sum(spec_nbytes((s.name, s.dtype, s.shape)) for u in units for s in u.sources)
     return ShardJob(index, shard_name(index, count), tuple(units), specs, src_bytes, sum(spec_nbytes(s) for s in specs))
 
 
-def _unit_specs(u: Unit, weight_only: bool) -> list[tuple[str, str, tuple[int, ...]]]:
+def _unit_specs(u: Unit) -> list[tuple[str, str, tuple[int, ...]]]:
     if u.stacked is not None:
-        return _stacked_names(u, weight_only)
+        return _stacked_names(u)
     if u.storage == "per_expert":
-        return [s for src in u.sources for s in _out_names(src, u.format, weight_only)]
+        return [s for src in u.sources for s in _out_names(src, u.format, u.activation_scale)]
     src = u.sources[0]
     return [(u.out_name or src.name, src.dtype, (u.rows, *src.shape[1:]) if u.rows is not None else src.shape)]
 
 
-def _out_names(src: SrcTensor, fmt: str, weight_only: bool) -> list[tuple[str, str, tuple[int, ...]]]:
-    out = FORMATS[fmt].out_tensors(src.name, src.shape, DTYPES[src.dtype], activation_scale=not weight_only)
+def _out_names(src: SrcTensor, fmt: str, activation_scale: bool) -> list[tuple[str, str, tuple[int, ...]]]:
+    out = FORMATS[fmt].out_tensors(src.name, src.shape, DTYPES[src.dtype], activation_scale=activation_scale)
     return [(name, DTYPE_NAMES[o.dtype], tuple(o.shape)) for name, o in out.items()]
 
 

@@ -121,7 +121,7 @@ def _stacked_steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, cou
     reader = sources.get(src.shard)
     prefix, weight = src.name[: -len(f"{proj}_weight")], f"{proj}_weight"
     specs = projection_specs(fmt, proj, src.shape, dtype=DTYPES[src.dtype],
-                             activation_scale=u.input_amax[0] is not None)
+                             activation_scale=u.activation_scale)
     gathered = {k: torch.empty(o.shape, dtype=o.dtype) for k, o in specs.items() if k != weight}
     for e in range(src.shape[0]):
         q = _expert(u, sources, e, next(buffer_sets), device, counts, progress)
@@ -181,7 +181,7 @@ def _per_expert_steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, 
     expert, its slab quantized as stored, then split into ModelOpt's modules (gate_proj, up_proj
     from w13's interleaved rows; down_proj from w2), in the order the plan declared them."""
     src, fmt, proj = u.sources[0], FORMATS[u.format], u.stacked
-    layout = expert_modules(u, u.input_amax[0] is None)
+    layout = expert_modules(u)
     per = len(layout) // src.shape[0]  # tensors per expert
     for e in range(src.shape[0]):
         mods = slab_modules(fmt, proj, _expert(u, sources, e, next(buffer_sets), device, counts, progress),
