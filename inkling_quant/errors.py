@@ -65,6 +65,11 @@ class UsageError(InklingQuantError):
     """Bad command-line usage (missing flag, existing output, ...)."""
 
 
+class HubError(InklingQuantError):
+    """A hub source or adapter that cannot be had: no such repository or revision, no access,
+    no network (and no cached copy), or a download that failed."""
+
+
 class OutputError(InklingQuantError):
     """The output could not be written (disk full, file-size limit, permissions)."""
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from . import hub
 from .cli_common import human_bytes
 from .errors import ConfigError, InklingQuantError, printable
 from .export import format_of, read_quantization
@@ -66,8 +67,7 @@ class Summary:
 
 def summarize(root: str | Path) -> Summary:
     """Read the index, config.json and every shard header (never tensor data) and summarize."""
-    root = Path(root)
-    ckpt = Checkpoint.open(root)
+    root, ckpt = hub.open_checkpoint(str(root))  # a hub repo id: its headers, no shard downloaded
     path = safe_child(root, CONFIG_NAME)
     raw = read_json(path, CONFIG_NAME, ConfigError)
     return _summarize(root, ckpt, Inkling2Config.from_dict(raw, str(path)))
@@ -195,7 +195,8 @@ def render(s: Summary) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="a local checkpoint directory")
+    p.add_argument("checkpoint", help="a local checkpoint directory or a hub repo id org/name[@revision] (its "
+                   "headers read over HTTP: no shard is downloaded)")
     p.add_argument("--json", metavar="FILE", help="also write the summary as JSON ('-' for standard output only)")
     p.add_argument("--quiet", action="store_true", help="print nothing (the exit code says whether it is clean)")
 

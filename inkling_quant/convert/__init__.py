@@ -84,8 +84,8 @@ def convert(src: str, out: str | Path, opts: Options, *, resume: bool = False, o
             return {**_report(src, out, opts, prep.jobs, [], t0), "already_complete": True}
         done = start_output(out, prep, jobs, manifest, resume)
         todo = [j for j in jobs if j.file not in done]
-        run_jobs(prep, todo, jobs, done, manifest, out, opts, quiet)
-        report = _report(src, out, opts, jobs if part else prep.jobs, todo, t0)
+        timings = run_jobs(prep, todo, jobs, done, manifest, out, opts, quiet)
+        report = _report(src, out, opts, jobs if part else prep.jobs, todo, t0) | timings
         if part is None:
             _finalize_io(out, prep, opts)
         else:

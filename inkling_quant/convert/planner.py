@@ -116,8 +116,8 @@ def list_source(root: Path, repo: str | None, revision: str | None) -> tuple[Lis
     """The source's tensors from its shard headers, its non-weight files, and what identifies its
     files for the resume fingerprint (size and mtime; a hub repo by its revision)."""
     if repo:
-        listing = {s: {n: (d, tuple(sh)) for n, (d, sh) in e.items()} for s, e in hub.tensor_listing(repo, revision).items()}
-        return listing, [], {"repo": repo, "revision": revision}
+        listing = {s: {n: (d, tuple(sh)) for n, (d, sh) in e.items()} for s, e in hub.tensor_listing(repo, revision, root).items()}
+        return listing, hub.other_files(root), {"repo": repo, "revision": revision}
     ckpt = Checkpoint.open(root)
     headers = ckpt.headers()
     listing = {s: {n: (DTYPE_NAMES[e.dtype], e.shape) for n, e in h.tensors.items()} for s, h in headers.items()}

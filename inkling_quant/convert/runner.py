@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 import torch
 from tqdm import tqdm
 
-from .. import __version__
+from .. import __version__, hub
 from ..errors import Interrupted, OutputError, UnsafePathError, UsageError, WorkerDied
 from ..io.checkpoint import INDEX_NAME, RESUME_MANIFEST, read_json, safe_child, write_json_atomic
 from ..io.files import temps_of
@@ -213,20 +213,25 @@ def _shard_file_size(j: ShardJob) -> int:
 
 # --------------------------------------------------------------------------- the shards
 def run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: dict[str, str],
-             manifest: Path, out: Path, opts: Options, quiet: bool) -> None:
+             manifest: Path, out: Path, opts: Options, quiet: bool) -> dict:
     """Convert `todo` (here, or in `opts.workers` spawned processes), recording each finished shard
     in `done` and the manifest. Any stop (a signal, a full disk, a dead worker, an error) stops the
-    workers and removes what they left half-written, and says how to resume."""
+    workers and removes what they left half-written, and says how to resume. Returns the hub
+    source's timings for the report ({} for a local source)."""
     args = (str(prep.root), prep.repo, prep.revision, str(out), opts.device, opts.buffered_io)
     pool = None
-    with _progress_bars(jobs, todo, done, quiet) as (bar_bytes, bar_shards):
+    pooled = opts.workers if opts.workers > 1 and len(todo) > 1 else 0
+    needs = [[s.shard for u in j.units for s in u.sources] for j in todo]  # what a hub source prefetches
+    with _progress_bars(jobs, todo, done, quiet) as (bar_bytes, bar_shards), \
+            hub.shard_source(prep.repo, prep.revision, needs, pooled) as source:
         def record(r: ShardResult):
             done[r.file] = r.sha256
             _write_manifest(manifest, prep.fingerprint, done)
             bar_shards.update(1)
+            source.finished(r)
 
         try:
-            if opts.workers <= 1 or len(todo) <= 1:
+            if not pooled:
                 _convert_here(todo, args, record, bar_bytes.update)
             else:
                 pool = _start_pool(opts.workers)
@@ -249,6 +254,7 @@ def run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: d
         except BaseException:
             _stop(pool, out, todo, done)
             raise
+    return source.report()
 
 
 @contextmanager

@@ -31,6 +31,7 @@ class ShardResult:
     src_bytes: int
     counts: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    fetch_seconds: float = 0.0  # of `seconds`, waiting for hub downloads
 
 
 def _sources(root: Path, repo: str | None, revision: str | None) -> ShardReaders:
@@ -48,7 +49,7 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
     pass-through outputs are views into them, and the write of step k has finished before step
     k+2 reads into its set. `stop` is called before each unit
     (it raises to stop the shard: a signal in the converting process)."""
-    start = time.perf_counter()
+    start, fetched = time.perf_counter(), hub.fetch_seconds()
     sources = _sources(Path(src_root), repo, revision)
     buffer_sets = itertools.cycle(((TensorBuffer(), TensorBuffer()), (TensorBuffer(), TensorBuffer())))
     counts: dict[str, int] = {}
@@ -76,7 +77,8 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
             sha = writer.commit(durable=False)
     finally:
         sources.close()
-    return ShardResult(job.file, sha, job.out_bytes, job.src_bytes, counts, time.perf_counter() - start)
+    return ShardResult(job.file, sha, job.out_bytes, job.src_bytes, counts, time.perf_counter() - start,
+                       hub.fetch_seconds() - fetched)
 
 
 def _steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, counts: dict[str, int],

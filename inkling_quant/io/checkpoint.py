@@ -39,12 +39,19 @@ def safe_child(root: Path, name: str, what: str = "file", tensor: str | None = N
     try:
         if path.is_symlink():
             target = path.resolve()
-            if not target.is_relative_to(root.resolve()):
+            if not target.is_relative_to(root.resolve()) and not _hub_blob(root, target):
                 raise UnsafePathError(f"symlink points outside the checkpoint ({target})", path=path)
     except (OSError, RuntimeError) as e:  # a loop (RuntimeError before Python 3.13), a name too long
         raise UnsafePathError(f"symlink cannot be resolved: {getattr(e, 'strerror', None) or e}",
                               path=path) from None
     return path
+
+
+def _hub_blob(root: Path, target: Path) -> bool:
+    """huggingface_hub's cache links each file of snapshots/<commit>/ to ../../blobs/<hash>:
+    a hub source's files (inkling_quant.hub) are such links, and only these are let through."""
+    snapshots = root.resolve().parent
+    return snapshots.name == "snapshots" and target.parent == snapshots.parent / "blobs"
 
 
 def read_json(path: Path, what: str, error: type[Exception] = CheckpointError) -> dict:

@@ -170,6 +170,12 @@ def read_header(path: str | Path) -> Header:
     file's size."""
     path = Path(path)
     blob, size = _header_blob(path)
+    return parse_header(blob, size, path)
+
+
+def parse_header(blob: bytes, size: int, path: Path) -> Header:
+    """The checks of `read_header` on a header's JSON bytes and its file's size, read elsewhere
+    (inkling_quant.hub reads them over HTTP); `path` names the file in messages."""
     n = len(blob)
     obj = parse_json_bytes(blob, path, "header")
     if not isinstance(obj, dict):

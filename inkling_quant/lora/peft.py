@@ -283,14 +283,7 @@ def resolve_adapter(spec: str) -> Path:
         if not p.is_dir():
             raise UsageError(f"an adapter is a directory holding {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}", path=spec)
         return p
-    repo, _, rev = spec.partition("@")
-    from huggingface_hub import snapshot_download  # lazy: only hub adapters need it
-
-    try:
-        local = snapshot_download(repo, revision=rev or None, allow_patterns=[ADAPTER_CONFIG, ADAPTER_WEIGHTS])
-    except Exception as e:  # network, auth, missing repo: one clear line
-        raise UsageError(f"{spec}: cannot fetch the adapter from the hub: {type(e).__name__}: {e}") from None
-    return Path(local)
+    return hub.snapshot(spec, allow_patterns=[ADAPTER_CONFIG, ADAPTER_WEIGHTS])
 
 
 def open_adapter(spec: str | Path) -> Adapter:

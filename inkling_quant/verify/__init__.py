@@ -43,7 +43,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UsageError
+from .. import hub
+from ..errors import HubError, UsageError
 from ..formats import FORMATS
 from ..io.output import CHECKSUMS, check_paths, write_report
 from ..schemes import get_scheme
@@ -79,7 +80,8 @@ def verify(ckpt: str | Path, against: str | Path | None = None, *, scheme: str |
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
-    opts = _Options(Path(ckpt), Path(against) if against is not None else None, scheme, sample, device,
+    # a hub repo id: its snapshot, every file downloaded to the cache (after `convert` of it, nothing)
+    opts = _Options(Path(ckpt), hub.snapshot(str(against)) if against is not None else None, scheme, sample, device,
                     write_checksums, progress)
     report = VerifyReport(str(ckpt), str(against) if against is not None else None, scheme or "?", device,
                           sample=sample)
@@ -142,7 +144,8 @@ docs/ci.md has every check, the report formats and a GitHub Actions workflow."""
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
     p.add_argument("ckpt", metavar="CKPT", help="the converted checkpoint directory")
-    p.add_argument("--against", metavar="SRC", help="the BF16 source: run the numerics and byte-identity checks")
+    p.add_argument("--against", metavar="SRC", help="the BF16 source (a directory or a hub repo id org/name[@revision]): "
+                   "run the numerics and byte-identity checks")
     p.add_argument("--scheme", help="the conversion scheme (default: hf_quant_config.json's converter entry, else "
                    f"'default'; '{UNQUANTIZED}' for an unquantized checkpoint)")
     p.add_argument("--sample", type=int, default=DEFAULT_SAMPLE, metavar="N",
@@ -162,7 +165,7 @@ def run(args) -> int:
     try:
         report = verify(args.ckpt, args.against, scheme=args.scheme, sample=args.sample, device=args.device,
                         write_checksums=args.write_checksums, progress=not args.quiet and sys.stderr.isatty())
-    except UsageError as e:  # still write the reports: CI looks for them
+    except (UsageError, HubError) as e:  # still write the reports: CI looks for them
         report = VerifyReport(args.ckpt, args.against, args.scheme or "?", args.device, sample=args.sample)
         usage = Check("usage", "input", "the command line is valid")
         usage.error("inkling-quant verify", str(e))
