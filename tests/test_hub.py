@@ -17,11 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from hub_server import Hub, free_port, hub  # noqa: F401  (hub: the session fixture)
+import hub_server
+from hub_server import Hub, free_port
 from inkling_quant import hub as hubmod
 from inkling_quant import lora
 from inkling_quant.convert import Options, convert
 from inkling_quant.inspect_cmd import summarize
+
+hub = hub_server.hub  # the session fixture, by the name the tests request
 
 SHARD = 1 << 17  # output shards of 128 KiB: several jobs, so that prefetching has a next shard
 CONVERT = ["--default-activation-amax", "4", "--max-shard-size", str(SHARD), "--quiet"]
