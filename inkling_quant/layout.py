@@ -158,6 +158,14 @@ class Layout:
         """layer -> the module that holds its routed experts, as ModelOpt keys `quantized_layers`."""
         return {i: f"{self.text_prefix}layers.{i}.{self.experts.block}.experts" for i in self.expert_layers}
 
+    def activation_key(self, rec: TensorName) -> str | None:
+        """The module a routed expert's activation amax is keyed by (None for other tensors and for
+        a quantized source's scales): per expert its module, stacked the tensor (vLLM reads one
+        input scale per layer and projection there)."""
+        if rec.part != "expert" or rec.suffix != "weight":
+            return None
+        return rec.module if self.experts.kind == "per_expert" else rec.name
+
     def describe(self) -> str:
         return (f"text model under {self.text_prefix!r}, routed experts {self.experts.kind} under "
                 f"'layers.N.{self.experts.block}.experts' in {len(self.expert_layers)} layers"

@@ -9,7 +9,8 @@ from safetensors import safe_open
 
 from hf_moe_reference import save
 from inkling_quant.errors import CheckpointError, ConfigError
-from inkling_quant.layout import MoEConfig, detect
+from inkling_quant.inkling2 import Inkling2Config
+from inkling_quant.layout import MoEConfig, detect, stacked_orientation
 
 # family -> (text prefix, storage kind, block, projection names, expert layers, vision, projector)
 EXPECTED = {
@@ -145,9 +146,22 @@ def test_the_published_inkling_layout_is_detected(tiny_src):
 
     names = [n for h in Checkpoint.open(tiny_src).headers().values() for n in h.tensors]
     d = json.loads((tiny_src / "config.json").read_text())
-    cfg = MoEConfig.from_dict(d)
-    lay = detect([n for n in names if not n.startswith("dspark.")], cfg)
+    cfg = Inkling2Config.from_dict(d)
+    lay = detect(names, cfg)
     assert (lay.text_prefix, lay.experts.kind, lay.vision_prefix) == ("model.llm.", "interleaved", "model.visual.")
     assert lay.expert_layers == tuple(range(cfg.num_hidden_layers))
+    assert lay.experts_modules[3] == "model.llm.layers.3.mlp.experts"
     assert lay.classify("model.llm.layers.3.mlp.experts.w13_weight").projection == "gate_up"
     assert lay.classify("model.llm.unembed.weight").part == "lm_head"
+    assert {lay.classify(n).part for n in names if n.startswith("dspark.")} == {"draft"}
+
+
+@pytest.mark.parametrize("down,gate_up,hidden,width,want", [
+    ((4, 64, 32), (4, 64, 64), 64, 32, False),   # [E, out, in]: H == 2I, down decides
+    ((4, 32, 64), (4, 64, 64), 64, 32, True),    # [E, in, out]
+    ((4, 64, 64), (4, 128, 64), 64, 64, False),  # H == I: gate_up decides
+    ((4, 64, 64), (4, 64, 128), 64, 64, True),
+    ((4, 8, 8), (4, 8, 8), 64, 32, None),        # neither fits the config
+])
+def test_stacked_orientation_from_the_shapes(down, gate_up, hidden, width, want):
+    assert stacked_orientation(down, gate_up, hidden, width) is want

@@ -36,8 +36,9 @@ from ..io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG, INDEX_NAME, copy_file_
 from ..io.output import CHECKSUMS, OutputLock, check_paths, write_checksums, write_report
 from ..io.safetensors import fsync_files, sha256_file
 from ..schemes import get_scheme
+from .calibration import load_activation_amax, load_calibration
 from .planner import (FLOAT_SOURCES, OUTPUT_FORMATS, Options, Prepared, ShardJob, SrcTensor, Unit, list_source,
-                      load_activation_amax, load_calibration, load_config, output_format, plan, validate_source)
+                      load_config, output_format, plan, validate_source)
 from .runner import (MANIFEST, MANIFEST_GLOB, confirm_complete, fingerprint, manifest_path, manifests, part_jobs,
                      previous_output, recorded_checksums, refuse_symlinks, remove_temps, run_jobs, start_output,
                      writing)

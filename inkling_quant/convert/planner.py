@@ -7,20 +7,19 @@ into output shards."""
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .. import hub
-from ..errors import CheckpointError, ConfigError, FormatError, UsageError, printable
+from ..errors import CheckpointError, ConfigError, FormatError, UsageError
 from ..formats import FORMATS
 from ..formats.stacked import expert_module_specs, projection_specs
 from ..inkling2 import (RELEASE_EXPERT_FORMAT, Inkling2Config, Spec, checkpoint_tensors, classify, modelopt_tensor,
-                        stacked_of_expert_module, transformers_name)
+                        transformers_name)
 from ..io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child, shard_name
-from ..io.safetensors import DTYPE_NAMES, DTYPES, ShardReader
-from ..io.shards import ShardReaders, plan_shards
-from ..layout import PER_EXPERT_NAMES, Layout, MoEConfig, detect, model_config, stacked_orientation
+from ..io.safetensors import DTYPE_NAMES, DTYPES
+from ..io.shards import plan_shards
+from ..layout import Layout, MoEConfig, detect, model_config, stacked_orientation
 from ..schemes import Scheme
 from ..tensors import TensorName
 
@@ -234,144 +233,6 @@ def _validate_inkling(cfg: Inkling2Config, listing: Listing, root: str) -> list[
     return tensors
 
 
-# --------------------------------------------------------------------------- calibration
-def load_activation_amax(path: str | None) -> dict[str, float]:
-    """module -> activation amax from a calibration file (JSON {module: amax} or safetensors
-    {module + '.input_amax': one-element float tensor})."""
-    if not path:
-        return {}
-    p = Path(path)
-    if p.is_dir():
-        out = _amax_from_checkpoint(p)
-    else:
-        out = _amax_from_safetensors(p) if p.suffix == ".safetensors" else _amax_from_json(p)
-    for k, v in out.items():
-        if not (v > 0 and v < float("inf")):
-            raise CheckpointError(f"module {k[:200]!r}: activation amax must be finite and positive, got {v}",
-                                  path=path)
-    return out
-
-
-def _amax_from_safetensors(p: Path) -> dict[str, float]:
-    from ..io.safetensors import read_header
-
-    out: dict[str, float] = {}
-    with ShardReader(p, read_header(p)) as r:
-        for name, e in r.header.tensors.items():
-            module = name[: -len(".input_amax")]
-            where = f"tensor {name[:200]!r}"
-            if not name.endswith(".input_amax") or not module:
-                raise CheckpointError(f"{where}: expected '<module>.input_amax' names", path=p, tensor=name)
-            if not e.dtype.is_floating_point or e.nbytes != e.dtype.itemsize:
-                raise CheckpointError(f"{where}: an amax is one floating-point value, got dtype "
-                                      f"{DTYPE_NAMES[e.dtype]} shape {list(e.shape)}", path=p, tensor=name)
-            out[module] = float(r.get(name).float().reshape(-1)[0])
-    return out
-
-
-def _amax_from_checkpoint(root: Path) -> dict[str, float]:
-    """module -> amax from a quantized checkpoint's own activation scales, taken verbatim (the
-    format's exact inverse, so the scale is written back bit for bit): ModelOpt's per-module
-    `<module>.input_scale` and the Inkling form's `<stacked>.input_amax` [E] (the largest of its
-    experts: vLLM takes the max). `load_calibration` maps the modules onto the source's."""
-    scaled = next(f for f in FORMATS.values() if f.static_activation_scale)
-    out: dict[str, float] = {}
-    ckpt = Checkpoint.open(root)
-    headers = ckpt.headers()
-    with ShardReaders(root, headers) as readers:
-        for shard, h in headers.items():
-            for name, e in h.tensors.items():
-                if name.endswith(".input_scale"):
-                    module = name[: -len(".input_scale")]
-                    values = [scaled.activation_amax(v) for v in _floats(readers.get(shard), name, e)]
-                elif name.endswith(".input_amax"):
-                    module, values = name[: -len(".input_amax")], _floats(readers.get(shard), name, e)
-                else:
-                    continue
-                out[module] = max(out.get(module, 0.0), *values)
-    if not out:
-        raise CheckpointError("holds no activation scales (no '.input_scale' or '.input_amax' tensor)", path=root)
-    return out
-
-
-def _floats(reader: ShardReader, name: str, e) -> list[float]:
-    """An activation scale tensor's values, each finite and > 0 (a corrupt one is named, never
-    lost in a max)."""
-    if not e.dtype.is_floating_point or e.nbytes == 0:
-        raise CheckpointError(f"tensor {name!r}: an activation scale is a floating-point value", path=reader.path,
-                              tensor=name)
-    values = [float(v) for v in reader.get(name).float().reshape(-1)]
-    if not all(0 < v < float("inf") for v in values):
-        raise CheckpointError(f"tensor {name!r}: activation scales must be finite and > 0, got "
-                              f"{next(v for v in values if not 0 < v < float('inf'))}", path=reader.path, tensor=name)
-    return values
-
-
-def _amax_from_json(p: Path) -> dict[str, float]:
-    from ..io.safetensors import _short
-
-    out: dict[str, float] = {}
-    obj = read_json(p, "activation scales file")
-    for k, v in obj.items():
-        if not k:
-            raise CheckpointError("an empty module name", path=p)
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
-            raise CheckpointError(f"module {k[:200]!r}: amax must be a number, got {_short(v)}", path=p)
-        try:
-            out[k] = float(v)
-        except OverflowError:  # an integer past the float range
-            raise CheckpointError(f"module {k[:200]!r}: activation amax must be finite and positive, "
-                                  f"got an integer too large for a float", path=p) from None
-    return out
-
-
-def load_calibration(path: str | None, tensors: list[SrcTensor], layout: Layout, src: str) -> dict[str, float]:
-    """--activation-scales, keyed by the source's activation modules: a per-expert source's
-    `<experts>.<e>.<proj>` modules, a stacked source's stacked tensors (vLLM reads one input
-    scale per layer and projection there: the largest of the experts' calibrated values). Every
-    module the file names must map onto one of the source's."""
-    calibrated = load_activation_amax(path)
-    modules = {key for t in tensors if (key := activation_key(layout, layout.classify(t.name))) is not None}
-    out: dict[str, float] = {}
-    unknown = []
-    for k, v in calibrated.items():
-        key = k if k in modules else _stacked_key(layout, k)
-        if key in modules:
-            out[key] = max(out.get(key, 0.0), v)
-        else:
-            unknown.append(k)
-    if unknown:
-        unknown.sort()
-        raise CheckpointError(f"{len(unknown)} of {len(calibrated)} module name(s) match "
-                              f"no module of {src} (first: {printable(unknown[0][:200])!r}); calibration for "
-                              f"another model or another naming?", path=path)
-    return out
-
-
-def activation_key(layout: Layout, rec: TensorName) -> str | None:
-    """The module a routed expert's activation amax is keyed by (None for other tensors and for
-    a quantized source's scales): per expert its module, stacked its tensor."""
-    if rec.part != "expert" or rec.suffix != "weight":
-        return None
-    return rec.module if layout.experts.kind == "per_expert" else rec.name
-
-
-_PER_EXPERT_MODULE = re.compile(
-    r"(?P<experts>.+\.experts)\.\d+\.(?P<proj>" + "|".join(n for names in PER_EXPERT_NAMES for n in names) + ")")
-
-
-def _stacked_key(layout: Layout, module: str) -> str | None:
-    """The stacked tensor of a stacked source that holds a per-expert module of ModelOpt's export
-    (`<experts>.<e>.gate_proj` -> `<experts>.gate_up_proj`; the Inkling layout's under
-    transformers' names -> `...mlp.experts.w13_weight`)."""
-    if layout.experts.kind == "interleaved":
-        return stacked_of_expert_module(module)
-    m = _PER_EXPERT_MODULE.fullmatch(module)
-    if layout.experts.kind != "stacked" or m is None:
-        return None
-    return f"{m['experts']}.{'down_proj' if m['proj'] in ('down_proj', 'w2') else 'gate_up_proj'}"
-
-
 # --------------------------------------------------------------------------- units and shards
 def plan(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTensor], scheme: Scheme, opts: Options,
          calibrated: dict[str, float], root: str = ".") -> list[ShardJob]:
@@ -438,7 +299,7 @@ def _expert_unit(layout: Layout, group: list[SrcTensor], fmt: str, opts: Options
             raise FormatError(f"tensor {g.name!r}: {e}", path=f"{root}/{g.shard}", tensor=g.name) from None
         a, o = None, None
         if FORMATS[fmt].static_activation_scale and not opts.weight_only:
-            a, o = _activation_amax(activation_key(layout, layout.classify(g.name)), fmt, opts, calibrated)
+            a, o = _activation_amax(layout.activation_key(layout.classify(g.name)), fmt, opts, calibrated)
             if a is None:
                 missing_amax.append(g.name[: -len(".weight")])
         amax.append(a)

@@ -1,0 +1,146 @@
+"""--activation-scales: the calibrated activation amax per module, from a JSON or safetensors
+file or taken verbatim from a quantized checkpoint (ModelOpt's export, the release, ours), mapped
+onto the source's activation modules (a per-expert source's expert modules, a stacked source's
+stacked tensors)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ..errors import CheckpointError, printable
+from ..formats import FORMATS
+from ..inkling2 import stacked_of_expert_module
+from ..io.checkpoint import Checkpoint, read_json
+from ..io.safetensors import DTYPE_NAMES, ShardReader
+from ..io.shards import ShardReaders
+from ..layout import PER_EXPERT_NAMES, Layout
+from .planner import SrcTensor
+
+
+def load_activation_amax(path: str | None) -> dict[str, float]:
+    """module -> activation amax from a calibration file (JSON {module: amax} or safetensors
+    {module + '.input_amax': one-element float tensor})."""
+    if not path:
+        return {}
+    p = Path(path)
+    if p.is_dir():
+        out = _amax_from_checkpoint(p)
+    else:
+        out = _amax_from_safetensors(p) if p.suffix == ".safetensors" else _amax_from_json(p)
+    for k, v in out.items():
+        if not (v > 0 and v < float("inf")):
+            raise CheckpointError(f"module {k[:200]!r}: activation amax must be finite and positive, got {v}",
+                                  path=path)
+    return out
+
+
+def _amax_from_safetensors(p: Path) -> dict[str, float]:
+    from ..io.safetensors import read_header
+
+    out: dict[str, float] = {}
+    with ShardReader(p, read_header(p)) as r:
+        for name, e in r.header.tensors.items():
+            module = name[: -len(".input_amax")]
+            where = f"tensor {name[:200]!r}"
+            if not name.endswith(".input_amax") or not module:
+                raise CheckpointError(f"{where}: expected '<module>.input_amax' names", path=p, tensor=name)
+            if not e.dtype.is_floating_point or e.nbytes != e.dtype.itemsize:
+                raise CheckpointError(f"{where}: an amax is one floating-point value, got dtype "
+                                      f"{DTYPE_NAMES[e.dtype]} shape {list(e.shape)}", path=p, tensor=name)
+            out[module] = float(r.get(name).float().reshape(-1)[0])
+    return out
+
+
+def _amax_from_checkpoint(root: Path) -> dict[str, float]:
+    """module -> amax from a quantized checkpoint's own activation scales, taken verbatim (the
+    format's exact inverse, so the scale is written back bit for bit): ModelOpt's per-module
+    `<module>.input_scale` and the Inkling form's `<stacked>.input_amax` [E] (the largest of its
+    experts: vLLM takes the max). `load_calibration` maps the modules onto the source's."""
+    scaled = next(f for f in FORMATS.values() if f.static_activation_scale)
+    out: dict[str, float] = {}
+    ckpt = Checkpoint.open(root)
+    headers = ckpt.headers()
+    with ShardReaders(root, headers) as readers:
+        for shard, h in headers.items():
+            for name, e in h.tensors.items():
+                if name.endswith(".input_scale"):
+                    module = name[: -len(".input_scale")]
+                    values = [scaled.activation_amax(v) for v in _floats(readers.get(shard), name, e)]
+                elif name.endswith(".input_amax"):
+                    module, values = name[: -len(".input_amax")], _floats(readers.get(shard), name, e)
+                else:
+                    continue
+                out[module] = max(out.get(module, 0.0), *values)
+    if not out:
+        raise CheckpointError("holds no activation scales (no '.input_scale' or '.input_amax' tensor)", path=root)
+    return out
+
+
+def _floats(reader: ShardReader, name: str, e) -> list[float]:
+    """An activation scale tensor's values, each finite and > 0 (a corrupt one is named, never
+    lost in a max)."""
+    if not e.dtype.is_floating_point or e.nbytes == 0:
+        raise CheckpointError(f"tensor {name!r}: an activation scale is a floating-point value", path=reader.path,
+                              tensor=name)
+    values = [float(v) for v in reader.get(name).float().reshape(-1)]
+    if not all(0 < v < float("inf") for v in values):
+        raise CheckpointError(f"tensor {name!r}: activation scales must be finite and > 0, got "
+                              f"{next(v for v in values if not 0 < v < float('inf'))}", path=reader.path, tensor=name)
+    return values
+
+
+def _amax_from_json(p: Path) -> dict[str, float]:
+    from ..io.safetensors import _short
+
+    out: dict[str, float] = {}
+    obj = read_json(p, "activation scales file")
+    for k, v in obj.items():
+        if not k:
+            raise CheckpointError("an empty module name", path=p)
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise CheckpointError(f"module {k[:200]!r}: amax must be a number, got {_short(v)}", path=p)
+        try:
+            out[k] = float(v)
+        except OverflowError:  # an integer past the float range
+            raise CheckpointError(f"module {k[:200]!r}: activation amax must be finite and positive, "
+                                  f"got an integer too large for a float", path=p) from None
+    return out
+
+
+def load_calibration(path: str | None, tensors: list[SrcTensor], layout: Layout, src: str) -> dict[str, float]:
+    """--activation-scales, keyed by the source's activation modules: a per-expert source's
+    `<experts>.<e>.<proj>` modules, a stacked source's stacked tensors (vLLM reads one input
+    scale per layer and projection there: the largest of the experts' calibrated values). Every
+    module the file names must map onto one of the source's."""
+    calibrated = load_activation_amax(path)
+    modules = {key for t in tensors if (key := layout.activation_key(layout.classify(t.name))) is not None}
+    out: dict[str, float] = {}
+    unknown = []
+    for k, v in calibrated.items():
+        key = k if k in modules else _stacked_key(layout, k)
+        if key in modules:
+            out[key] = max(out.get(key, 0.0), v)
+        else:
+            unknown.append(k)
+    if unknown:
+        unknown.sort()
+        raise CheckpointError(f"{len(unknown)} of {len(calibrated)} module name(s) match "
+                              f"no module of {src} (first: {printable(unknown[0][:200])!r}); calibration for "
+                              f"another model or another naming?", path=path)
+    return out
+
+
+_PER_EXPERT_MODULE = re.compile(
+    r"(?P<experts>.+\.experts)\.\d+\.(?P<proj>" + "|".join(n for names in PER_EXPERT_NAMES for n in names) + ")")
+
+
+def _stacked_key(layout: Layout, module: str) -> str | None:
+    """The stacked tensor of a stacked source that holds a per-expert module of ModelOpt's export
+    (`<experts>.<e>.gate_proj` -> `<experts>.gate_up_proj`; the Inkling layout's under
+    transformers' names -> `...mlp.experts.w13_weight`)."""
+    if layout.experts.kind == "interleaved":
+        return stacked_of_expert_module(module)
+    m = _PER_EXPERT_MODULE.fullmatch(module)
+    if layout.experts.kind != "stacked" or m is None:
+        return None
+    return f"{m['experts']}.{'down_proj' if m['proj'] in ('down_proj', 'w2') else 'gate_up_proj'}"
