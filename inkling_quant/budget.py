@@ -160,7 +160,7 @@ def weight_bytes(cfg: Inkling2Config, scheme_name: str, tp: int, ep: bool = True
     import torch
 
     from .inkling2 import TEXT_PREFIX, checkpoint_tensors
-    from .layout import TensorName
+    from .tensors import TensorName
     from .schemes import get_scheme
 
     scheme, t, w = get_scheme(scheme_name), cfg.text, Weights()

@@ -26,6 +26,7 @@ from typing import Iterator
 from .config_fields import ConfigFields
 from .errors import ConfigError, UsageError
 from .errors import short_repr as _short
+from .inkling2 import Inkling2Config
 from .placement import HEADS, KV_HEADS, REPLICATED, TP_SPLIT, VOCAB, Weights, add_experts, rank_bytes
 
 # Keys that announce an attention or state kind the plan does not model (the first found is named).
@@ -123,15 +124,8 @@ class HFModel:
 
 
 def is_hf_moe(d) -> bool:
-    """Whether `plan` reads a config.json as a standard HF config rather than Inkling 2's (model_type
-    inkling2 / inkling2_text, or no model_type beside a text_config, as Inkling2Config.describes)."""
-    if not isinstance(d, dict):
-        return False
-    t = d.get("text_config")
-    text_type = t.get("model_type") if isinstance(t, dict) else None
-    if d.get("model_type") == "inkling2" or text_type == "inkling2_text":
-        return False
-    return "model_type" in d or text_type is not None or t is None
+    """Whether `plan` reads a config.json as a standard HF config rather than Inkling 2's."""
+    return isinstance(d, dict) and not Inkling2Config.describes(d)
 
 
 # --------------------------------------------------------------------------- reading the config

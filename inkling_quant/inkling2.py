@@ -170,8 +170,13 @@ class Inkling2Config:
     @staticmethod
     def describes(d) -> bool:
         """Whether a config.json object is an Inkling 2 model's (`model_type` "inkling2", as
-        transformers writes it), not another family's (which may nest `text_config` too)."""
-        return isinstance(d, dict) and d.get("model_type") == "inkling2"
+        transformers writes it, or only its text config's "inkling2_text"), not another family's
+        (which may nest `text_config` too). The one place that decides (layout.model_config)."""
+        if not isinstance(d, dict):
+            return False
+        t = d.get("text_config")
+        text_type = t.get("model_type") if isinstance(t, dict) else None
+        return d.get("model_type") == "inkling2" or ("model_type" not in d and text_type == "inkling2_text")
 
     @classmethod
     def load(cls, path: str | Path) -> "Inkling2Config":

@@ -144,6 +144,7 @@ class Layout:
     vision_prefix: str | None
     projector_prefix: str | None
     lm_head: str | None
+    num_layers: int | None = None  # the config's decoder layers: layers past them are MTP/draft layers
 
     def classify(self, name: str) -> TensorName:
         """What `name` is (part, layer, expert, canonical projection gate/up/down, suffix)."""
@@ -195,6 +196,8 @@ def _classify(lay: Layout, name: str) -> TensorName | None:
         part = "embed" if rest.startswith(("embed_tokens.", "embed.")) else "other"
         return TensorName(name, part, suffix=rest.rsplit(".", 1)[-1])
     layer, rest = int(m["layer"]), m["rest"]
+    if lay.num_layers is not None and layer >= lay.num_layers:  # e.g. DeepSeek-V3's MTP layer 61: passed through
+        return TensorName(name, "draft", layer, suffix=rest.rsplit(".", 1)[-1])
     pattern = {"per_expert": _PER_EXPERT, "stacked": _STACKED, "interleaved": _INTERLEAVED}[lay.experts.kind]
     if (e := pattern.fullmatch(rest)) is not None and e["block"] == lay.experts.block:
         expert = int(e["expert"]) if "expert" in e.groupdict() else None
@@ -243,7 +246,7 @@ def detect(names: list[str], cfg: "MoEConfig | Inkling2Config | None" = None, so
     names_seen: set[str] = set()
     for n in names:
         m = _LAYER.fullmatch(n[len(prefix):]) if n.startswith(prefix) else None
-        if m is None or m["prefix"]:
+        if m is None or m["prefix"] or (cfg is not None and int(m["layer"]) >= cfg.num_hidden_layers):
             continue
         for kind, pattern in (("per_expert", _PER_EXPERT), ("stacked", _STACKED), ("interleaved", _INTERLEAVED)):
             if (e := pattern.fullmatch(m["rest"])) is not None:
@@ -274,7 +277,8 @@ def detect(names: list[str], cfg: "MoEConfig | Inkling2Config | None" = None, so
     vision = next((p for p in VISION_PREFIXES if any(n.startswith(p) for n in names)), None)
     projector = next((p for p in PROJECTOR_PREFIXES if any(n.startswith(p) for n in names)), None)
     head = next((h for h in LM_HEADS if h in set(names)), None)
-    lay = Layout(prefix, storage, tuple(sorted(layers)), vision, projector, head)
+    lay = Layout(prefix, storage, tuple(sorted(layers)), vision, projector, head,
+                 cfg.num_hidden_layers if cfg is not None else None)
     unplaced = [n for n in names if _classify(lay, n) is None]
     if unplaced:
         raise CheckpointError(f"{len(unplaced)} tensor(s) fit no part of the detected layout "

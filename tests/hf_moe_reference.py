@@ -9,7 +9,7 @@ Families, chosen to cover every layout rule (docs/layout.md, "Supported layouts"
 | qwen3_moe      | `model.`                 | per expert, gate_proj/up_proj/down_proj | dense first layer (mlp_only_layers) |
 | mixtral        | `model.`                 | per expert, block_sparse_moe w1/w3/w2   |                               |
 | deepseek_v3    | `model.`                 | per expert                              | shared experts, dense first layer (first_k_dense_replace), e_score_correction_bias |
-| qwen3_vl_moe   | `model.language_model.`  | stacked gate_up_proj [E, H, 2I], down_proj [E, I, H] | nested text_config, vision tower |
+| qwen3_vl_moe   | `model.language_model.`  | stacked gate_up_proj [E, 2I, H], down_proj [E, H, I] (5.25's save_pretrained; the Hub's are transposed) | nested text_config, vision tower |
 
 Dimensions: hidden 64, expert width 32 (MXFP8's 32-blocks divide both), 4 experts, 3 layers (the
 default scheme's 5/6 then gives NVFP4 to layers 0-1 and MXFP8 to layer 2, ModelOpt's config here).

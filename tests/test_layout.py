@@ -165,3 +165,13 @@ def test_the_published_inkling_layout_is_detected(tiny_src):
 ])
 def test_stacked_orientation_from_the_shapes(down, gate_up, hidden, width, want):
     assert stacked_orientation(down, gate_up, hidden, width) is want
+
+
+def test_layers_past_the_config_are_draft_layers(saved):
+    """DeepSeek-V3 checkpoints carry their MTP module as decoder layer `num_hidden_layers`
+    (layer 61 of 61): it is passed through as a draft, not taken for routed experts."""
+    d, names = saved["deepseek_v3"]
+    mtp = [n.replace("layers.2.", "layers.3.") for n in names if ".layers.2." in n]
+    lay = detect(names + mtp, MoEConfig.from_dict(d))
+    assert lay.expert_layers == (1, 2)
+    assert {lay.classify(n).part for n in mtp} == {"draft"}

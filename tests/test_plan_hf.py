@@ -272,7 +272,8 @@ def test_not_moe_and_bad_values_are_config_errors():
 # --------------------------------------------------------------------------- the CLI
 def test_inkling_configs_keep_their_path():
     ref = Inkling2Config.reference()
-    assert not is_hf_moe(ref.raw) and not is_hf_moe({"text_config": {}})
+    assert not is_hf_moe(ref.raw) and not is_hf_moe({"text_config": {"model_type": "inkling2_text"}})
+    assert is_hf_moe({"text_config": {}})  # no model_type anywhere: not Inkling 2 (Inkling2Config.describes)
     assert is_hf_moe(QWEN3_30B) and is_hf_moe({"text_config": {"model_type": "qwen3_vl_moe_text"}})
     assert isinstance(load_config(None), Inkling2Config)
 

@@ -235,7 +235,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("NVFP4 activation scales (W4A4 needs one input_scale per expert projection)")
     a.add_argument("--activation-scales", metavar="FILE|DIR",
                    help="calibration amax per module: JSON {module: amax}, safetensors {module.input_amax}, or a "
-                        "quantized checkpoint (ModelOpt's export, the release, ours) whose scales are taken verbatim")
+                        "quantized checkpoint (ModelOpt's export, ours) whose scales are taken verbatim")
     a.add_argument("--default-activation-amax", type=positive_float, metavar="X",
                    help="use amax X for every module without a calibrated value")
     a.add_argument("--weight-only", action="store_true", help="W4A16 NVFP4 (no input_scale; vLLM's W4A16_NVFP4)")

@@ -173,11 +173,11 @@ def _validate_moe(cfg: MoEConfig, layout: Layout, listing: Listing, root: str) -
     tensors, seen = [], set()
     for name, (shard, dtype, shape) in entries.items():
         path, rec = f"{root}/{shard}", layout.classify(name)
-        if DTYPES[dtype] not in FLOAT_SOURCES:
+        if DTYPES[dtype] not in FLOAT_SOURCES or (rec.part == "expert" and rec.suffix != "weight"):
             raise CheckpointError(f"tensor {name!r}: dtype {dtype}: the source is already quantized; convert "
                                   f"takes BF16/FP16/FP32 checkpoints of this family", path=path, tensor=name)
         if rec.part == "expert":
-            if rec.suffix != "weight" or shape != want[rec.projection]:
+            if shape != want[rec.projection]:
                 raise CheckpointError(f"tensor {name!r}: shape {list(shape)} disagrees with config.json (expected "
                                       f"{list(want[rec.projection])} for a routed expert's {rec.projection} "
                                       f"weight)", path=path, tensor=name)
