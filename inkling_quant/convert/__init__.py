@@ -148,7 +148,7 @@ def quant_config(prep: Prepared, weight_only: bool) -> dict:
     def module(u: Unit) -> str | None:
         if u.format == "passthrough":
             return None
-        if u.per_expert:  # the module ModelOpt's per-expert modules go under
+        if u.unstacked:  # the module ModelOpt's per-expert modules go under
             return u.experts_module
         if u.stacked:  # the Inkling stacked form: the tensor's own module
             return u.sources[0].name[: -len(f".{u.stacked}_weight")]

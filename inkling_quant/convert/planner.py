@@ -54,13 +54,13 @@ class Unit:
     # unembedding the rows kept (transformers' lm_head drops the vocabulary padding)
     out_name: str | None = None
     rows: int | None = None
-    per_expert: bool = False  # a stacked unit written as ModelOpt's per-expert modules
+    unstacked: bool = False  # a stacked unit written as ModelOpt's per-expert modules (modelopt-hf)
     source_format: str | None = None  # a quantized source's format (the MXFP8 release); None: float
     # a stacked unit's storage: "interleaved" (Inkling's w13 [E, 2I, H], gate/up rows alternating)
     # or "stacked" (transformers' gate_up_proj, gate then up; down_proj); "per_expert": 2-D experts
     storage: str = "interleaved"
     transposed: bool = False  # "stacked" stored [E, in, out] (the Hub's Qwen3-VL-MoE, Llama 4)
-    experts_module: str | None = None  # per_expert: the module ModelOpt's per-expert modules go under
+    experts_module: str | None = None  # unstacked: the module ModelOpt's per-expert modules go under
 
     @property
     def activation_scale(self) -> bool:
@@ -319,10 +319,10 @@ def _stacked_unit(t: SrcTensor, scale: SrcTensor | None, proj: str, fmt: str, op
     source_format = None if scale is None else RELEASE_EXPERT_FORMAT
     if source_format is not None and fmt == "passthrough":
         fmt = source_format  # nothing to quantize: the stored experts pass through
-    per_expert = opts.output_format == "modelopt-hf"
+    unstacked = opts.output_format == "modelopt-hf"
     if fmt == "passthrough" and storage == "stacked":
         return Unit((t,), fmt, (None,), (None,))
-    if per_expert and fmt == "passthrough":
+    if unstacked and fmt == "passthrough":
         raise UsageError(f"--output-format modelopt-hf writes quantized experts as ModelOpt exports them; the "
                          f"scheme leaves {t.name!r} unquantized: use --output-format inkling", tensor=t.name)
     a, o = None, None
@@ -331,9 +331,9 @@ def _stacked_unit(t: SrcTensor, scale: SrcTensor | None, proj: str, fmt: str, op
         if a is None:
             missing_amax.append(t.name)
     module = None
-    if per_expert:  # ModelOpt's experts module: transformers' name for Inkling, the source's own otherwise
+    if unstacked:  # ModelOpt's experts module: transformers' name for Inkling, the source's own otherwise
         module = (transformers_name(t.name) if storage == "interleaved" else t.name).rsplit(".", 1)[0]
-    u = Unit((t,) if scale is None else (t, scale), fmt, (a,), (o,), stacked=proj, per_expert=per_expert,
+    u = Unit((t,) if scale is None else (t, scale), fmt, (a,), (o,), stacked=proj, unstacked=unstacked,
              source_format=source_format, storage=storage, transposed=transposed, experts_module=module)
     try:
         _stacked_names(u)
@@ -353,7 +353,7 @@ def _stacked_names(u: Unit) -> list[tuple[str, str, tuple[int, ...]]]:
     them under its module), or ModelOpt's per-expert modules
     (`<experts module>.<e>.<gate_proj|up_proj|down_proj>.<suffix>`, expert by expert)."""
     src, proj = u.sources[0], u.stacked
-    if not u.per_expert:
+    if not u.unstacked:
         prefix = src.name[: -len(f"{proj}_weight")]
         specs = projection_specs(FORMATS[u.format], proj, src.shape, dtype=DTYPES[src.dtype],
                                  activation_scale=u.activation_scale)

@@ -117,7 +117,7 @@ def _stacked_steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, cou
     write its weight slice as the next piece; the scales (an eighth of the weight or less) are
     gathered and written after the last expert. Memory: one expert plus the layer's scales."""
     src, fmt, proj = u.sources[0], FORMATS[u.format], u.stacked
-    if u.per_expert:
+    if u.unstacked:
         yield from _per_expert_steps(u, sources, buffer_sets, device, counts, progress)
         return
     reader = sources.get(src.shard)
