@@ -5,13 +5,14 @@
   inkling-quant lora merge CKPT ADAPTER OUT      OUT = CKPT with W' = W + scale * B @ A merged
                                                  into every module the adapter targets
 
-CKPT is a converted checkpoint (NVFP4/MXFP8 routed experts, BF16 attention) or a BF16 source of
-Inkling 2 (config.json with text_config). ADAPTER is a PEFT LoRA adapter directory
+CKPT is a converted checkpoint (NVFP4/MXFP8 routed experts, BF16 attention; ours or ModelOpt's
+export) or a BF16 source: Inkling 2 (inkling2.py) or a Hugging Face MoE family (layout.py:
+Qwen3-MoE, Mixtral, DeepSeek-V3, Qwen3-VL-MoE, ...). ADAPTER is a PEFT LoRA adapter directory
 (adapter_config.json + adapter_model.safetensors) or a hub repo id org/name[@revision], as PEFT
-writes it for transformers' Inkling2 models, routed experts via target_parameters
-(lora/published.py: which module merges where). The merge is computed in FP32 and rounded once to the stored
-dtype. Routed-expert adapters are merged only where the experts are BF16 (a source, before
-conversion): the recipe's rule, "expert adapters need BF16 expert weights". Only shards holding
+writes it for the transformers model, routed experts via target_parameters (lora/plan.py: which
+module merges where; lora/inkling.py and lora/hf.py: the layouts' names). The merge is computed
+in FP32 and rounded once to the stored dtype. Routed-expert adapters are merged only where the
+experts are BF16 (a source, before conversion): "expert adapters need BF16 expert weights". Only shards holding
 a merged tensor are rewritten; the others are hardlinked (or copied). OUT is built in
 OUT.partial and renamed into place when complete. docs/lora.md has the workflow and the
 reasons for every refusal.
@@ -27,7 +28,7 @@ from ..io.output import check_paths, read_checksums, write_report
 from .merge import DTYPES, PROVENANCE_KEY, QUANT_CONFIG, Plan, Target, check, merge, merged_config, merged_weight
 from .peft import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PATTERN_TIMEOUT_S, PEFT_PREFIX, Adapter, AdapterConfig,
                    open_adapter, resolve_adapter)
-from .published import MERGEABLE_PARTS
+from .inkling import MERGEABLE_PARTS
 
 # The library API, as `inkling_quant.lora` offered it when it was one module (read_checksums too:
 # callers and tests read OUT's checksums through it).
@@ -49,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        description="Write CKPT with ADAPTER merged (W' = W + scale * B @ A, FP32, rounded once) to OUT; "
                                    "shards without a merged tensor are hardlinked (or copied with --copy).")
     for q in (c, m):
-        q.add_argument("ckpt", help="checkpoint directory: converted (NVFP4/MXFP8 experts) or a BF16 source")
+        q.add_argument("ckpt", help="checkpoint directory: converted (NVFP4/MXFP8 experts; ours or ModelOpt's) or a "
+                                    "BF16 source, of Inkling 2 or a Hugging Face MoE family")
         q.add_argument("adapter", help="PEFT adapter directory (adapter_config.json + adapter_model.safetensors) "
                                        "or hub repo id org/name[@revision]")
     m.add_argument("out", help="output directory (built in OUT.partial, renamed when complete)")
@@ -73,11 +75,15 @@ def print_plan(s: dict) -> None:
     parts = ", ".join(f"{n} {p}" for p, n in s["by_part"].items() if n)
     print(f"{s['modules']} module(s) ({parts}) into {s['checkpoint']}: {s['shards_rewritten']} shard(s) rewritten, "
           f"{s['shards_unchanged']} unchanged")
-    width = max(len(t["module"]) for t in s["targets"])
+    rows: dict[str, list[dict]] = {}  # module -> its tensors (several: an expert parameter stored per expert)
+    for t in s["targets"]:
+        rows.setdefault(t["module"], []).append(t)
+    width = max(len(m) for m in rows)
     swidth = max(len(t["shard"]) for t in s["targets"])
     print(f"  {'module':<{width}}  {'shard':<{swidth}}  {'rank':>4}  {'alpha':>7}  {'scale':>10}")
-    for t in s["targets"]:
-        print(f"  {t['module']:<{width}}  {t['shard']:<{swidth}}  {t['rank']:>4}  {t['alpha']:>7g}  {t['scale']:>10.6g}")
+    for module, ts in rows.items():
+        t, more = ts[0], f"  ({len(ts)} tensors, per expert)" if len(ts) > 1 else ""
+        print(f"  {module:<{width}}  {t['shard']:<{swidth}}  {t['rank']:>4}  {t['alpha']:>7g}  {t['scale']:>10.6g}{more}")
 
 
 def run(args) -> int:

@@ -12,16 +12,19 @@ import torch
 from tqdm import tqdm
 
 from .. import __version__
-from ..errors import CheckpointError, UsageError
+from ..errors import UsageError
 from ..export import read_quantization
 from ..io.checkpoint import HF_QUANT_CONFIG, INDEX_NAME, Checkpoint, read_json, safe_child, write_json_atomic
 from ..io.derive import carry_checksums, copy_other_files, rewrite_shard, source_checksums
 from ..io.output import link_or_copy, staged_output
-from ..io.safetensors import DTYPE_NAMES, Header, ShardReader, TensorEntry
+from ..io.safetensors import Header, ShardReader, TensorEntry
 from ..io.shards import ShardReaders
 from ..inkling2 import Inkling2Config
-from .published import MERGEABLE_PARTS, plan_targets, sliced_merge
-from .target import DTYPES, Target, merged_weight
+from ..layout import MoEConfig, model_config
+from .hf import HFNaming
+from .inkling import Inkling2Naming
+from .plan import Factors, finite_merge, plan_targets, sliced_merge
+from .target import DTYPES, Target, merged_expert, merged_weight
 from .peft import Adapter, open_adapter, read_lora
 
 QUANT_CONFIG = HF_QUANT_CONFIG
@@ -34,7 +37,8 @@ class Plan:
     ckpt: Checkpoint
     headers: dict[str, Header]
     config: dict
-    cfg: Inkling2Config
+    cfg: Inkling2Config | MoEConfig
+    naming: Inkling2Naming | HFNaming  # the layout's side of the plan (lora/plan.py)
     adapter: Adapter
     targets: list[Target]
     user_scale: float
@@ -52,8 +56,8 @@ class Plan:
             "checkpoint": str(self.ckpt.root), "adapter": self.adapter.source,
             "adapter_sha256": self.adapter.sha256, "base_model_name_or_path": a.base_model,
             "r": a.r, "lora_alpha": a.lora_alpha, "use_rslora": a.use_rslora, "user_scale": self.user_scale,
-            "modules": len(self.targets),
-            "by_part": {p: sum(t.part == p for t in self.targets) for p in MERGEABLE_PARTS},
+            "modules": len({t.module for t in self.targets}), "tensors": len(self.targets),
+            "by_part": {p: len({t.module for t in self.targets if t.part == p}) for p in self.naming.parts},
             "shards_rewritten": len(self.rewrite), "shards_unchanged": len(self.ckpt.shards) - len(self.rewrite),
             "warnings": self.warnings, "targets": [t.row() for t in self.targets],
         }
@@ -69,9 +73,12 @@ def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0,
     headers = ckpt.headers()
     config_path = safe_child(ckpt.root, "config.json")
     config = read_json(config_path, "config.json")
-    cfg = Inkling2Config.from_dict(config, str(config_path))
+    cfg = model_config(config, str(config_path))
+    naming = Inkling2Naming(cfg, ckpt.weight_map) if isinstance(cfg, Inkling2Config) else \
+        HFNaming(cfg, ckpt.weight_map, headers, str(ckpt.root))
     adapter = open_adapter(adapter_spec)
-    plan = Plan(ckpt, headers, config, cfg, adapter, [], float(scale), [], read_quantization(ckpt.root, config))
+    plan = Plan(ckpt, headers, config, cfg, naming, adapter, [], float(scale), [],
+                read_quantization(ckpt.root, config))
     if adapter.config.fan_in_fan_out:
         plan.warnings.append("fan_in_fan_out=true ignored, as PEFT does for nn.Linear layers: the projections are "
                              "stored [out, in], so the delta is B @ A")
@@ -92,21 +99,18 @@ def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0,
 
 
 # --------------------------------------------------------------------------- merge
-def _merge_into(plan: Plan, factors: ShardReader):
-    """rewrite_shard's transform: a targeted weight merged (W + scale * B @ A), any other as it is."""
+def _merge_into(plan: Plan, factors: Factors):
+    """rewrite_shard's transform: a targeted weight merged (W + scale * B @ A; a per-expert tensor
+    its expert's delta), any other as it is."""
     targets = {t.tensor: t for t in plan.targets}
 
     def transform(e: TensorEntry, t: torch.Tensor) -> torch.Tensor:
         tgt = targets.get(e.name)
-        if tgt is None or tgt.param is not None:  # stacked experts: merged slice by slice (published.py)
+        if tgt is None or tgt.sliced:  # stacked experts: merged slice by slice (plan.sliced_merge)
             return t
-        a_e, b_e = plan.adapter.modules[tgt.adapter_module]
-        merged = merged_weight(t, read_lora(factors, a_e), read_lora(factors, b_e), tgt.scale)
-        if not bool(torch.isfinite(merged).all()):
-            raise CheckpointError(f"tensor {e.name!r}: the merged weight has Inf/NaN (overflow of "
-                                  f"{DTYPE_NAMES[e.dtype]}; is --scale too large?)", path=plan.headers[tgt.shard].path,
-                                  tensor=e.name)
-        return merged
+        a, b = factors(tgt)
+        merged = merged_weight(t, a, b, tgt.scale) if tgt.param is None else merged_expert(t, a, b, tgt, tgt.expert)
+        return finite_merge(merged, e.name, "", e.dtype, plan.headers[tgt.shard].path)
     return transform
 
 
@@ -118,7 +122,7 @@ def merged_config(plan: Plan) -> dict:
         "base_model_name_or_path": plan.adapter.config.base_model,
         "r": plan.adapter.config.r, "lora_alpha": plan.adapter.config.lora_alpha,
         "use_rslora": plan.adapter.config.use_rslora, "scale": plan.user_scale,
-        "modules": len(plan.targets), "tool": f"inkling-quant {__version__}",
+        "modules": len({t.module for t in plan.targets}), "tool": f"inkling-quant {__version__}",
     }
     prior = config.get(PROVENANCE_KEY)
     config[PROVENANCE_KEY] = (list(prior) if isinstance(prior, list) else []) + [record]
@@ -139,7 +143,8 @@ def merge(ckpt_dir: str | Path, adapter_spec: str | Path, out: str | Path, *, sc
     with staged_output(out, [root, plan.adapter.root], overwrite) as tmp, ShardReaders(root, headers) as readers, \
             ShardReader(plan.adapter.path, plan.adapter.header) as factors, \
             tqdm(total=bar_total, unit="B", unit_scale=True, desc="lora merge", disable=not progress) as bar:
-        transform, sliced = _merge_into(plan, factors), sliced_merge(plan, factors)
+        reads = Factors(plan, factors)
+        transform, sliced = _merge_into(plan, reads), sliced_merge(plan, reads)
         for s in ckpt.shards:
             expected = sums_in.get(s) if sums_in is not None else None
             if s in rewrite:

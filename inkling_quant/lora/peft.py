@@ -6,7 +6,7 @@
 - The refusal tables: the settings whose value changes what the saved A/B mean (`_UNSUPPORTED`,
   `_BASE_MODIFYING_INIT`, `_KNOWN_KEYS`) and the tensors that are not LoRA deltas
   (`_REFUSED_TENSORS`). Which parts of the model LoRA merges into is the layout's business
-  (published.py).
+  (plan.py and the layout's naming: inkling.py, hf.py).
 - The adapter files (`open_adapter`): adapter_config.json + adapter_model.safetensors, local or
   from the hub, validated before any tensor data is read.
 """
@@ -59,7 +59,7 @@ _KNOWN_KEYS = {
     "bias", "use_rslora", "init_lora_weights", "layers_to_transform", "layers_pattern", "rank_pattern",
     "alpha_pattern", "megatron_config", "megatron_core", "loftq_config", "eva_config", "corda_config",
     "lora_ga_config", "qalora_group_size", "runtime_config", "ensure_weight_tying",
-    "target_parameters",  # LoRA on nn.Parameters: the stacked routed experts (lora/published.py)
+    "target_parameters",  # LoRA on nn.Parameters: the stacked routed experts (lora/plan.py)
 } | set(_UNSUPPORTED)
 
 # Tensors of adapter_model.safetensors that are not plain LoRA deltas: (key fragments, why).
@@ -346,14 +346,13 @@ def read_lora(reader: ShardReader, e: TensorEntry) -> torch.Tensor:
     return t
 
 
-def quantized_refusal(where: str, part: str, fmt: str, path) -> ConfigError:
-    """Why an adapter module cannot merge into a quantized checkpoint tensor (the recipe's rule
-    for routed experts)."""
+def quantized_refusal(where: str, part: str, fmt: str, path, rule: str) -> ConfigError:
+    """Why an adapter module cannot merge into a quantized checkpoint tensor (for routed experts,
+    the layout's `rule`: the recipe's words for Inkling 2)."""
     if part == "expert":
         return ConfigError(
             f"{where}: the routed experts of this checkpoint are {fmt}; expert adapters need BF16 expert "
-            f"weights (the Inkling 2 Small recipe: 'with the NVFP4/MXFP8 experts, use attention-only "
-            f"adapters'). Merge into the BF16 source before converting, or train an attention-only adapter",
+            f"weights {rule}. Merge into the BF16 source before converting, or train an attention-only adapter",
             path=path)
     return ConfigError(f"{where}: the checkpoint holds this projection quantized ({fmt}); LoRA merges into "
                        f"unquantized weights only", path=path)
