@@ -21,13 +21,13 @@ calibrated on a few random batches; ~5-10 s per family on CPU.
 from __future__ import annotations
 
 import copy
-import warnings
 from pathlib import Path
 
 import torch
 
+from modelopt_reference import quant_config, quantize_and_export
+
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "qwen3_vl_moe")
-MXFP8_CFG = {"num_bits": (4, 3), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}
 _TEXT = dict(vocab_size=96, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
              num_experts_per_tok=2)
 
@@ -88,36 +88,12 @@ def text_layers(model: torch.nn.Module) -> int:
     return model.config.get_text_config().num_hidden_layers
 
 
-def quant_config(mxfp8_layers):
-    import modelopt.torch.quantization as mtq
-
-    cfg = copy.deepcopy(mtq.NVFP4_EXPERTS_ONLY_CFG)
-    for i in mxfp8_layers:
-        for q in ("weight_quantizer", "input_quantizer"):
-            cfg["quant_cfg"].append({"quantizer_name": f"*layers.{i}.*.experts.*{q}*", "cfg": MXFP8_CFG})
-    return cfg
-
-
 def export(family: str, out: Path, source: Path, seed: int = 0, batches: int = 3, seq: int = 24) -> Path:
     """Save the BF16 model of `family` to `source` (save_pretrained) and ModelOpt's quantized
     export of it to `out`."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import modelopt.torch.quantization as mtq
-        from modelopt.torch.export import export_hf_checkpoint
-
     model = build(family, seed)
     copy.deepcopy(model).save_pretrained(source)  # on a copy: save_pretrained rewrites config.dtype
     g = torch.Generator().manual_seed(seed + 2)
     ids = [torch.randint(0, 90, (1, seq), generator=g) for _ in range(batches)]
-
-    def forward_loop(m):
-        with torch.no_grad():
-            for x in ids:
-                m(input_ids=x)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = mtq.quantize(model, quant_config([text_layers(model) - 1]), forward_loop)
-        export_hf_checkpoint(model, export_dir=str(out))
-    return out
+    # routed experts only: `.experts.` (a shared_experts module is no match)
+    return quantize_and_export(model, quant_config([text_layers(model) - 1], "*layers.{i}.*.experts.*"), ids, out)

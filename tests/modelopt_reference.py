@@ -31,13 +31,15 @@ def tiny_modelopt_config():
     return tiny_config(moe_intermediate_size=64)
 
 
-def quant_config(mxfp8_layers):
+def quant_config(mxfp8_layers, experts: str = "*layers.{i}.mlp.experts*"):
+    """ModelOpt's experts-only NVFP4 config with MXFP8 for the routed experts of `mxfp8_layers`
+    (`experts`: the pattern of a layer's routed experts' quantizer names)."""
     import modelopt.torch.quantization as mtq
 
     cfg = copy.deepcopy(mtq.NVFP4_EXPERTS_ONLY_CFG)
     for i in mxfp8_layers:
         for q in ("weight_quantizer", "input_quantizer"):
-            cfg["quant_cfg"].append({"quantizer_name": f"*layers.{i}.mlp.experts*{q}*", "cfg": MXFP8_CFG})
+            cfg["quant_cfg"].append({"quantizer_name": experts.format(i=i) + f"{q}*", "cfg": MXFP8_CFG})
     return cfg
 
 
@@ -45,11 +47,6 @@ def export_tiny(out: Path, seed: int = 0, batches: int = 3, seq: int = 24, sourc
     """Quantize the tiny Inkling 2 with ModelOpt (NVFP4 experts, MXFP8 in the last layer) and
     export it to `out` with `export_hf_checkpoint`; with `source`, the BF16 model is first saved
     there by transformers' save_pretrained (the original layout our converter reads)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import modelopt.torch.quantization as mtq
-        from modelopt.torch.export import export_hf_checkpoint
-
     cfg = tiny_modelopt_config()
     torch.manual_seed(seed)
     model = inkling2.Inkling2ForConditionalGeneration._from_config(cfg, dtype=torch.bfloat16)
@@ -60,9 +57,17 @@ def export_tiny(out: Path, seed: int = 0, batches: int = 3, seq: int = 24, sourc
     model.config.architectures = [type(model).__name__]  # see the module doc (TypeError otherwise)
     if source is not None:  # on a copy: save_pretrained turns config.dtype into a string ModelOpt's export
         copy.deepcopy(model).save_pretrained(source)  # then passes to Tensor.to ("Invalid device string")
-    n = cfg.text_config.num_hidden_layers
     g = torch.Generator().manual_seed(seed + 1)
     ids = [torch.randint(0, cfg.text_config.unpadded_vocab_size - 2, (1, seq), generator=g) for _ in range(batches)]
+    return quantize_and_export(model, quant_config([cfg.text_config.num_hidden_layers - 1]), ids, out)
+
+
+def quantize_and_export(model, config: dict, ids: list[torch.Tensor], out: Path) -> Path:
+    """ModelOpt's own `mtq.quantize` (calibrated on the batches `ids`) and `export_hf_checkpoint`."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import modelopt.torch.quantization as mtq
+        from modelopt.torch.export import export_hf_checkpoint
 
     def forward_loop(m):
         with torch.no_grad():
@@ -71,7 +76,7 @@ def export_tiny(out: Path, seed: int = 0, batches: int = 3, seq: int = 24, sourc
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = mtq.quantize(model, quant_config([n - 1]), forward_loop)
+        model = mtq.quantize(model, config, forward_loop)
         export_hf_checkpoint(model, export_dir=str(out))
     return out
 
