@@ -7,11 +7,17 @@ shapes, dtypes: `formats.stacked.projection_specs`) it would write for the sourc
 config.json), and checked against the format the quantization config declares for
 `model.llm.layers.N.mlp.experts`; everything else passes through.
 
-The published Inkling 2 layout only (inkling_quant.inkling2; the bundled DSpark draft of
-inkling_quant.dspark): a config.json without text_config is refused with a ConfigError.
+Two kinds of checkpoint (layout.model_config): the published Inkling 2 layout (inkling_quant.inkling2,
+the bundled DSpark draft of inkling_quant.dspark; a config.json without text_config is refused
+with a ConfigError), and every other Hugging Face MoE family, as transformers saves it and as
+ModelOpt's exporter (or our convert) writes it. For those the layout is detected from the names
+(layout.detect: text prefix, routed-expert storage and layers, vision tower and projector, shown
+first), and each expert module's tensors are recognized by asking every format which tensors it
+writes for the module's source shape (`formats.detect`), against the format the quantization
+config declares for the layer's experts module.
 
 Exit status 0, or 1 when a tensor is outside the layout, matches no format or not the format
-the quantization config declares (listed)."""
+the quantization config declares, or a layer lacks experts (listed)."""
 from __future__ import annotations
 
 import argparse
@@ -27,9 +33,11 @@ from . import hub
 from .cli_common import human_bytes
 from .errors import ConfigError, InklingQuantError, printable
 from .export import format_of, read_quantization
-from .formats import FORMATS
+from .formats import FORMATS, SCALE_SUFFIXES
+from .formats import detect as detect_format
 from .formats.stacked import projection_specs
 from .inkling2 import Inkling2Config, classify, experts_module
+from .layout import CANONICAL, Layout, MoEConfig, detect, model_config, oriented
 from .io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child
 from .io.output import check_paths, write_report
 from .io.safetensors import TensorEntry
@@ -51,26 +59,29 @@ class Summary:
     unknown: list[str] = field(default_factory=list)            # names outside the layout
     unrecognized: list[str] = field(default_factory=list)       # modules no format would write
     mismatched: list[str] = field(default_factory=list)         # format found != format declared
-    layout: str = "original"                                     # the published Inkling 2 layout
+    layout: str = "original"                                     # the published Inkling 2 layout, or a model_type
+    detected: dict | None = None                                 # other families: the detected layout
+    incomplete: list[str] = field(default_factory=list)         # expert layers missing modules
 
     @property
     def ok(self) -> bool:
-        return not self.unknown and not self.unrecognized and not self.mismatched
+        return not self.unknown and not self.unrecognized and not self.mismatched and not self.incomplete
 
     def to_dict(self) -> dict:
         return {"checkpoint": self.root, "shards": self.shards, "file_bytes": self.file_bytes,
                 "tensors": self.tensors, "quant_algo": self.quant_algo, "parts": self.parts,
                 "expert_layers": self.expert_layers, "draft": self.draft,
                 "unknown_tensors": self.unknown, "unrecognized_modules": self.unrecognized,
-                "format_mismatches": self.mismatched, "layout": self.layout}
+                "format_mismatches": self.mismatched, "layout": self.layout, "detected": self.detected,
+                "incomplete_layers": self.incomplete}
 
 
 def summarize(root: str | Path) -> Summary:
     """Read the index, config.json and every shard header (never tensor data) and summarize."""
     root, ckpt = hub.open_checkpoint(str(root))  # a hub repo id: its headers, no shard downloaded
     path = safe_child(root, CONFIG_NAME)
-    raw = read_json(path, CONFIG_NAME, ConfigError)
-    return _summarize(root, ckpt, Inkling2Config.from_dict(raw, str(path)))
+    cfg = model_config(read_json(path, CONFIG_NAME, ConfigError), str(path))
+    return _summarize(root, ckpt, cfg) if isinstance(cfg, Inkling2Config) else _summarize_moe(root, ckpt, cfg)
 
 
 def _stacked_format(proj: str, shape: tuple[int, ...], observed: dict[str, TensorEntry]) -> tuple[str, bool | None]:
@@ -144,6 +155,110 @@ def _summarize(root: Path, ckpt: Checkpoint, cfg: Inkling2Config) -> Summary:
     return s
 
 
+# ============================================================================ other families
+def _summarize_moe(root: Path, ckpt: Checkpoint, cfg: MoEConfig) -> Summary:
+    """The layout detected from the names; each routed-expert module (an expert's projection, or
+    a stacked tensor) recognized as the format whose tensors it holds, everything else float and
+    passed through."""
+    headers = ckpt.headers()
+    entries = [e for h in headers.values() for e in h.tensors.values()]
+    lay = oriented(detect([e.name for e in entries], cfg, str(root)), {e.name: tuple(e.shape) for e in entries}, cfg)
+    q = read_quantization(root, cfg.raw)
+    s = Summary(str(root), len(headers), sum(h.file_size for h in headers.values()), len(entries),
+                q["quant_algo"] if q else None, layout=str(cfg.raw.get("model_type") or cfg.model_type),
+                detected=_detected(lay, cfg))
+    modules: dict[tuple[int, int, str], dict[str, TensorEntry]] = defaultdict(dict)
+    parts: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "params": 0, "bytes": 0, "formats": defaultdict(int)})
+    for e in entries:
+        t = lay.classify(e.name)
+        if t.part == "expert":
+            modules[(t.layer, -1 if t.expert is None else t.expert, t.projection)][t.suffix] = e
+            continue
+        label = "passthrough" if e.dtype in SOURCE_DTYPES and t.suffix not in SCALE_SUFFIXES else UNRECOGNIZED
+        if label == UNRECOGNIZED:
+            s.unrecognized.append(f"{e.name} ({e.dtype} {list(e.shape)})")
+        _add(parts[t.part], 1, e.nbytes, math.prod(e.shape), label)
+    per_layer: dict[int, set[str]] = defaultdict(set)
+    counts: dict[int, set[int]] = defaultdict(set)
+    for (layer, expert, proj), observed in sorted(modules.items()):
+        shape = _expert_shape(lay, cfg, proj)
+        fmt, act = _module_format(observed, shape)
+        experts = lay.experts_modules[layer]
+        if fmt == UNRECOGNIZED:
+            found = ", ".join(f"{k} {e.dtype} {list(e.shape)}" for k, e in sorted(observed.items()))
+            s.unrecognized.append(f"{experts}.{'' if expert < 0 else f'{expert}.'}{proj} ({found})")
+        else:
+            declared = format_of(q, experts)
+            note = (f"{experts}: tensors are {fmt}, the quantization config declares "
+                    f"{declared.name if declared is not None else 'none (unquantized)'}")
+            if (declared.name if declared is not None else "passthrough") != fmt and note not in s.mismatched:
+                s.mismatched.append(note)
+        _add(parts["expert"], len(observed), sum(e.nbytes for e in observed.values()), math.prod(shape),
+             _label(fmt, act))
+        per_layer[layer].add(_label(fmt, act))
+        counts[layer].add(expert)
+    for layer in lay.expert_layers:
+        modules_held = sum(1 for k in modules if k[0] == layer)
+        want = 2 if lay.experts.kind == "stacked" else len(CANONICAL) * cfg.num_experts
+        if modules_held != want:
+            s.incomplete.append(f"{lay.experts_modules[layer]}: {modules_held} expert module(s), config.json "
+                                f"implies {want}")
+    n = {i: cfg.num_experts if lay.experts.kind == "stacked" else len(c) for i, c in counts.items()}
+    _finish(s, parts, {i: (" + ".join(sorted(f)), n[i]) for i, f in per_layer.items()}, False)
+    return s
+
+
+def _add(p: dict, tensors: int, nbytes: int, params: int, label: str) -> None:
+    p["tensors"], p["bytes"], p["params"] = p["tensors"] + tensors, p["bytes"] + nbytes, p["params"] + params
+    p["formats"][label] += nbytes
+
+
+def _expert_shape(lay: Layout, cfg: MoEConfig, proj: str) -> tuple[int, ...]:
+    """The source shape of one routed-expert module: an expert's [out, in]; a stacked tensor's
+    [E, out, in] (or [E, in, out] where the checkpoint stores it so)."""
+    H, I = cfg.hidden_size, cfg.expert_width
+    out, inp = {"down": (H, I), "gate_up": (2 * I, H)}.get(proj, (I, H))
+    if lay.experts.kind != "stacked":
+        return out, inp
+    return (cfg.num_experts, inp, out) if lay.experts.transposed else (cfg.num_experts, out, inp)
+
+
+def _module_format(observed: dict[str, TensorEntry], shape: tuple[int, ...]) -> tuple[str, bool | None]:
+    """(format, carries an activation scale) whose tensors for a source weight of `shape` are
+    exactly `observed` (suffix -> entry), as the formats say."""
+    w = observed.get("weight")
+    dtype = w.dtype if w is not None and w.dtype in SOURCE_DTYPES else torch.bfloat16
+    got = {k: (tuple(e.shape), e.dtype) for k, e in observed.items()}
+    fmt = detect_format(got, shape, dtype)
+    if fmt is None:
+        return UNRECOGNIZED, None
+    return fmt.name, (set(got) == set(fmt.out_specs(shape, dtype, True)) if fmt.quant_algo else None)
+
+
+def _detected(lay: Layout, cfg: MoEConfig) -> dict:
+    stacked = lay.experts.kind == "stacked"
+    return {"model_type": str(cfg.raw.get("model_type") or cfg.model_type), "text_config": cfg.nested,
+            "text_prefix": lay.text_prefix,
+            "experts_module": f"{lay.text_prefix}layers.N.{lay.experts.block}.experts",
+            "expert_storage": lay.experts.kind, "transposed": lay.experts.transposed if stacked else None,
+            "projections": ["gate_up_proj", "down_proj"] if stacked else list(lay.experts.names),
+            "expert_layers": list(lay.expert_layers), "experts": cfg.num_experts,
+            "vision_prefix": lay.vision_prefix, "projector_prefix": lay.projector_prefix, "lm_head": lay.lm_head}
+
+
+def _render_layout(d: dict) -> list[str]:
+    layers = _ranges({i: ("", 0) for i in d["expert_layers"]})
+    spans = ", ".join(f"{r['first']}" if r["first"] == r["last"] else f"{r['first']}-{r['last']}" for r in layers)
+    storage = d["expert_storage"] + {True: " [E, in, out]", False: " [E, out, in]", None: ""}[d["transposed"]]
+    return [f"layout: {d['model_type']}" + (" (text model settings under text_config)" if d["text_config"] else ""),
+            f"  text model      {d['text_prefix']}",
+            f"  routed experts  {storage} ({'/'.join(d['projections'])}) in {d['experts_module']}, "
+            f"layers {spans or 'none'}",
+            f"  vision tower    {d['vision_prefix'] or 'none'}",
+            f"  projector       {d['projector_prefix'] or 'none'}",
+            f"  lm_head         {d['lm_head'] or 'none'}", ""]
+
+
 def _finish(s: Summary, parts: dict, per_layer: dict[int, tuple[str, int]], draft_expected: bool) -> None:
     s.parts = {k: {**v, "formats": dict(v["formats"])} for k, v in
                sorted(parts.items(), key=lambda kv: -kv[1]["bytes"])}
@@ -169,6 +284,8 @@ def render(s: Summary) -> str:
     out = [f"{s.root}: {s.tensors:,} tensors in {s.shards} shard(s), {human_bytes(s.file_bytes, 2)}"
            + (f", quant_algo {s.quant_algo}" if s.quant_algo else ", no quantization_config")]
     out.append("")
+    if s.detected:
+        out += _render_layout(s.detected)
     hdr = f"{'part':<12} {'tensors':>8} {'params':>15} {'bytes':>10}  formats"
     out += [hdr, "-" * len(hdr)]
     for part, p in s.parts.items():
@@ -183,12 +300,14 @@ def render(s: Summary) -> str:
     else:
         out.append("routed experts: none")
     d = s.draft
-    out.append("DSpark draft: " + (f"present, {d['tensors']} tensors, {human_bytes(d['bytes'], 2)}" if d["present"]
-                                  else "absent" + (" (config.json has a dspark_config)" if d["expected_by_config"]
-                                                   else "")))
+    if d["present"] or not s.detected:  # other families: a draft is ours (Inkling's DSpark) only
+        out.append("DSpark draft: " + (f"present, {d['tensors']} tensors, {human_bytes(d['bytes'], 2)}" if d["present"]
+                                      else "absent" + (" (config.json has a dspark_config)" if d["expected_by_config"]
+                                                       else "")))
     for what, items in (("tensor(s) outside the layout", s.unknown),
                         ("module(s) no format would write", s.unrecognized),
-                        ("module(s) not in the format the quantization config declares", s.mismatched)):
+                        ("module(s) not in the format the quantization config declares", s.mismatched),
+                        ("expert layer(s) missing modules", s.incomplete)):
         if items:
             out.append(f"{len(items)} {what}: " + "; ".join(items[:5]) + (" ..." if len(items) > 5 else ""))
     return "\n".join(printable(line) for line in out)  # a name read from a file cannot forge a line

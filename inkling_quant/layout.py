@@ -13,7 +13,7 @@ layouts and the families each was tested on.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .config_fields import MAX_LAYERS, ConfigFields
 from .errors import CheckpointError, ConfigError
@@ -222,6 +222,17 @@ def stacked_orientation(down_shape: tuple[int, ...], gate_up_shape: tuple[int, .
             if tuple(shape[1:]) == out_in[::-1]:
                 return True
     return None
+
+
+def oriented(lay: Layout, shapes: dict[str, tuple[int, ...]], cfg: MoEConfig) -> Layout:
+    """`lay` with a stacked storage's orientation settled from the shapes (name -> shape) of its
+    first expert layer (`stacked_orientation`); any other storage as it is."""
+    if lay.experts.kind != "stacked" or not lay.expert_layers:
+        return lay
+    first = lay.experts_modules[lay.expert_layers[0]]
+    t = stacked_orientation(tuple(shapes.get(f"{first}.down_proj", ())), tuple(shapes.get(f"{first}.gate_up_proj", ())),
+                            cfg.hidden_size, cfg.expert_width)
+    return replace(lay, experts=replace(lay.experts, transposed=bool(t)))
 
 
 def _prefix_of(names: list[str]) -> str | None:

@@ -1,5 +1,6 @@
 """`inkling-quant inspect`: a checkpoint of the published Inkling 2 layout summarized from its
-safetensors headers only; a checkpoint of the retired legacy layout refused."""
+safetensors headers only; a checkpoint of the retired legacy layout refused; Hugging Face MoE
+checkpoints (transformers' BF16, ModelOpt's export, our convert) with their detected layout."""
 import argparse
 import builtins
 import io
@@ -308,3 +309,118 @@ def test_weight_only_and_declared_mismatch(source, tmp_path):
     assert not s.ok and len(s.mismatched) == 2 * n  # w13 and w2 of every layer
     assert "tensors are nvfp4, the quantization config declares mxfp8" in s.mismatched[0]
     assert run_cli(tmp_path / "nv", "--quiet") == 1
+
+
+# --------------------------------------------------------------------------- Hugging Face MoE families
+# transformers' own save_pretrained (the BF16 source), ModelOpt's own export of it, and our
+# convert of the source (tests/hf_moe_reference.py): the layout detected, each layer's experts
+# recognized as the format the quantization config declares.
+HF_FAMILIES = ("qwen3_vl_moe", "deepseek_v3")  # stacked + vision tower; per expert + shared experts + a dense layer
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    from hf_moe_reference import export
+
+    from inkling_quant.convert import Options, convert
+    base = tmp_path_factory.mktemp("inspect-hf")
+    out = {}
+    for f in HF_FAMILIES:
+        src, mo = base / f"{f}-bf16", base / f"{f}-modelopt"
+        export(f, mo, src)
+        convert(str(src), base / f"{f}-ours", Options(activation_scales=str(mo)), quiet=True)
+        out[f] = {"src": src, "modelopt": mo, "ours": base / f"{f}-ours"}
+    return out
+
+
+def _declared_ranges(root: Path) -> list[tuple[int, int, str]]:
+    """(first, last, format) per run of layers, from hf_quant_config.json's quantized_layers."""
+    q = json.loads((root / "hf_quant_config.json").read_text())["quantization"]["quantized_layers"]
+    out: list[list] = []
+    for module, e in q.items():
+        i, fmt = int(module.split("layers.")[1].split(".")[0]), e["quant_algo"].lower()
+        if out and out[-1][2] == fmt and out[-1][1] == i - 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i, fmt])
+    return [tuple(r) for r in out]
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_hf_source_modelopt_export_and_ours(hf, family):
+    cfg = json.loads((hf[family]["src"] / "config.json").read_text())
+    t = cfg.get("text_config", cfg)
+    E = next(t[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in t)
+    H, I = t["hidden_size"], t["moe_intermediate_size"]
+    want = {"qwen3_vl_moe": {"text_prefix": "model.language_model.", "vision_prefix": "model.visual.",
+                             "expert_layers": [0, 1, 2], "text_config": True},
+            "deepseek_v3": {"text_prefix": "model.", "vision_prefix": None, "expert_layers": [1, 2],
+                            "text_config": False}}[family]
+    summaries = {k: inspect_cmd.summarize(p) for k, p in hf[family].items()}
+    for kind, s in summaries.items():
+        assert s.ok, (kind, s.unknown, s.unrecognized, s.mismatched, s.incomplete)
+        d = s.detected
+        assert s.layout == family and {k: d[k] for k in want} == want
+        assert d["experts_module"] == f"{want['text_prefix']}layers.N.mlp.experts" and d["lm_head"] == "lm_head.weight"
+        stacked = kind == "src" and family == "qwen3_vl_moe"  # transformers stacks them; ModelOpt unstacks
+        assert (d["expert_storage"], d["projections"]) == (("stacked", ["gate_up_proj", "down_proj"]) if stacked else
+                                                           ("per_expert", ["gate_proj", "up_proj", "down_proj"]))
+        assert d["transposed"] is (False if stacked else None)
+        # the logical parameters of the routed experts, whatever the storage
+        assert s.parts["expert"]["params"] == len(want["expert_layers"]) * E * 3 * H * I
+        assert all(set(p["formats"]) == {"passthrough"} for part, p in s.parts.items() if part != "expert")
+        ranges = [(r["first"], r["last"], r["format"]) for r in s.expert_layers]
+        if kind == "src":
+            assert ranges == [(want["expert_layers"][0], 2, "passthrough")] and s.quant_algo is None
+        else:
+            assert ranges == _declared_ranges(hf[family][kind]) and s.quant_algo == "MIXED_PRECISION"
+            assert all(r["experts"] == E for r in s.expert_layers)
+        assert json.loads(json.dumps(s.to_dict()))["detected"] == d
+    if family == "deepseek_v3":
+        assert {"shared_expert", "dense_mlp", "router"} <= set(summaries["src"].parts)
+    text = inspect_cmd.render(summaries["modelopt"])
+    assert f"layout: {family}" in text and f"text model      {want['text_prefix']}" in text
+    experts = f"{want['text_prefix']}layers.N.mlp.experts"
+    assert f"routed experts  per_expert (gate_proj/up_proj/down_proj) in {experts}" in text
+    assert "DSpark draft" not in text
+    assert inspect_cmd.summarize(hf[family]["ours"]).to_dict() == {**summaries["modelopt"].to_dict(), "checkpoint":
+                                                                   str(hf[family]["ours"]), "shards": 1,
+                                                                   "file_bytes": summaries["ours"].file_bytes}
+
+
+def test_hf_weight_only_is_labelled(hf, tmp_path):
+    from inkling_quant.convert import Options, convert
+    out = tmp_path / "wo"
+    convert(str(hf["deepseek_v3"]["src"]), out, Options(scheme="nvfp4", weight_only=True), quiet=True)
+    s = inspect_cmd.summarize(out)
+    assert s.ok and [(r["first"], r["last"], r["format"]) for r in s.expert_layers] == [(1, 2, "nvfp4 (weight-only)")]
+
+
+def test_hf_declared_mismatch_and_missing_module(hf, tmp_path):
+    root = tmp_path / "mo"
+    shutil.copytree(hf["deepseek_v3"]["modelopt"], root)
+    config = json.loads((root / "config.json").read_text())
+    config["quantization_config"]["quantized_layers"]["model.layers.2.mlp.experts"] = {"quant_algo": "NVFP4",
+                                                                                      "group_size": 16}
+    (root / "config.json").write_text(json.dumps(config))
+    s = inspect_cmd.summarize(root)
+    assert s.mismatched == ["model.layers.2.mlp.experts: tensors are mxfp8, the quantization config declares nvfp4"]
+    assert run_cli(root, "--quiet") == 1
+    # an expert's down_proj gone: the layer holds fewer modules than config.json implies
+    from safetensors.torch import load_file, save_file
+    shutil.copyfile(hf["deepseek_v3"]["modelopt"] / "config.json", root / "config.json")
+    sd = {k: v for k, v in load_file(root / "model.safetensors").items()
+          if not k.startswith("model.layers.1.mlp.experts.3.down_proj.")}
+    save_file(sd, root / "model.safetensors", metadata={"format": "pt"})
+    s = inspect_cmd.summarize(root)
+    assert s.incomplete == ["model.layers.1.mlp.experts: 11 expert module(s), config.json implies 12"]
+    assert not s.mismatched
+    assert "1 expert layer(s) missing modules" in inspect_cmd.render(s)
+
+
+def test_hf_inspect_reads_headers_only(hf, tmp_path):
+    copy = tmp_path / "scrambled"
+    shutil.copytree(hf["qwen3_vl_moe"]["modelopt"], copy)
+    _scramble_data(copy)
+    a, b = inspect_cmd.summarize(hf["qwen3_vl_moe"]["modelopt"]).to_dict(), inspect_cmd.summarize(copy).to_dict()
+    assert {**a, "checkpoint": None} == {**b, "checkpoint": None}

@@ -3,14 +3,18 @@
 The check a CI job runs after `inkling-quant convert`. Checks (docs/ci.md has the full list):
   index        index.json covers every shard and every tensor exactly once; no stray shard
   header[F]    shard F's safetensors header is well formed (offsets, dtypes, sizes)
-  config       config.json parses (the published Inkling 2 layout: text_config); quantization_config
+  config       config.json parses (the published Inkling 2 layout, or another MoE family's:
+               layout.model_config); quantization_config
                / hf_quant_config.json agree with the tensors (algorithm per experts module,
                exclude_modules, group sizes, activation scale presence)
   layout       every tensor the layout and the quantization config require, with its dtype and
-               shape; no other
+               shape; no other (Inkling 2: its strict spec; other families: the layout detected
+               from the names, routed experts in the format their tensors or config declare)
   values[F]    no NaN/Inf in shard F; scales finite and positive; e8m0 exponents not 0xFF
   gate_up      (ModelOpt's per-expert form) gate and up of each NVFP4 expert share weight_scale_2
-  checksums    checksums.sha256 matches the bytes (hashed in the same single read as `values`)
+  checksums    checksums.sha256 matches the bytes (hashed in the same single read as `values`);
+               required for Inkling 2 checkpoints; for other families (transformers and ModelOpt
+               write none) skipped without the file unless --require-checksums
   source       (--against) the source opens and has the same config
   passthrough  (--against) BF16/FP32 pass-through tensors are byte-identical to the source
   numerics[L]  (--against) sampled experts of layer L through the dequant-GEMM kernels against
@@ -29,6 +33,8 @@ Python: `verify(ckpt, against=...) -> VerifyReport` (`.ok`, `.exit_code`, `.chec
 #   config     config (load_config: the scheme; check_config: the quantization configs vs the tensors)
 #   published  layout, what config expects, numerics[layer L]: the Inkling 2 layout (stacked
 #              experts, or ModelOpt's per-expert modules under transformers' names: Conf.modelopt_hf)
+#   hf         the same three for every other Hugging Face MoE family (layout.detect: per-expert or
+#              stacked experts, ModelOpt's export form)
 #   stream     the single read of every file: sha256 + per-tensor visitors
 #   values     values[F], gate_up (visitors)
 #   numerics   passthrough (a visitor); the sample, activations and GEMM numerics[layer L] uses
@@ -48,7 +54,7 @@ from ..errors import HubError, UsageError
 from ..formats import FORMATS
 from ..io.output import CHECKSUMS, check_paths, write_report
 from ..schemes import get_scheme
-from . import config, integrity, numerics, published, stream, structure, values
+from . import config, hf, integrity, numerics, published, stream, structure, values
 from .config import QUANT_CONFIG, check_config_files
 from .inventory import UNQUANTIZED, Inventory
 from .numerics import ACT_ROWS, activations, sample_experts
@@ -67,8 +73,10 @@ __all__ = ["verify", "check_config_files", "sample_experts", "activations", "add
 # ============================================================================ API
 def verify(ckpt: str | Path, against: str | Path | None = None, *, scheme: str | None = None,
            sample: int = DEFAULT_SAMPLE, device: str = "cpu", write_checksums: bool = False,
-           progress: bool = False) -> VerifyReport:
+           progress: bool = False, require_checksums: bool = False) -> VerifyReport:
     """Verify checkpoint `ckpt` (and, with `against`, its numerics against the BF16 source).
+    `require_checksums`: a missing checksums.sha256 fails for every family (by default only for
+    the Inkling 2 layout, whose writers always record one).
     Never raises for a defect of the checkpoint: the report says what failed (`report.ok`,
     `report.exit_code`, `report.failures()`; `report.raise_for_failure()` to turn it into an
     exception). Raises UsageError for bad arguments (unknown scheme, no CUDA, negative sample)."""
@@ -82,7 +90,7 @@ def verify(ckpt: str | Path, against: str | Path | None = None, *, scheme: str |
         raise UsageError("--device cuda: no CUDA device is available")
     # a hub repo id: its snapshot, every file downloaded to the cache (after `convert` of it, nothing)
     opts = _Options(Path(ckpt), hub.snapshot(str(against)) if against is not None else None, scheme, sample, device,
-                    write_checksums, progress)
+                    write_checksums, progress, require_checksums)
     report = VerifyReport(str(ckpt), str(against) if against is not None else None, scheme or "?", device,
                           sample=sample)
     t0 = time.perf_counter()
@@ -100,6 +108,7 @@ class _Options:
     device: str
     write_checksums: bool
     progress: bool
+    require_checksums: bool = False
 
 
 def _run_checks(run: Recorder, o: _Options) -> None:
@@ -111,18 +120,21 @@ def _run_checks(run: Recorder, o: _Options) -> None:
     files = structure.check_index(run, o.root)                                    # index, header[F]
     conf = config.load_config(run, o.root, o.scheme)                              # config (1/2)
     source = structure.check_source(run, src_root, conf) if src_root else None    # source
-    expected = published.check_layout(run, files, conf, source)                   # layout
+    lay = hf if conf.generic else published  # the Inkling 2 spec, or a layout detected from the names
+    expected = lay.check_layout(run, files, conf, source)                         # layout
     inv = Inventory(o.root, files, conf, source, expected)
-    config.check_config(run, conf, expected.weight_only, published.quantized_layers(expected))  # config (2/2)
+    config.check_config(run, conf, expected.weight_only, published.quantized_layers(expected),
+                        lay.tensor_namer(expected))                               # config (2/2)
     # the single read of every file: sha256 + each tensor's bytes through the visitors
-    tally, scales = Tally(), values.GateUpScales()
+    tally, scales = Tally(), values.GateUpScales(lay.FUSED)
     passthrough = numerics.Passthrough.start(run, inv)                            # passthrough
     visitors = [tally, values.ValueRules(), scales] + ([passthrough] if passthrough else [])
     digests = stream.read_all(run, inv, integrity.files_to_hash(inv, o.write_checksums), visitors,
                               o.progress)                                         # values[F], read
     values.check_gate_up(run, inv, scales)                                        # gate_up
-    integrity.check_checksums(run, o.root, digests, o.write_checksums)            # checksums
-    published.check_numerics(run, inv, o.sample, o.device)                        # numerics[layer L]
+    integrity.check_checksums(run, o.root, digests, o.write_checksums,
+                              o.require_checksums or not conf.generic)            # checksums
+    lay.check_numerics(run, inv, o.sample, o.device)                              # numerics[layer L]
     run.report.rows = summary_rows(tally, run.report.numerics, passthrough.check if passthrough else None)
     if o.write_checksums:
         integrity.write_checksums_file(run, o.root, digests)                      # write_checksums
@@ -156,6 +168,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="print only failures and the result line")
     p.add_argument("--write-checksums", action="store_true",
                    help=f"write {CHECKSUMS} for the checkpoint if every other check passes")
+    p.add_argument("--require-checksums", action="store_true",
+                   help=f"fail when {CHECKSUMS} is missing (always so for the Inkling 2 layout; other families' "
+                   "checkpoints, as transformers and ModelOpt write them, have none and skip the check)")
 
 
 def run(args) -> int:
@@ -164,7 +179,8 @@ def run(args) -> int:
         raise UsageError("--json - and --junit - would both write to standard output: give one a file")
     try:
         report = verify(args.ckpt, args.against, scheme=args.scheme, sample=args.sample, device=args.device,
-                        write_checksums=args.write_checksums, progress=not args.quiet and sys.stderr.isatty())
+                        write_checksums=args.write_checksums, progress=not args.quiet and sys.stderr.isatty(),
+                        require_checksums=args.require_checksums)
     except (UsageError, HubError) as e:  # still write the reports: CI looks for them
         report = VerifyReport(args.ckpt, args.against, args.scheme or "?", args.device, sample=args.sample)
         usage = Check("usage", "input", "the command line is valid")

@@ -5,11 +5,12 @@ the quantization configs to what the scheme prescribes."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from ..errors import InklingQuantError
 from ..export import modelopt_quantization_config, quantization_problems
-from ..inkling2 import Inkling2Config
 from ..io.checkpoint import HF_QUANT_CONFIG as QUANT_CONFIG
+from ..layout import model_config
 from ..schemes import SCHEMES
 from . import published
 from .inventory import UNQUANTIZED, Conf, converter_of, load_json
@@ -21,8 +22,8 @@ from .report import ERROR, Check, Recorder, VerifyReport
 
 def load_config(run: Recorder, root: Path, scheme_arg: str | None) -> Conf:
     """The first half of the `config` check: config.json parses as the published Inkling 2
-    model's (text_config nested), and the scheme is known (--scheme, else the converter's
-    record, else default; none if unquantized)."""
+    model's (text_config nested) or another MoE family's (layout.model_config), and the scheme
+    is known (--scheme, else the converter's record, else default; none if unquantized)."""
     c = run.new("config", "config", "config.json / hf_quant_config.json agree with the tensors")
     config = run.guard(c, load_json, root / "config.json", "config.json", c)
     conf = run.guard(c, _parse, c, root, config, scheme_arg) if config is not None else None
@@ -35,9 +36,9 @@ def load_config(run: Recorder, root: Path, scheme_arg: str | None) -> Conf:
 def _parse(c: Check, root: Path, config: dict, scheme_arg: str | None) -> Conf:
     path = root / "config.json"
     try:
-        cfg = Inkling2Config.from_dict(config, str(path))
+        cfg = model_config(config, str(path))
     except InklingQuantError as e:
-        c.fail(path, None, str(e))
+        c.fail(path, None, e.message)
         return Conf(root, config)
     qpath = root / QUANT_CONFIG
     hf_quant = load_json(qpath, QUANT_CONFIG, c) if qpath.exists() else None
@@ -60,20 +61,22 @@ def _parse(c: Check, root: Path, config: dict, scheme_arg: str | None) -> Conf:
 
 
 # ============================================================================ against the tensors
-def check_config(run: Recorder, conf: Conf, weight_only: bool, want: dict[str, dict] | None) -> None:
+def check_config(run: Recorder, conf: Conf, weight_only: bool, want: dict[str, dict] | None,
+                 tensor_of: Callable[[str], str] = published.named_tensor) -> None:
     """The second half of the `config` check, once the tensors decided `weight_only`: both
     quantization configs list exactly the modules in `want` (experts module -> its
-    quantized_layers entry; None: the layout check could not list them), with their algorithm."""
+    quantized_layers entry; None: the layout check could not list them), with their algorithm.
+    A problem about an experts module names the tensor `tensor_of(module)`."""
     c = run.report.check("config")
     if not conf.usable or c.status == ERROR:
         return
     if want is None:
         c.figures["tensors"] = "not compared (the layout check could not list them)"
         return
-    run.guard(c, _check, c, conf, weight_only, want)
+    run.guard(c, _check, c, conf, weight_only, want, tensor_of)
 
 
-def _check(c: Check, conf: Conf, weight_only: bool, want: dict[str, dict]) -> None:
+def _check(c: Check, conf: Conf, weight_only: bool, want: dict[str, dict], tensor_of: Callable[[str], str]) -> None:
     path, qpath = conf.root / "config.json", conf.root / QUANT_CONFIG
     qc = conf.config.get("quantization_config")
     if not want:
@@ -85,7 +88,7 @@ def _check(c: Check, conf: Conf, weight_only: bool, want: dict[str, dict]) -> No
         return
     if not str(qc.get("quant_method", "")).startswith("modelopt"):
         c.fail(path, None, f"quantization_config.quant_method is {qc.get('quant_method')!r}, expected 'modelopt'")
-    _check_quant_dict(c, path, "quantization_config", qc, want)
+    _check_quant_dict(c, path, "quantization_config", qc, want, tensor_of)
     hq = conf.hf_quant
     if hq is None:
         c.fail(qpath, None, f"{QUANT_CONFIG} missing")
@@ -93,7 +96,7 @@ def _check(c: Check, conf: Conf, weight_only: bool, want: dict[str, dict]) -> No
         c.fail(qpath, None, "missing the 'quantization' object")
     else:
         q = hq["quantization"]
-        _check_quant_dict(c, qpath, "quantization", q, want)
+        _check_quant_dict(c, qpath, "quantization", q, want, tensor_of)
         ref, skip = (_modelopt_form(q), set()) if conf.modelopt_hf else (q, {"quant_method"})
         for k in sorted(set(ref) | set(qc) - skip):
             if k not in skip and ref.get(k) != qc.get(k):
@@ -118,9 +121,10 @@ def _modelopt_form(q: dict) -> dict:
         return {}
 
 
-def _check_quant_dict(c: Check, path: Path, key: str, q: dict, want: dict[str, dict]) -> None:
+def _check_quant_dict(c: Check, path: Path, key: str, q: dict, want: dict[str, dict],
+                      tensor_of: Callable[[str], str]) -> None:
     """One quantization config (config.json's or hf_quant_config.json's) against `want`."""
-    for tensor, message in quantization_problems(q, want, key, tensor_of=published.named_tensor):
+    for tensor, message in quantization_problems(q, want, key, tensor_of=tensor_of):
         c.fail(path, tensor, message)
 
 
@@ -128,11 +132,13 @@ def _check_quant_dict(c: Check, path: Path, key: str, q: dict, want: dict[str, d
 def check_config_files(ckpt: str | Path, *, scheme: str | None = None, weight_only: bool = False) -> VerifyReport:
     """The `config` check alone, on config.json and hf_quant_config.json without any tensor:
     what `verify` checks once the tensors have decided `weight_only` (given here), with the
-    experts modules the scheme quantizes standing in for the tensors. Returns a report holding
-    that one check."""
+    experts modules the scheme quantizes standing in for the tensors (the Inkling 2 layout; another
+    family's experts modules are named by its tensors, so they are not compared). Returns a report
+    holding that one check."""
     root = Path(ckpt)
     report = VerifyReport(str(ckpt), None, scheme or "?", "cpu")
     run = Recorder(report, root)
     conf = load_config(run, root, scheme)
-    check_config(run, conf, weight_only, published.scheme_layers(conf, weight_only) if conf.usable else None)
+    usable = conf.usable and not conf.generic
+    check_config(run, conf, weight_only, published.scheme_layers(conf, weight_only) if usable else None)
     return report

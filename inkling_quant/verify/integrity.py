@@ -40,13 +40,14 @@ def _checksummable(p: Path) -> bool:
         and not p.name.endswith(".partial")
 
 
-def check_checksums(run: Recorder, root: Path, digests: dict[str, str], writing: bool) -> None:
-    """The `checksums` check: every listed file exists and matches; no shard left out."""
+def check_checksums(run: Recorder, root: Path, digests: dict[str, str], writing: bool, required: bool) -> None:
+    """The `checksums` check: every listed file exists and matches; no shard left out. Without
+    the file: a failure when `required`, else skipped with the reason."""
     c = run.new("checksums", "integrity", f"{CHECKSUMS} matches every file")
-    run.guard(c, _check, c, root, digests, writing)
+    run.guard(c, _check, c, root, digests, writing, required)
 
 
-def _check(c: Check, root: Path, digests: dict[str, str], writing: bool) -> None:
+def _check(c: Check, root: Path, digests: dict[str, str], writing: bool, required: bool) -> None:
     p = root / CHECKSUMS
     if p.exists() and not p.is_file():
         c.fail(p, None, f"{CHECKSUMS} is not a regular file")
@@ -54,6 +55,9 @@ def _check(c: Check, root: Path, digests: dict[str, str], writing: bool) -> None
     if not p.is_file():
         if writing:
             c.skip(f"no {CHECKSUMS} yet (--write-checksums writes one)")
+        elif not required:
+            c.skip(f"no {CHECKSUMS}: the tools that write this family's checkpoints (transformers, ModelOpt's "
+                   f"exporter) record none; --require-checksums makes its absence a failure")
         else:
             c.fail(p, None, f"{CHECKSUMS} not found (create one with `inkling-quant verify --write-checksums`)")
         return

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-from ..errors import InklingQuantError
+from ..errors import CheckpointError, InklingQuantError
 from ..formats import Format
 from ..inkling2 import Inkling2Config, classify, classify_modelopt
-from ..io.checkpoint import read_json, safe_child
+from ..layout import Layout, MoEConfig
+from ..io.checkpoint import INDEX_NAME, SINGLE_NAME, read_json, safe_child
 from ..io.safetensors import Header, TensorEntry
 from ..schemes import Scheme
 from ..tensors import TensorName
@@ -64,11 +65,13 @@ def converter_of(hf_quant):
 
 @dataclass(frozen=True)
 class Conf:
-    """config.json, hf_quant_config.json and the scheme. `cfg`/`scheme` None: not usable."""
+    """config.json, hf_quant_config.json and the scheme. `cfg`/`scheme` None: not usable. `cfg`
+    is the published Inkling 2 model's (its strict spec: published.py) or another Hugging Face
+    MoE family's (`generic`: the layout is detected from the tensor names, hf.py)."""
 
     root: Path
     config: dict | None = None
-    cfg: Inkling2Config | None = None
+    cfg: Inkling2Config | MoEConfig | None = None
     hf_quant: dict | None = None
     scheme: Scheme | None = None
     scheme_given: bool = False          # --scheme or the converter's record, not a default
@@ -83,13 +86,21 @@ class Conf:
     def converter(self):
         return converter_of(self.hf_quant)
 
+    @property
+    def generic(self) -> bool:
+        """A Hugging Face MoE family other than Inkling 2 (layout.MoEConfig)."""
+        return isinstance(self.cfg, MoEConfig)
+
     @functools.cached_property
     def modelopt_hf(self) -> bool:
-        """The published model as ModelOpt's export writes it (convert --output-format modelopt-hf:
-        transformers' names, per-expert modules): its quantization config keys the experts
-        modules by transformers' names (`model.language_model.layers.N.mlp.experts`)."""
+        """ModelOpt's export form: always for other families (the only form convert writes for
+        them); for Inkling 2, convert --output-format modelopt-hf (transformers' names, per-expert
+        modules), whose quantization config keys the experts modules by transformers' names
+        (`model.language_model.layers.N.mlp.experts`)."""
         if self.cfg is None:
             return False
+        if self.generic:
+            return True
         hq = self.hf_quant.get("quantization") if isinstance(self.hf_quant, dict) else None
         for q in (self.config.get("quantization_config"), hq):
             layers = q.get("quantized_layers") if isinstance(q, dict) else None
@@ -98,7 +109,11 @@ class Conf:
         return False
 
     def classify(self, name: str) -> TensorName:
-        """The layout's classify, memoized for this run (the steps classify the same names)."""
+        """The Inkling 2 layout's classify, memoized for this run (the steps classify the same
+        names). Other families classify by their detected layout (`Inventory.classify`)."""
+        if self.generic:
+            raise CheckpointError(f"tensor {name!r}: the layout of this {self.cfg.model_type} checkpoint was not "
+                                  f"detected (see the layout check)", tensor=name)
         t = self._names.get(name)
         if t is None:
             t = self._names[name] = (classify_modelopt if self.modelopt_hf else classify)(name)
@@ -121,6 +136,7 @@ class Source:
     headers: dict[str, Header]
     tensors: dict[str, Located]
     ok: bool
+    layout: Layout | None = None        # other families: the source's detected layout
 
 
 # ============================================================================ what should be there
@@ -142,6 +158,7 @@ class Expected:
     fmt_of: dict[str, str] = field(default_factory=dict)         # output tensor -> its format
     module_tensors: dict[str, list[str]] = field(default_factory=dict)  # quantized module -> tensors
     source_of: dict[str, str] = field(default_factory=dict)      # output tensor -> its source tensor, where renamed
+    layout: Layout | None = None        # other families: the checkpoint's detected layout
 
 
 @dataclass(frozen=True)
@@ -153,6 +170,18 @@ class Inventory:
     conf: Conf
     source: Source | None
     expected: Expected
+
+    def classify(self, name: str) -> TensorName:
+        """What tensor `name` is: by the detected layout (other families), else the Inkling 2 layout's."""
+        lay = self.expected.layout
+        return lay.classify(name) if lay is not None else self.conf.classify(name)
+
+
+def listing(root: Path) -> Path:
+    """The file that lists a checkpoint's tensors, named by a problem about a missing one: its
+    index, or its single shard where it has no index (as save_pretrained and ModelOpt write a
+    small model)."""
+    return root / (SINGLE_NAME if not (root / INDEX_NAME).exists() and (root / SINGLE_NAME).exists() else INDEX_NAME)
 
 
 # ============================================================================ JSON files

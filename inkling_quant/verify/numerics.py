@@ -1,7 +1,8 @@
 """Checks against the BF16 source (--against): `passthrough` (a stream visitor: pass-through
-tensors byte-identical to the source) and what `numerics[layer L]` (published.check_numerics)
-computes with: the deterministic sample and activations, and `Gemm` (one module's y = x @ W^T
-through the dequant-GEMM kernels against the BF16 weights)."""
+tensors byte-identical to the source) and what `numerics[layer L]` (published.check_numerics for
+the Inkling 2 layout, hf.check_numerics for other families) computes with: the deterministic
+sample and activations, `Gemm` (one module's y = x @ W^T through the dequant-GEMM kernels against
+the BF16 weights), and `judge` (one module's errors against its format's thresholds, recorded)."""
 from __future__ import annotations
 
 import math
@@ -17,8 +18,8 @@ from ..errors import CheckpointError
 from ..formats import Format
 from ..io.checkpoint import safe_child
 from ..io.safetensors import DTYPE_NAMES, Header, ShardReader, TensorBuffer
-from .inventory import SKIPPED, Inventory, Located
-from .report import Recorder
+from .inventory import SKIPPED, Inventory, Located, listing
+from .report import Check, Recorder
 from .stream import Seen
 
 ACT_ROWS = 32              # rows of the deterministic activations for the numerics check
@@ -195,3 +196,54 @@ class Gemm:
     def close(self) -> None:
         for r in self.readers.values():
             r.close()
+
+
+def judge(run: Recorder, c: Check, inv: Inventory, fmt: Format, where: tuple[int, int, str], tensor: str,
+          errors: tuple[float, float], blame: str, head: str, tail: str) -> None:
+    """One module's (relative error, cosine) against `fmt`'s thresholds: a numerics entry for
+    `tensor` (expert `where` = (layer, expert, module)), and on failure a problem naming `blame`:
+    "<head>: relative error ... cosine ...: <tail>"."""
+    (layer, e, mod), (rel, cos) = where, errors
+    ok = rel <= fmt.max_rel_error and cos >= fmt.min_cosine
+    run.report.numerics.append({"tensor": tensor, "expert": e, "module": mod, "format": fmt.name, "layer": layer,
+                                "rel_error": rel, "cosine": cos, "max_rel_error": fmt.max_rel_error,
+                                "min_cosine": fmt.min_cosine, "pass": ok, "shard": inv.files.tensors[tensor].shard})
+    if not ok:
+        c.fail(inv.root / inv.files.tensors[blame].shard, blame,
+               f"{head}: relative error {rel:.4g} (max {fmt.max_rel_error:g}), cosine {cos:.6f} "
+               f"(min {fmt.min_cosine:g}): {tail}")
+
+
+def layer_figures(c: Check, entries: list[dict], experts: list[int]) -> None:
+    """A numerics[layer L] check's figures from the entries `judge` recorded for it."""
+    c.figures.update(tensors=len(entries), worst_rel_error=max((n["rel_error"] for n in entries), default=0.0),
+                     worst_cosine=min((n["cosine"] for n in entries), default=1.0), experts=experts)
+
+
+def module_tensors(inv: Inventory, gemm: "Gemm", names: list[str], prefix: str) -> dict[str, dict[str, torch.Tensor]]:
+    """The per-expert modules under `prefix` (`<experts module>.<e>.`) as ModelOpt's export
+    stores them: module -> suffix -> tensor."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for n in names:
+        if n.startswith(prefix):
+            mod, suffix = n[len(prefix):].split(".", 1)
+            where = inv.files.tensors[n]
+            out.setdefault(mod, {})[suffix] = gemm.reader(inv.root, inv.files.headers, where.shard).get(n)
+    return out
+
+
+def stored_ok(c: Check, inv: Inventory, names: list[str]) -> bool:
+    """Whether a layer's quantized tensors are all present with the dtype and shape the layout
+    expects, so the numerics can run on them (else the reason, in `c`)."""
+    files, expected = inv.files, inv.expected
+    miss = [n for n in names if n not in files.tensors or files.tensors[n].shard not in files.headers]
+    if miss:
+        c.fail(listing(inv.root), miss[0], "cannot run the numerics check: tensor missing")
+        return False
+    wrong = [n for n in names if (tuple(files.tensors[n].entry.shape), files.tensors[n].entry.dtype)
+             != expected.tensors[n]]
+    if wrong:
+        c.fail(inv.root / files.tensors[wrong[0]].shard, wrong[0],
+               "cannot run the numerics check: wrong dtype or shape (see the layout check)")
+        return False
+    return True

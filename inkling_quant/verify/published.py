@@ -38,23 +38,25 @@ from ..inkling2 import (RELEASE_EXPERT_FORMAT, checkpoint_tensors, experts_modul
 from ..io.checkpoint import INDEX_NAME
 from ..io.safetensors import DTYPE_NAMES
 from ..layout import natural_key
-from .inventory import CHECKED, DISAGREES, FAILED, SKIPPED, Conf, Expected, Files, Inventory, Shape, Source
-from .numerics import Gemm, sample_experts, start
+from .inventory import CHECKED, DISAGREES, FAILED, SKIPPED, Conf, Expected, Files, Inventory, Shape, Source, listing
+from .numerics import Gemm, judge, layer_figures, module_tensors, sample_experts, start, stored_ok
 from .report import Check, Recorder
 from .stream import torch_threads
 
 _PASS = FORMATS["passthrough"]
 _EXPERTS = ".mlp.experts."
+FUSED = PROJECTIONS["w13"]  # the modules vLLM fuses into one w13 (gate_proj, up_proj): the gate_up check
 
 # a layer's stacked source tensors: projection -> (name, shape, dtype)
 Sources = dict[str, tuple[str, tuple[int, ...], torch.dtype]]
 
 
 # ============================================================================ layout
-def check_layout(run: Recorder, files: Files, conf: Conf, source: Source | None) -> Expected:
+def check_layout(run: Recorder, files: Files, conf: Conf, source: Source | None, body=None) -> Expected:
     """The `layout` check: every tensor of `checkpoint_tensors(config)`, each layer's experts as
     the stacked tensors of their format, present with its dtype and shape, and no other.
-    Returns what it expected (nothing when it could not check)."""
+    Returns what it expected (nothing when it could not check). `body(c, files, conf, source)`
+    computes and compares what is expected: the Inkling 2 spec's here, another family's in hf.py."""
     c = run.new("layout", "structure",
                 "every tensor the layout and the quantization config require is present with its dtype and "
                 "shape; no other")
@@ -63,7 +65,7 @@ def check_layout(run: Recorder, files: Files, conf: Conf, source: Source | None)
     elif not files.index_ok and not files.tensors:
         c.skip("the index could not be read")
     else:
-        expected = run.guard(c, _check, c, files, conf, source)
+        expected = run.guard(c, body or _check, c, files, conf, source)
         return expected if expected is not None else Expected(FAILED)
     return Expected(SKIPPED)
 
@@ -100,7 +102,7 @@ def _check(c: Check, files: Files, conf: Conf, source: Source | None) -> Expecte
         if fmts[i] is not _PASS:
             module_tensors[_module(conf, i)] = list(want)
     expected = Expected(CHECKED, weight_only, tensors, fmt_of, module_tensors, source_of)
-    _compare(c, files, conf, expected)
+    compare(c, files, conf, expected, lambda n: _why(conf, n))
     return expected
 
 
@@ -218,7 +220,19 @@ def _weight_only(conf: Conf, layers: dict[int, Sources], fmts: dict[int, Format]
     return bool(conv.get("weight_only", False)) if isinstance(conv, dict) else False
 
 
-def _compare(c: Check, files: Files, conf: Conf, expected: Expected) -> None:
+def _why(conf: Conf, name: str) -> str:
+    """Why a tensor the layout does not expect is unexpected."""
+    try:
+        conf.classify(name)
+        return "not part of the layout for this config.json (a layer past its count, or a tensor its " \
+               "layer's format does not write)"
+    except InklingQuantError:
+        return "not a tensor of the Inkling 2 layout (docs/layout.md)"
+
+
+def compare(c: Check, files: Files, conf: Conf, expected: Expected, why: Callable[[str], str]) -> None:
+    """The tensors against `expected`: each present with its dtype and shape; none other (`why`
+    says why one is unexpected)."""
     root, unreadable = conf.root, {}
     for n, (shape, dtype) in expected.tensors.items():
         got, fmt = files.tensors.get(n), expected.fmt_of[n]
@@ -227,18 +241,12 @@ def _compare(c: Check, files: Files, conf: Conf, expected: Expected) -> None:
             if shard is not None and shard not in files.headers:
                 unreadable.setdefault(shard, []).append(n)  # its header check failed
             else:
-                c.fail(root / INDEX_NAME, n, f"missing: {fmt} requires it ({DTYPE_NAMES[dtype]} {list(shape)})")
+                c.fail(listing(root), n, f"missing: {fmt} requires it ({DTYPE_NAMES[dtype]} {list(shape)})")
         elif (tuple(got.entry.shape), got.entry.dtype) != (shape, dtype):
             c.fail(root / got.shard, n, f"is {DTYPE_NAMES[got.entry.dtype]} {list(got.entry.shape)}, "
                    f"{fmt} prescribes {DTYPE_NAMES[dtype]} {list(shape)}")
     for n in sorted(set(files.tensors) - set(expected.tensors), key=natural_key):
-        try:
-            conf.classify(n)
-            why = "not part of the layout for this config.json (a layer past its count, or a tensor its " \
-                  "layer's format does not write)"
-        except InklingQuantError:
-            why = "not a tensor of the Inkling 2 layout (docs/layout.md)"
-        c.fail(root / files.tensors[n].shard, n, f"unexpected tensor: {why}")
+        c.fail(root / files.tensors[n].shard, n, f"unexpected tensor: {why(n)}")
     for shard, names in unreadable.items():
         c.fail(root / shard, names[0], f"{len(names)} tensor(s) the index puts in this shard could "
                f"not be checked: its header is malformed (see header[{shard}])")
@@ -265,6 +273,11 @@ def scheme_layers(conf: Conf, weight_only: bool) -> dict[str, dict]:
         if entry is not None:
             out[_module(conf, i)] = entry
     return out
+
+
+def tensor_namer(expected: Expected) -> Callable[[str], str]:
+    """How the config check names an experts module's tensor (the Inkling 2 layout: named_tensor)."""
+    return named_tensor
 
 
 def named_tensor(module: str) -> str:
@@ -306,31 +319,23 @@ def _check_layer(run: Recorder, c: Check, inv: Inventory, gemm: Gemm, layer: int
     if not _readable(c, inv, prefix, names, sources):
         return
     experts = sample_experts(layer, inv.conf.cfg.text.n_routed_experts, sample)
-    worst_err, worst_cos, compared = 0.0, 1.0, 0
+    first = len(run.report.numerics)
     for e in experts:
-        per = _per_expert(inv, gemm, names, hf, e) if hf else _unstacked(c, inv, gemm, fmt, names, prefix, e)
+        per = module_tensors(inv, gemm, names, f"{hf}{e}.") if hf else _unstacked(c, inv, gemm, fmt, names, prefix, e)
         if per is None:
             continue
         for proj, mods in PROJECTIONS.items():
             sname = f"{prefix}{proj}_weight"
             w = _source_slab(gemm, inv, sname, e)
             for i, mod in enumerate(mods):
-                rel, cos = gemm.errors(f"{prefix}{e}.{mod}", w[i::len(mods)], per[mod], fmt)
-                ok = rel <= fmt.max_rel_error and cos >= fmt.min_cosine
+                errors = gemm.errors(f"{prefix}{e}.{mod}", w[i::len(mods)], per[mod], fmt)
                 tensor, scale = (f"{hf}{e}.{mod}.weight", f"{hf}{e}.{mod}.weight_scale") if hf else \
                     (sname, f"{prefix}{proj}_weight_scale")
-                run.report.numerics.append({"tensor": tensor, "expert": e, "module": mod, "format": fmt.name,
-                                            "layer": layer, "rel_error": rel, "cosine": cos,
-                                            "max_rel_error": fmt.max_rel_error, "min_cosine": fmt.min_cosine,
-                                            "pass": ok, "shard": inv.files.tensors[tensor].shard})
-                worst_err, worst_cos, compared = max(worst_err, rel), min(worst_cos, cos), compared + 1
-                if not ok:
-                    what = f"its {mod} tensors" if hf else f"expert {e}'s slices of the stacked {proj} tensors"
-                    c.fail(inv.root / inv.files.tensors[scale].shard, scale,
-                           f"expert {e} {mod} ({fmt.name}) y = x @ W^T vs the BF16 source (rows of {sname}): "
-                           f"relative error {rel:.4g} (max {fmt.max_rel_error:g}), cosine {cos:.6f} "
-                           f"(min {fmt.min_cosine:g}): {what} do not reproduce the source")
-    c.figures.update(tensors=compared, worst_rel_error=worst_err, worst_cosine=worst_cos, experts=experts)
+                what = f"its {mod} tensors" if hf else f"expert {e}'s slices of the stacked {proj} tensors"
+                judge(run, c, inv, fmt, (layer, e, mod), tensor, errors, scale,
+                      f"expert {e} {mod} ({fmt.name}) y = x @ W^T vs the BF16 source (rows of {sname})",
+                      f"{what} do not reproduce the source")
+    layer_figures(c, run.report.numerics[first:], experts)
 
 
 def _source_slab(gemm: Gemm, inv: Inventory, sname: str, e: int) -> torch.Tensor:
@@ -356,16 +361,6 @@ def _unstacked(c: Check, inv: Inventory, gemm: Gemm, fmt: Format, names: list[st
         return None
 
 
-def _per_expert(inv: Inventory, gemm: Gemm, names: list[str], prefix: str, e: int) -> dict[str, dict[str, torch.Tensor]]:
-    """Expert `e`'s modules as ModelOpt's export stores them: module -> suffix -> tensor."""
-    head, out = f"{prefix}{e}.", {}
-    for n in names:
-        if n.startswith(head):
-            mod, suffix = n[len(head):].split(".", 1)
-            out.setdefault(mod, {})[suffix] = _reader(gemm, inv, n).get(n)
-    return out
-
-
 def _reader(gemm: Gemm, inv: Inventory, name: str):
     return gemm.reader(inv.root, inv.files.headers, inv.files.tensors[name].shard)
 
@@ -383,15 +378,4 @@ def _readable(c: Check, inv: Inventory, prefix: str, names: list[str], sources: 
             c.fail(inv.source.root / src.shard, sname, f"source has shape {list(src.entry.shape)}, config.json "
                    f"implies {list(sources[sname])}")
             return False
-    files, expected = inv.files, inv.expected
-    miss = [n for n in names if n not in files.tensors or files.tensors[n].shard not in files.headers]
-    if miss:
-        c.fail(inv.root / INDEX_NAME, miss[0], "cannot run the numerics check: tensor missing")
-        return False
-    wrong = [n for n in names if (tuple(files.tensors[n].entry.shape), files.tensors[n].entry.dtype)
-             != expected.tensors[n]]
-    if wrong:
-        c.fail(inv.root / files.tensors[wrong[0]].shard, wrong[0],
-               "cannot run the numerics check: wrong dtype or shape (see the layout check)")
-        return False
-    return True
+    return stored_ok(c, inv, names)

@@ -142,7 +142,7 @@ class _Reader:
 
 def _classify(inv: Inventory, name: str) -> TensorName | None:
     try:
-        return inv.conf.classify(name)
+        return inv.classify(name)
     except InklingQuantError:
         return None
 

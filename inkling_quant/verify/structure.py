@@ -8,6 +8,7 @@ from pathlib import Path
 from ..errors import InklingQuantError, short_repr
 from ..io.checkpoint import INDEX_NAME, RESUME_MANIFEST, SINGLE_NAME, Checkpoint, safe_child
 from ..io.safetensors import Header, read_header
+from ..layout import Layout, detect, oriented
 from .inventory import Conf, Files, Located, Source, load_json
 from .report import PASS, Check, Recorder
 
@@ -153,13 +154,29 @@ def _header(run: Recorder, root: Path, shard: str) -> Header | None:
 
 # ============================================================================ source
 def check_source(run: Recorder, src_root: Path, conf: Conf) -> Source:
-    """The `source` check (--against): the source opens and has the same config.json."""
+    """The `source` check (--against): the source opens and has the same config.json; for a
+    family other than Inkling 2, its layout is detected (where its experts are, how stored)."""
     c = run.new("source", "numerics", "the source checkpoint opens and has the same config")
     opened = run.guard(c, _open_source, c, src_root)
     headers, tensors = opened if opened is not None else ({}, {})
+    layout = None
     if opened is not None:
         run.guard(c, _compare_source_config, c, src_root, conf, len(headers), len(tensors))
-    return Source(src_root, headers, tensors, ok=c.status == PASS)
+        if conf.generic:
+            layout = run.guard(c, _source_layout, c, src_root, conf, tensors)
+    return Source(src_root, headers, tensors, ok=c.status == PASS, layout=layout)
+
+
+def _source_layout(c: Check, root: Path, conf: Conf, tensors: dict[str, Located]) -> Layout | None:
+    """The source's detected layout, a stacked storage's orientation settled; None (an error in
+    `c`: nothing can be compared) when its tensors fit no layout."""
+    try:
+        lay = detect(list(tensors), conf.cfg, str(root))
+    except InklingQuantError as e:
+        c.error(e.path or root, f"source: {e.message}")
+        return None
+    c.figures["layout"] = lay.describe()
+    return oriented(lay, {n: tuple(w.entry.shape) for n, w in tensors.items()}, conf.cfg)
 
 
 def _open_source(c: Check, root: Path) -> tuple[dict[str, Header], dict[str, Located]] | None:

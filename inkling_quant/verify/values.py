@@ -1,7 +1,7 @@
 """Value checks, run as stream visitors in the single read: `values[F]` (no NaN/Inf, scales
 finite and positive, e8m0 exponents not 0xFF) and `gate_up` (the gate and up modules of each
-NVFP4 expert share weight_scale_2: ModelOpt's per-expert form; the stacked form stores one
-global scale per expert's w13, so it has nothing to compare)."""
+NVFP4 expert share weight_scale_2: ModelOpt's per-expert form, for every family; the stacked
+form stores one global scale per expert's w13, so it has nothing to compare)."""
 from __future__ import annotations
 
 import math
@@ -147,16 +147,19 @@ FUSED = PROJECTIONS["w13"]  # the modules vLLM fuses into one w13, in w13's orde
 
 
 class GateUpScales:
-    """Collects each expert's shared global scales (fp32 scalars) of gate and up in the read."""
+    """Collects each expert's shared global scales (fp32 scalars) of gate and up in the read.
+    `fused`: the projections vLLM fuses, as the layout's classify names them (gate then up:
+    the Inkling 2 layout's gate_proj/up_proj, another family's canonical gate/up)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fused: tuple[str, ...] = FUSED) -> None:
+        self.fused = fused
         self.scale2: dict[tuple[int, int], dict[str, float]] = {}
         self.seen: dict[tuple[int, int, str], str] = {}  # (layer, expert, projection) -> tensor name
 
     def visit(self, seen: Seen):
         t, e = seen.t, seen.entry
         if t is not None and t.is_expert and t.suffix in _SHARED_SCALES and e.dtype == torch.float32 \
-                and e.nbytes == 4 and t.projection in FUSED:
+                and e.nbytes == 4 and t.projection in self.fused:
             self.seen[t.layer, t.expert, t.projection] = seen.name
             return _ScaleSink(self.scale2.setdefault((t.layer, t.expert), {}), t.projection)
         return None
@@ -180,7 +183,7 @@ def check_gate_up(run: Recorder, inv: Inventory, scales: GateUpScales) -> None:
         return
     c = run.new("gate_up", "values", "gate and up of each NVFP4 expert share weight_scale_2")
     n = 0
-    first, second = FUSED
+    first, second = scales.fused
     for (layer, expert), d in sorted(scales.scale2.items()):
         if first in d and second in d:
             n += 1
