@@ -7,7 +7,7 @@ into output shards."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from .. import hub
@@ -19,7 +19,7 @@ from ..inkling2 import (RELEASE_EXPERT_FORMAT, Inkling2Config, Spec, checkpoint_
 from ..io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child, shard_name
 from ..io.safetensors import DTYPE_NAMES, DTYPES
 from ..io.shards import plan_shards
-from ..layout import Layout, MoEConfig, detect, model_config, stacked_orientation
+from ..layout import Layout, MoEConfig, detect, model_config, oriented
 from ..schemes import Scheme
 from ..tensors import TensorName
 
@@ -163,12 +163,9 @@ def _validate_moe(cfg: MoEConfig, layout: Layout, listing: Listing, root: str) -
     entries = {name: (shard, dtype, tuple(shape)) for shard, e in listing.items() for name, (dtype, shape) in e.items()}
     want = {"gate": (I, H), "up": (I, H), "down": (H, I)}
     if layout.experts.kind == "stacked":
-        first = layout.experts_modules[layout.expert_layers[0]]
-        transposed = stacked_orientation(entries.get(f"{first}.down_proj", (None, ()))[2],
-                                         entries.get(f"{first}.gate_up_proj", (None, ()))[2], H, I)
-        layout = replace(layout, experts=replace(layout.experts, transposed=bool(transposed)))
+        layout = oriented(layout, {n: e[2] for n, e in entries.items()}, cfg)
         want = {"gate_up": (E, 2 * I, H), "down": (E, H, I)}
-        if transposed:
+        if layout.experts.transposed:
             want = {"gate_up": (E, H, 2 * I), "down": (E, I, H)}
     tensors, seen = [], set()
     for name, (shard, dtype, shape) in entries.items():
