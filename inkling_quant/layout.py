@@ -41,7 +41,7 @@ DRAFT_PREFIXES = ("dspark.",)  # a bundled speculator (ours for Inkling: dspark.
 LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight", "model.llm.unembed.weight")
 
 CANONICAL = ("gate", "up", "down")  # an expert's projections, whatever a family calls them
-PER_EXPERT_NAMES = {("gate_proj", "up_proj", "down_proj"): "proj", ("w1", "w3", "w2"): "w"}
+PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # gate, up, down per family
 
 _LIMITS = {"num_hidden_layers": MAX_LAYERS, "num_experts": 1 << 16}
 _EXPERT_ALIASES = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -76,9 +76,6 @@ class MoEConfig:
                    hidden_size=t.int("hidden_size"), num_hidden_layers=n, num_experts=experts,
                    num_experts_per_tok=t.int("num_experts_per_tok", hi=experts), expert_width=t.int(width_key),
                    dense_layers=_dense_layers(t, n), nested=nested, raw=dict(d))
-
-    def has_experts(self, layer: int) -> bool | None:
-        return None if self.dense_layers is None else layer not in self.dense_layers
 
 
 def _dense_layers(t: ConfigFields, n: int) -> frozenset[int] | None:
