@@ -1,5 +1,5 @@
 """--activation-scales: the calibrated activation amax per module, from a JSON or safetensors
-file or taken verbatim from a quantized checkpoint (ModelOpt's export, the release, ours), mapped
+file or taken verbatim from a quantized checkpoint (ModelOpt's export, ours), mapped
 onto the source's activation modules (a per-expert source's expert modules, a stacked source's
 stacked tensors)."""
 from __future__ import annotations

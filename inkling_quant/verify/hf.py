@@ -30,7 +30,7 @@ from ..io.safetensors import DTYPE_NAMES
 from ..layout import CANONICAL, Layout, detect, oriented
 from ..tensors import TensorName
 from . import published
-from .inventory import CHECKED, Conf, Expected, Files, Inventory, Shape, Source, listing
+from .inventory import CHECKED, Conf, Expected, Files, Inventory, Shape, Source, config_shape, listing
 from .numerics import Gemm, judge, layer_figures, module_tensors, sample_experts, start, stored_ok
 from .report import Check, Recorder
 from .stream import torch_threads
@@ -175,13 +175,8 @@ def _specs(weights: Weights, fmt: Format, activation_scale: bool, conf: Conf | N
     config.json and the weight; without `conf`, the format's own) when a shape cannot be `fmt`."""
     out: dict[str, Shape] = {}
     for w, (shape, dtype) in weights.items():
-        try:
+        with config_shape(conf, w, shape, fmt):
             specs = fmt.out_tensors(w, shape, dtype, activation_scale)
-        except FormatError as e:
-            if conf is None:
-                raise
-            raise FormatError(f"{w} {list(shape)} (config.json) cannot be {fmt.name}: {e.message}",
-                              path=conf.root / "config.json", tensor=w) from None
         out.update({n: (tuple(o.shape), o.dtype) for n, o in specs.items()})
     return out
 

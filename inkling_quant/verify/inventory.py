@@ -10,13 +10,14 @@ through io.checkpoint.read_json.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError, InklingQuantError
+from ..errors import CheckpointError, FormatError, InklingQuantError
 from ..formats import Format
 from ..inkling2 import Inkling2Config, classify, classify_modelopt
 from ..layout import Layout, MoEConfig
@@ -175,6 +176,20 @@ class Inventory:
         """What tensor `name` is: by the detected layout (other families), else the Inkling 2 layout's."""
         lay = self.expected.layout
         return lay.classify(name) if lay is not None else self.conf.classify(name)
+
+
+@contextlib.contextmanager
+def config_shape(conf: "Conf | None", name: str, shape, fmt: Format):
+    """Around asking `fmt` for the tensors of weight `name` of the config's `shape`: a shape the
+    format cannot hold is the config's fault (a FormatError naming config.json and the weight);
+    without `conf`, the format's own error passes as it is."""
+    try:
+        yield
+    except FormatError as e:
+        if conf is None:
+            raise
+        raise FormatError(f"{name} {list(shape)} cannot be {fmt.name}: {e.message}",
+                          path=conf.root / "config.json", tensor=name) from None
 
 
 def listing(root: Path) -> Path:

@@ -38,7 +38,8 @@ from ..inkling2 import (RELEASE_EXPERT_FORMAT, checkpoint_tensors, experts_modul
 from ..io.checkpoint import INDEX_NAME
 from ..io.safetensors import DTYPE_NAMES
 from ..layout import natural_key
-from .inventory import CHECKED, DISAGREES, FAILED, SKIPPED, Conf, Expected, Files, Inventory, Shape, Source, listing
+from .inventory import (CHECKED, DISAGREES, FAILED, SKIPPED, Conf, Expected, Files, Inventory, Shape, Source,
+                        config_shape, listing)
 from .numerics import Gemm, judge, layer_figures, module_tensors, sample_experts, start, stored_ok
 from .report import Check, Recorder
 from .stream import torch_threads
@@ -157,17 +158,12 @@ def _stacked(srcs: Sources, fmt: Format, activation_scale: bool, conf: Conf | No
     format cannot hold the config's shapes."""
     out: dict[str, Shape] = {}
     for proj, (name, shape, dtype) in srcs.items():
-        try:
+        with config_shape(conf, name, shape, fmt):
             if per_expert:
                 specs = {f"{e}.{m}.{k}": o for (e, m, k), o in
                          expert_module_specs(fmt, proj, shape, dtype=dtype, activation_scale=activation_scale).items()}
             else:
                 specs = projection_specs(fmt, proj, shape, dtype=dtype, activation_scale=activation_scale)
-        except FormatError as e:
-            if conf is None:
-                raise
-            raise FormatError(f"{name} {list(shape)} cannot be {fmt.name}: {e.message}",
-                              path=conf.root / "config.json", tensor=name) from None
         out.update({k: (tuple(o.shape), o.dtype) for k, o in specs.items()})
     return out
 
