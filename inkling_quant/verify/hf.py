@@ -30,7 +30,7 @@ from ..io.safetensors import DTYPE_NAMES
 from ..layout import CANONICAL, Layout, detect, oriented
 from ..tensors import TensorName
 from . import published
-from .inventory import CHECKED, Conf, Expected, Files, Inventory, Shape, Source, config_shape, listing
+from .inventory import CHECKED, Conf, Expected, Files, Inventory, Shape, Source, config_shape, listing, weight_only_vote
 from .numerics import Gemm, judge, layer_figures, module_tensors, sample_experts, start, stored_ok
 from .report import Check, Recorder
 from .stream import torch_threads
@@ -241,20 +241,14 @@ def _layer_format(c: Check, files: Files, conf: Conf, lay: Layout, layer: int, w
 
 def _weight_only(conf: Conf, lay: Layout, weights: dict[int, Weights], fmts: dict[int, Format],
                  held: dict[str, dict[str, Shape]]) -> bool:
-    """W4A16 or W4A4: decided by the layers whose format has a static activation scale (most
-    hold it or most do not); without such layers, what the converter recorded."""
-    with_scale = without = 0
+    """W4A16 or W4A4 (inventory.weight_only_vote): does each layer whose format has a static
+    activation scale hold one?"""
+    holds = []
     for i, fmt in fmts.items():
         if fmt.static_activation_scale:
             act = set(_specs(weights[i], fmt, True, conf)) - set(_specs(weights[i], fmt, False, conf))
-            if act & set(held.get(lay.experts_modules[i], {})):
-                with_scale += 1
-            else:
-                without += 1
-    if with_scale or without:
-        return without > with_scale
-    conv = conf.converter
-    return bool(conv.get("weight_only", False)) if isinstance(conv, dict) else False
+            holds.append(bool(act & set(held.get(lay.experts_modules[i], {}))))
+    return weight_only_vote(conf, holds)
 
 
 # ============================================================================ config

@@ -192,6 +192,16 @@ def config_shape(conf: "Conf | None", name: str, shape, fmt: Format):
                           path=conf.root / "config.json", tensor=name) from None
 
 
+def weight_only_vote(conf: "Conf", holds_scale: list[bool]) -> bool:
+    """W4A16 or W4A4: decided by the layers whose format has a static activation scale
+    (`holds_scale`: one per such layer, whether it holds the scale; most hold it or most do not);
+    without such layers, what the converter recorded."""
+    if holds_scale:
+        return holds_scale.count(False) > holds_scale.count(True)
+    conv = conf.converter
+    return bool(conv.get("weight_only", False)) if isinstance(conv, dict) else False
+
+
 def listing(root: Path) -> Path:
     """The file that lists a checkpoint's tensors, named by a problem about a missing one: its
     index, or its single shard where it has no index (as save_pretrained and ModelOpt write a

@@ -39,7 +39,7 @@ from ..io.checkpoint import INDEX_NAME
 from ..io.safetensors import DTYPE_NAMES
 from ..layout import natural_key
 from .inventory import (CHECKED, DISAGREES, FAILED, SKIPPED, Conf, Expected, Files, Inventory, Shape, Source,
-                        config_shape, listing)
+                        config_shape, listing, weight_only_vote)
 from .numerics import Gemm, judge, layer_figures, module_tensors, sample_experts, start, stored_ok
 from .report import Check, Recorder
 from .stream import torch_threads
@@ -199,21 +199,14 @@ def _layer_format(c: Check, files: Files, conf: Conf, layer: int, srcs: Sources,
 
 def _weight_only(conf: Conf, layers: dict[int, Sources], fmts: dict[int, Format],
                  held: dict[str, dict[str, Shape]]) -> bool:
-    """W4A16 or W4A4: decided by the layers whose format has a static activation scale (most
-    hold it or most do not); without such layers, what the converter recorded."""
-    with_scale = without = 0
+    """W4A16 or W4A4 (inventory.weight_only_vote): does each layer whose format has a static
+    activation scale hold one?"""
+    holds, hf = [], conf.modelopt_hf
     for i, fmt in fmts.items():
         if fmt.static_activation_scale:
-            hf = conf.modelopt_hf
             act = set(_stacked(layers[i], fmt, True, conf, hf)) - set(_stacked(layers[i], fmt, False, conf, hf))
-            if act & set(held.get(_module(conf, i), {})):
-                with_scale += 1
-            else:
-                without += 1
-    if with_scale or without:
-        return without > with_scale
-    conv = conf.converter
-    return bool(conv.get("weight_only", False)) if isinstance(conv, dict) else False
+            holds.append(bool(act & set(held.get(_module(conf, i), {}))))
+    return weight_only_vote(conf, holds)
 
 
 def _why(conf: Conf, name: str) -> str:
