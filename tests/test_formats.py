@@ -7,15 +7,17 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numba
 import numpy as np
 import pytest
 import torch
 
 from inkling_quant.errors import FormatError
 from inkling_quant.formats import FORMATS, MXFP8, NVFP4, get_format
-from inkling_quant.formats.mxfp8 import _e8m0_from_bits, _mxfp8_torch, e8m0_exponent
-from inkling_quant.formats.nvfp4 import (E2M1_BOUNDS, E2M1_VALUES, _e2m1_codes_torch, _e2m1_magnitude,
-                                         _nvfp4_torch, amax, pack_e2m1, unpack_e2m1)
+from inkling_quant.formats import _jit
+from inkling_quant.formats.mxfp8 import _mxfp8_torch, e8m0_exponent
+from inkling_quant.formats.nvfp4 import (E2M1_BOUNDS, E2M1_VALUES, _e2m1_codes_torch, _nvfp4_torch, amax, pack_e2m1,
+                                         unpack_e2m1)
 
 BF = torch.bfloat16
 U8 = torch.uint8
@@ -242,8 +244,8 @@ def test_nvfp4_input_scale():
 
 # ------------------------------------------------------------------------------ e2m1 rounding
 def test_e2m1_rounding_formula_matches_modelopt_cast(mo):
-    """The kernel's magic-number rounding vs ModelOpt's own _cast_fp4 (searchsorted + odd-bound
-    tie fix) on: every bf16 value, every fp32 within 4096 ulps of each bound and grid point, and
+    """The kernel's e2m1 rounding (_jit.e2m1_code) vs ModelOpt's own _cast_fp4 (searchsorted +
+    odd-bound tie fix) on: every bf16 value, every fp32 within 4096 ulps of each bound and grid point, and
     random fp32 in [0, 8] and up to 1e38. (All fp32 in [0, 8.5] were checked once, offline.)"""
     allbf = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(BF).float()
     pts = torch.cat([E2M1_BOUNDS, E2M1_VALUES[:8], torch.tensor([8.0])])
@@ -252,33 +254,40 @@ def test_e2m1_rounding_formula_matches_modelopt_cast(mo):
     g = torch.Generator().manual_seed(0)
     rnd = torch.cat([torch.rand(1 << 18, generator=g) * 8, torch.rand(1 << 14, generator=g) * 1e38])
     y = torch.cat([allbf, near, rnd]).contiguous()
-    yn = y.numpy()
-    code = np.empty(yn.shape, np.uint8)
-    _e2m1_magnitude(yn, code, np.empty_like(yn), np.empty_like(yn), np.empty_like(yn), np.full_like(yn, 3.0))
     ref = mo[0]._cast_fp4(y.clone())
-    assert torch.equal(torch.from_numpy(code), ref)
+    assert torch.equal(_e2m1_codes_jit(y), ref)
+    assert torch.equal(_e2m1_codes_jit(-y[y > 0]), ref[y > 0] + 8)
     assert torch.equal(_e2m1_codes_torch(y), ref)
     assert torch.equal(_e2m1_codes_torch(-y[y > 0]), ref[y > 0] + 8)
 
 
-def test_block_scale_rounding_matches_torch_cast():
-    """The e4m3 block-scale rounding done on fp32 bit patterns (fast path) vs torch's cast, on
-    every e4m3 value, the midpoints between them and their fp32 neighbours, and random values."""
-    from inkling_quant.formats.nvfp4 import _block_scales
+def _e2m1_codes_jit(y: torch.Tensor) -> torch.Tensor:
+    codes = np.empty(y.numel(), np.uint8)
+    _e2m1_each(y.contiguous().numpy(), codes)
+    return torch.from_numpy(codes)
 
+
+@numba.njit(cache=False)
+def _e2m1_each(y, out):
+    for i in range(y.size):
+        out[i] = _jit.e2m1_code(y[i])
+
+
+def test_e4m3_rounding_matches_torch_cast():
+    """The kernels' e4m3 rounding on fp32 bit patterns (_jit.e4m3_bytes: block scales, MXFP8
+    values) vs torch's cast, on every e4m3 value (subnormals and zero included), the midpoints
+    between them and their fp32 neighbours, and random values over the whole range."""
     grid = torch.arange(256, dtype=torch.int32).to(U8).view(torch.float8_e4m3fn).float()
-    grid = grid[torch.isfinite(grid) & (grid >= 2 ** -6)].unique()
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].unique()
     mids = (grid[1:] + grid[:-1]) / 2
     pts = torch.cat([grid, mids])
     near = (pts.view(torch.int32)[:, None] + torch.arange(-3, 4, dtype=torch.int32)).reshape(-1).view(torch.float32)
     g = torch.Generator().manual_seed(0)
-    rnd = torch.exp2(torch.rand(1 << 16, generator=g) * 14.8 - 6)
-    pbs = torch.cat([near, rnd]).clamp(2 ** -6, 448).contiguous()
-    s8, d, exact = _block_scales(pbs.numpy().copy(), np.float32(1.0), np.float32(1.0))
-    assert exact
-    ref = pbs.to(torch.float8_e4m3fn)
-    assert torch.equal(torch.from_numpy(s8), ref.view(U8))
-    assert torch.equal(torch.from_numpy(d), ref.float())
+    rnd = torch.exp2(torch.rand(1 << 16, generator=g) * 24 - 15)
+    v = torch.cat([near[near >= 0], rnd]).clamp(0, 448).contiguous()
+    ours = np.empty(v.numel(), np.uint8)
+    _jit.e4m3_bytes(v.view(torch.int32).numpy().view(np.uint32), ours)
+    assert torch.equal(torch.from_numpy(ours), v.to(torch.float8_e4m3fn).view(U8))
 
 
 def test_e2m1_ties_round_half_to_even():
@@ -390,13 +399,15 @@ def test_mxfp8_dequantize_matches_modelopt(mo):
 
 
 def test_e8m0_integer_rule_on_every_bf16_and_fp16_amax(mo):
-    """Our integer ceil(log2(amax/448)) equals ModelOpt's torch.log2 form for every finite bf16
-    and fp16 block amax (all 32640 / 31744 patterns)."""
+    """The kernel's integer ceil(log2(amax/448)) (mxfp8._e8m0_doc) equals ModelOpt's torch.log2
+    form for every finite bf16 and fp16 block amax (all 32640 / 31744 patterns): one block per
+    pattern, its amax that pattern."""
     for dt, top in ((BF, 0x7F80), (torch.float16, 0x7C00)):
         a = torch.arange(0, top, dtype=torch.int32).to(torch.int16).view(dt)
         ref = (mo[1]._compute_e8m0_exponent(a) + 127).to(U8)
-        ours = _e8m0_from_bits(a.float().view(torch.int32).numpy(), exact_int=True)
-        assert torch.equal(torch.from_numpy(ours), ref)
+        blocks = torch.zeros(a.numel(), 32, dtype=dt)
+        blocks[:, 7] = a
+        assert torch.equal(MXFP8().quantize(blocks)["weight_scale"].reshape(-1), ref)
         assert torch.equal(e8m0_exponent(a), ref)
 
 

@@ -294,8 +294,11 @@ def test_stacked_tensor_written_in_pieces_and_read_by_slice(tmp_path):
         with pytest.raises(CheckpointError, match=r"has no slice 5"):
             r.get_slice("w", 5)
         assert torch.equal(r.get_rows("w", 3, buf), w[:3]) and r.get_rows("w", 0).shape == (0, 6, 8)
-        with pytest.raises(CheckpointError, match=r"has no 6 rows"):
+        assert torch.equal(r.get_rows("w", 5, buf, start=2), w[2:5]) and r.get_rows("w", 4, start=4).shape == (0, 6, 8)
+        with pytest.raises(CheckpointError, match=r"has no rows 0:6"):
             r.get_rows("w", 6)
+        with pytest.raises(CheckpointError, match=r"has no rows 4:3"):
+            r.get_rows("w", 3, start=4)
 
 
 def test_write_part_refuses_what_was_not_declared(tmp_path):

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
+import math
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,33 +46,37 @@ def _sources(root: Path, repo: str | None, revision: str | None) -> ShardReaders
 def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str | None, out_dir: str,
                   device: str = "cpu", buffered_io: bool = False, progress=None,
                   stop: Callable[[], None] | None = None) -> ShardResult:
-    """One output shard. Writing (sha256 + write, both GIL-free) runs on a second thread one step
-    behind the reading and quantizing (a step: a unit, or one expert of a stacked unit), so the
-    I/O of step k overlaps the arithmetic of step k+1. Two sets of read buffers alternate:
-    pass-through outputs are views into them, and the write of step k has finished before step
-    k+2 reads into its set. `stop` is called before each unit
-    (it raises to stop the shard: a signal in the converting process)."""
+    """One output shard, as a pipeline of three threads over its steps (a step: one expert of a
+    stacked tensor, one unit of a per-expert source, or a piece of at most PIECE bytes of a
+    pass-through tensor): a reader thread reads step k+1 (and downloads a hub shard when first
+    needed) while this thread checks and quantizes step k and the writer thread hashes and
+    writes step k-1. The three run side by side (pread, the quantizer kernels, sha256 and the
+    write all release the GIL), so a shard costs about its slowest stage, not their sum. Memory:
+    four sets of read buffers (one per stage, one queued), each bounded by a step, not by the
+    largest tensor. `stop` is called before each step (it raises to stop the shard: a signal in
+    the converting process)."""
     start, fetched = time.perf_counter(), hub.fetch_seconds()
-    sources = _sources(Path(src_root), repo, revision)
-    buffer_sets = itertools.cycle(((TensorBuffer(), TensorBuffer()), (TensorBuffer(), TensorBuffer())))
     counts: dict[str, int] = {}
     writer = ShardWriter(Path(out_dir) / job.file, [(n, DTYPES[d], s) for n, d, s in job.specs], SHARD_METADATA,
                          direct=not buffered_io)
+    sources = _sources(Path(src_root), repo, revision)
+    steps = _ReadAhead(_job_steps(job, sources, device, counts, progress))
     io = cf.ThreadPoolExecutor(1, thread_name_prefix="inkling-quant-write")
     pending: cf.Future | None = None
     try:
         with writer:
             try:
-                for u in job.units:
+                for step, tensors in steps:
                     if stop is not None:
                         stop()
-                    for outputs in _steps(u, sources, buffer_sets, device, counts, progress):
-                        if pending is not None:
-                            pending.result()  # an I/O error of the previous step surfaces here
-                        pending = io.submit(_write_all, writer, outputs)
+                    outputs = step.compute(tensors)
+                    if pending is not None:
+                        pending.result()  # an I/O error of the previous step surfaces here
+                    pending = io.submit(_write_all, writer, outputs)
                 if pending is not None:
                     pending.result()
             finally:
+                steps.close()
                 io.shutdown(wait=True)  # never close the file under a running write
             # No fsync per shard: O_DIRECT bytes are already on the device and buffered ones
             # survive a kill -9 in the page cache; --resume re-hashes every recorded shard anyway,
@@ -81,140 +88,220 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
                        hub.fetch_seconds() - fetched)
 
 
-def _steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, counts: dict[str, int],
-           progress) -> Iterator[list[tuple[str, torch.Tensor, bool]]]:
-    """The unit's writes, step by step: (name, tensor, whole) where `whole` is False for the next
-    piece of a tensor written in pieces."""
-    if u.stacked is not None:
-        yield from _stacked_steps(u, sources, buffer_sets, device, counts, progress)
-    elif u.storage == "per_expert":
-        yield [(n, t, True) for n, t in _convert_unit(u, sources, next(buffer_sets), device, counts, progress)]
-    else:
-        yield [_passthrough(u, sources, next(buffer_sets)[0], counts, progress)]
+# ---------------------------------------------------------------------------- the pipeline
+PIECE = 64 << 20  # a pass-through tensor is read, checked and written in pieces of at most this
+STAGES = 4        # read buffer sets in flight: reading, queued, computing, writing
+
+Outputs = list[tuple[str, torch.Tensor, bool]]  # (name, tensor, whole): False for the next piece
 
 
-def _passthrough(u: Unit, sources: ShardReaders, buffer, counts: dict[str, int],
-                 progress) -> tuple[str, torch.Tensor, bool]:
-    """A pass-through tensor, checked finite, under its own name or `u.out_name`; its leading
-    `u.rows` rows only when set (only those bytes are read)."""
+@dataclass
+class _Step:
+    """What a step reads (each read fills the buffer it is given; run on the reader thread) and
+    what it makes of the tensors read (run on the converting thread)."""
+    reads: list[Callable[[TensorBuffer], torch.Tensor]]
+    compute: Callable[[list[torch.Tensor]], Outputs]
+
+
+class _ReadAhead:
+    """Iterates (step, tensors read) with the reads of the next step already under way on a
+    reader thread, one step queued at most. The buffer sets cycle through STAGES so that a set is
+    reused only once the write of the step that used it has finished (convert_shard waits for
+    each write before submitting the next). An error of the reader is raised to the consumer."""
+
+    _DONE = object()
+
+    def __init__(self, steps: Iterator[_Step]):
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._cancel = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(steps,), name="inkling-quant-read", daemon=True)
+        self._thread.start()
+
+    def _run(self, steps: Iterator[_Step]) -> None:
+        sets = itertools.cycle([[] for _ in range(STAGES)])  # each grows to the most reads of a step
+        try:
+            for step in steps:
+                bufs = next(sets)
+                bufs += [TensorBuffer() for _ in range(len(step.reads) - len(bufs))]
+                item = (step, [read(b) for read, b in zip(step.reads, bufs)])
+                if not self._put(item):
+                    return
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            self._put(e)
+            return
+        self._put(self._DONE)
+
+    def _put(self, item) -> bool:
+        while not self._cancel.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self):
+        while True:
+            item = self._queue.get()
+            if item is self._DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        """Stop reading ahead. A read under way (a hub download) is not waited for long: its
+        result is dropped, and the reader exits at its next step."""
+        self._cancel.set()
+        self._thread.join(timeout=5)
+
+
+def _job_steps(job: ShardJob, sources: ShardReaders, device: str, counts: dict[str, int],
+               progress) -> Iterator[_Step]:
+    for u in job.units:
+        if u.stacked is not None:
+            yield from _stacked_steps(u, sources, device, counts, progress)
+        elif u.storage == "per_expert":
+            yield _per_expert_unit(u, sources, device, counts, progress)
+        else:
+            yield from _passthrough_steps(u, sources, counts, progress)
+
+
+def _count(counts: dict[str, int], fmt: str) -> None:
+    counts[fmt] = counts.get(fmt, 0) + 1
+
+
+def _passthrough_steps(u: Unit, sources: ShardReaders, counts: dict[str, int], progress) -> Iterator[_Step]:
+    """A pass-through tensor, checked finite, under its own name or `u.out_name`, in pieces of
+    whole rows of at most PIECE bytes (a row larger than that is a piece); its leading `u.rows`
+    rows only when set (only those bytes are read)."""
     src = u.sources[0]
-    reader = sources.get(src.shard)
-    if u.rows is None:
-        t = reader.get(src.name, buffer)
+    reader, name = sources.get(src.shard), u.out_name or src.name
+    rows = u.rows if u.rows is not None else (src.shape[0] if src.shape else None)
+    if rows is None:  # a scalar
+        pieces = [(None, None)]
     else:
-        t = reader.get_rows(src.name, u.rows, buffer)
-    _check_finite(t, reader.path, src.name)
-    counts[u.format] = counts.get(u.format, 0) + 1
-    if progress is not None:
-        progress(t.numel() * t.element_size())
-    return u.out_name or src.name, t, True
+        row = math.prod(src.shape[1:]) * DTYPES[src.dtype].itemsize
+        per = max(1, PIECE // row) if row else max(rows, 1)
+        pieces = [(r, min(rows, r + per)) for r in range(0, max(rows, 1), per)]
+
+    def compute(t: list[torch.Tensor], first: bool) -> Outputs:
+        _check_finite(t[0], reader.path, src.name)
+        if first:
+            _count(counts, u.format)
+        if progress is not None:
+            progress(t[0].numel() * t[0].element_size())
+        return [(name, t[0], False)]
+
+    for k, (lo, hi) in enumerate(pieces):
+        read = (lambda b: reader.get(src.name, b)) if lo is None else \
+            (lambda b, lo=lo, hi=hi: reader.get_rows(src.name, hi, b, start=lo))
+        yield _Step([read], lambda t, first=k == 0: compute(t, first))
 
 
-def _stacked_steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, counts: dict[str, int],
-                   progress) -> Iterator[list[tuple[str, torch.Tensor, bool]]]:
-    """A stacked expert tensor ([E, ...], published layout), one expert at a time: read only its
-    slice, quantize it as stored (formats.stacked.slab_slices: gate/up rows stay interleaved),
-    write its weight slice as the next piece; the scales (an eighth of the weight or less) are
-    gathered and written after the last expert. Memory: one expert plus the layer's scales."""
+def _stacked_steps(u: Unit, sources: ShardReaders, device: str, counts: dict[str, int],
+                   progress) -> Iterator[_Step]:
+    """A stacked expert tensor ([E, ...]), one expert at a time: read only its slice, quantize it
+    as stored (formats.stacked.slab_slices: gate/up rows stay interleaved) and write its weight
+    slice as the next piece; the scales (an eighth of the weight or less) are gathered and written
+    after the last expert. Memory: one expert plus the layer's scales. Written as ModelOpt exports
+    it (`u.unstacked`): each expert's slab split into ModelOpt's modules (formats.stacked.slab_modules)."""
     src, fmt, proj = u.sources[0], FORMATS[u.format], u.stacked
+    path = sources.get(src.shard).path
     if u.unstacked:
-        yield from _per_expert_steps(u, sources, buffer_sets, device, counts, progress)
+        layout = expert_modules(u)
+        per = len(layout) // src.shape[0]  # tensors per expert
+        for e in range(src.shape[0]):
+            def modules(t: list[torch.Tensor], e=e) -> Outputs:
+                mods = slab_modules(fmt, proj, _quantize_slab(u, t, e, path, device, counts, progress),
+                                    interleaved=u.storage == "interleaved")
+                return [(spec[0], mods[m][k], True) for _, m, k, spec in layout[e * per:(e + 1) * per]]
+            yield _Step(_slab_reads(u, sources, e), modules)
         return
-    reader = sources.get(src.shard)
     prefix, weight = src.name[: -len(f"{proj}_weight")], f"{proj}_weight"
-    specs = projection_specs(fmt, proj, src.shape, dtype=DTYPES[src.dtype],
-                             activation_scale=u.activation_scale)
+    specs = projection_specs(fmt, proj, src.shape, dtype=DTYPES[src.dtype], activation_scale=u.activation_scale)
     gathered = {k: torch.empty(o.shape, dtype=o.dtype) for k, o in specs.items() if k != weight}
     for e in range(src.shape[0]):
-        q = _expert(u, sources, e, next(buffer_sets), device, counts, progress)
-        try:
-            slices = slab_slices(fmt, proj, q, name=f"expert {e}: ")
-        except FormatError as err:
-            raise FormatError(f"tensor {src.name!r}, expert {e}: {err.message}", path=reader.path,
-                              tensor=src.name) from None
-        for k, t in slices.items():
-            if k != weight:
-                gathered[k][e] = t
-        yield [(prefix + weight, slices[weight], False)]
-    yield [(prefix + k, t, True) for k, t in gathered.items()]
+        def piece(t: list[torch.Tensor], e=e) -> Outputs:
+            q = _quantize_slab(u, t, e, path, device, counts, progress)
+            try:
+                slices = slab_slices(fmt, proj, q, name=f"expert {e}: ")
+            except FormatError as err:
+                raise FormatError(f"tensor {src.name!r}, expert {e}: {err.message}", path=path,
+                                  tensor=src.name) from None
+            for k, t_ in slices.items():
+                if k != weight:
+                    gathered[k][e] = t_
+            return [(prefix + weight, slices[weight], False)]
+        yield _Step(_slab_reads(u, sources, e), piece)
+    yield _Step([], lambda t: [(prefix + k, v, True) for k, v in gathered.items()])
 
 
-def _expert(u: Unit, sources: ShardReaders, e: int, buffers, device: str, counts: dict[str, int],
-            progress) -> dict[str, torch.Tensor]:
+def _slab_reads(u: Unit, sources: ShardReaders, e: int) -> list[Callable[[TensorBuffer], torch.Tensor]]:
+    """Expert e's slice of the stacked tensor (and of its e8m0 scale, for an MXFP8-release source)."""
+    return [lambda b, s=s: sources.get(s.shard).get_slice(s.name, e, b) for s in u.sources[:2]]
+
+
+def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, counts: dict[str, int],
+                   progress) -> dict[str, torch.Tensor]:
     """Expert e's slab of a stacked unit in the unit's format, as `Format.quantize` returns it:
     a float slab quantized as stored; an MXFP8-release slab copied bit-exact when the format is
     kept, else dequantized exactly (e4m3 x 2^k is exact in fp32) and quantized."""
-    src = u.sources[0]
-    reader = sources.get(src.shard)
-    slab = reader.get_slice(src.name, e, buffers[0])
-    nbytes = slab.numel() * slab.element_size()
+    src, slab = u.sources[0], t[0]
+    nbytes = sum(x.numel() * x.element_size() for x in t)
     if u.transposed:  # an [in, out] slab: quantized as [out, in], blocks along `in`
         slab = slab.t()
     q = None
     if u.source_format is not None:  # the MXFP8 release: weight + e8m0 scale
-        scale = u.sources[1]
-        stored = {"weight": slab, "weight_scale": sources.get(scale.shard).get_slice(scale.name, e, buffers[1])}
-        nbytes += stored["weight_scale"].numel()
+        stored = {"weight": slab, "weight_scale": t[1]}
         if u.source_format == u.format:
-            _check_stored(FORMATS[u.format], stored, reader.path, src.name, e)
+            _check_stored(FORMATS[u.format], stored, path, src.name, e)
             q = stored  # kept: copied bit-exact
         else:
             slab = FORMATS[u.source_format].dequantize(stored, torch.float32)
     elif u.format == "passthrough":
-        _check_finite(slab, reader.path, src.name)
+        _check_finite(slab, path, src.name)
     if q is None:
         fmt = FORMATS[u.format]
         x = slab if device == "cpu" else slab.to(device)
         try:
-            q = {k: t.cpu() for k, t in fmt.quantize(x, global_amax=fmt.fused_global_amax([x]),
+            q = {k: v.cpu() for k, v in fmt.quantize(x, global_amax=fmt.fused_global_amax([x]),
                                                       input_amax=u.input_amax[0]).items()}
         except FormatError as err:
-            raise FormatError(f"tensor {src.name!r}, expert {e}: {err.message}", path=reader.path,
-                              tensor=src.name) from None
-    counts[u.format] = counts.get(u.format, 0) + 1
+            raise FormatError(f"tensor {src.name!r}, expert {e}: {err.message}", path=path, tensor=src.name) from None
+    _count(counts, u.format)
     if progress is not None:
         progress(nbytes)
     return q
 
 
-def _per_expert_steps(u: Unit, sources: ShardReaders, buffer_sets, device: str, counts: dict[str, int],
-                      progress) -> Iterator[list[tuple[str, torch.Tensor, bool]]]:
-    """A stacked expert tensor written as ModelOpt exports it (--output-format modelopt-hf): per
-    expert, its slab quantized as stored, then split into ModelOpt's modules (gate_proj, up_proj
-    from w13's interleaved rows; down_proj from w2), in the order the plan declared them."""
-    src, fmt, proj = u.sources[0], FORMATS[u.format], u.stacked
-    layout = expert_modules(u)
-    per = len(layout) // src.shape[0]  # tensors per expert
-    for e in range(src.shape[0]):
-        mods = slab_modules(fmt, proj, _expert(u, sources, e, next(buffer_sets), device, counts, progress),
-                            interleaved=u.storage == "interleaved")
-        yield [(spec[0], mods[m][k], True) for _, m, k, spec in layout[e * per:(e + 1) * per]]
-
-
-def _convert_unit(u: Unit, sources: ShardReaders, buffers, device: str, counts: dict[str, int],
-                  progress) -> list[tuple[str, torch.Tensor]]:
+def _per_expert_unit(u: Unit, sources: ShardReaders, device: str, counts: dict[str, int], progress) -> _Step:
     """One unit of a per-expert source (an expert's gate and up sharing one global scale, or one
-    projection): read, quantize, return (name, tensor) to write under the source's names."""
+    projection): read, quantize, written under the source's names."""
     fmt = FORMATS[u.format]
-    ws = []
-    for k, src in enumerate(u.sources):
-        reader = sources.get(src.shard)
-        w = reader.get(src.name, buffers[k])
-        if u.format == "passthrough":  # the quantizers check their own input
-            _check_finite(w, reader.path, src.name)
-        ws.append((src, w if device == "cpu" else w.to(device), reader.path))
-    global_amax = fmt.fused_global_amax([w for _, w, _ in ws]) if len(ws) > 1 else None
-    outputs = []
-    for (src, w, path), ia in zip(ws, u.input_amax):
-        try:
-            out = fmt.quantize(w, global_amax=global_amax, input_amax=ia)
-        except FormatError as e:
-            raise FormatError(f"tensor {src.name!r}: {e.message}", path=path, tensor=src.name) from None
-        outputs += [(fmt.tensor_name(src.name, suffix), t.cpu() if device != "cpu" else t) for suffix, t in out.items()]
-        counts[u.format] = counts.get(u.format, 0) + 1
-        if progress is not None:
-            progress(w.numel() * w.element_size())
-    return outputs
+    paths = [sources.get(s.shard).path for s in u.sources]
+
+    def compute(ts: list[torch.Tensor]) -> Outputs:
+        ws = []
+        for src, w, path in zip(u.sources, ts, paths):
+            if u.format == "passthrough":  # the quantizers check their own input
+                _check_finite(w, path, src.name)
+            ws.append(w if device == "cpu" else w.to(device))
+        global_amax = fmt.fused_global_amax(ws) if len(ws) > 1 else None
+        outputs = []
+        for src, w, path, ia in zip(u.sources, ws, paths, u.input_amax):
+            try:
+                out = fmt.quantize(w, global_amax=global_amax, input_amax=ia)
+            except FormatError as e:
+                raise FormatError(f"tensor {src.name!r}: {e.message}", path=path, tensor=src.name) from None
+            outputs += [(fmt.tensor_name(src.name, suffix), t.cpu() if device != "cpu" else t, True)
+                        for suffix, t in out.items()]
+            _count(counts, u.format)
+            if progress is not None:
+                progress(w.numel() * w.element_size())
+        return outputs
+
+    return _Step([lambda b, s=s: sources.get(s.shard).get(s.name, b) for s in u.sources], compute)
 
 
 def _check_stored(fmt, stored: dict[str, torch.Tensor], path, name: str, e: int) -> None:

@@ -114,6 +114,16 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
+def _source_bits(w: torch.Tensor) -> tuple[np.ndarray, np.uint32, np.unsignedinteger]:
+    """A contiguous CPU weight as the compiled kernels read it (formats/_jit.py): (bits, shift,
+    abs mask): bf16 as its uint16 patterns (shift 16 makes each the fp32 pattern of the same
+    value), fp32 as uint32 (shift 0), fp16 converted to fp32 first (exact)."""
+    flat = w.detach().reshape(-1)
+    if w.dtype == torch.bfloat16:
+        return _np(flat.view(torch.int16)).view(np.uint16), np.uint32(16), np.uint16(0x7FFF)
+    return _np(flat.float().view(torch.int32)).view(np.uint32), np.uint32(0), np.uint32(0x7FFFFFFF)
+
+
 def fp32_preimage(target: torch.Tensor, quotient: Callable[[torch.Tensor], torch.Tensor],
                   divisor: float) -> torch.Tensor | None:
     """An fp32 ``a`` with ``quotient(a) == target`` bit for bit, where ``quotient`` divides by

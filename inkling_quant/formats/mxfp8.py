@@ -15,9 +15,9 @@ The scale rule is ModelOpt's "round up" (``MXFP8QTensor._compute_e8m0_exponent``
 ``floor(log2(amax)) - 8``, which can clip a block's largest values (docs/formats.md).
 
 Bit-identical to ``modelopt.torch.quantization.qtensor.MXFP8QTensor.quantize`` (0.47.0, CPU).
-The CPU path shares the NVFP4 kernel's structure (chunks of whole blocks, numpy on reused
-per-thread buffers, torch.get_num_threads() threads); the e4m3 rounding itself is torch's own
-fp32 -> float8_e4m3fn cast, the one ModelOpt uses.
+The CPU path is a compiled kernel (formats/_jit.py: numba, chunks of whole blocks on
+torch.get_num_threads() threads) evaluating the same fp32 operations; its e4m3 rounding equals
+torch's fp32 -> float8_e4m3fn cast, the one ModelOpt uses (tests/test_formats.py).
 """
 from __future__ import annotations
 
@@ -28,15 +28,14 @@ import torch
 
 from ..errors import FormatError
 from .base import Format, OutSpec
-from ._cpu import _BITS, _buf, _check_dtype, _check_shape, _nonfinite, _np, _run_chunks
+from . import _jit
+from ._cpu import _BITS, _buf, _check_dtype, _check_shape, _nonfinite, _run_chunks, _source_bits
 
 __all__ = ["MXFP8", "BLOCK_SIZE", "E4M3_MAX", "e8m0_exponent"]
 
 BLOCK_SIZE = 32
 E4M3_MAX = 448.0
-_MX_CHUNK_BLOCKS = 4096      # 131072 elements per chunk
-_TORCH_SERIAL = 32767        # torch runs element-wise ops below this size serially on the calling
-                             # thread (its OpenMP fork/join per op is very slow from worker threads)
+_MX_CHUNK_BLOCKS = 2048      # 64 Ki elements per chunk: its scratch stays in the L2 cache
 
 
 def e8m0_exponent(block_amax: torch.Tensor) -> torch.Tensor:
@@ -47,72 +46,40 @@ def e8m0_exponent(block_amax: torch.Tensor) -> torch.Tensor:
     return (torch.clamp(torch.ceil(log2), min=-127, max=127) + 127).to(torch.uint8)
 
 
-def _e8m0_from_bits(bm: np.ndarray, exact_int: bool) -> np.ndarray:
-    """Biased exponent (uint8) from fp32 block-amax bit patterns (int32, >= 0).
+def _e8m0_doc() -> None:
+    """Why the CPU kernel's integer exponent rule equals ModelOpt's ``torch.log2`` form.
 
     For bf16/fp16 weights ``amax/448`` is never within 2^-9 (relative) of a power of two unless
     it is one, so ``ceil(log2(.))`` is exact whatever log2's last-bit error: the integer form
-    below (exponent, +1 if any mantissa bit; fp32 subnormals by hand) equals ModelOpt's
-    ``torch.log2`` form. tests/test_formats.py checks it on every bf16 and fp16 amax pattern.
-    fp32 weights take ModelOpt's own expression."""
-    if not exact_int:
-        return e8m0_exponent(torch.from_numpy(bm.view(np.float32))).numpy()
-    d = bm.view(np.float32) / np.float32(E4M3_MAX)        # torch: amax.float() / 448 (fp32)
-    db = d.view(np.int32)
-    e = (db + 0x7FFFFF) >> 23                              # exponent + [mantissa != 0] (+127)
-    e[db <= 0x400000] = 0                                  # <= 2^-127 (incl. 0): E = -127
-    return e.astype(np.uint8)
+    (the fp32 exponent of amax/448, plus one if any mantissa bit is set; 0 at or below 2^-127)
+    equals ModelOpt's. tests/test_formats.py checks it on every bf16 and fp16 amax pattern.
+    fp32 weights take ModelOpt's own expression (`e8m0_exponent`), given to the kernel."""
 
 
 def _mxfp8_cpu(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 [numel], e8m0 uint8 [numel/32]) for a contiguous CPU weight."""
-    flat_t = w.reshape(-1)
-    numel = flat_t.numel()
-    nblk = numel // BLOCK_SIZE
-    q = torch.empty(numel, dtype=torch.float8_e4m3fn)
+    """(e4m3 [numel], e8m0 uint8 [numel/32]) for a contiguous CPU weight: the compiled kernel
+    (_jit.mxfp8_blocks) on chunks of whole blocks, on torch.get_num_threads() threads."""
+    src, shift, mask = _source_bits(w)
+    nblk = src.size // BLOCK_SIZE
+    q = torch.empty(nblk * BLOCK_SIZE, dtype=torch.float8_e4m3fn)
     scale = torch.empty(nblk, dtype=torch.uint8)
-    scale_np = scale.numpy()
-    bf16 = w.dtype == torch.bfloat16
-    # bf16/fp16: |x| * 2^-e <= 448 always (docs/formats.md), so ModelOpt's clamp is a no-op
-    needs_clamp = w.dtype == torch.float32
-    src = _np(flat_t.view(torch.int16)) if bf16 else _np(flat_t)
-    CB = _MX_CHUNK_BLOCKS
-    N = CB * BLOCK_SIZE
+    given = w.dtype == torch.float32  # fp32: ModelOpt's log2 form, not the integer rule
+    if given and nblk:
+        bm = w.detach().reshape(-1, BLOCK_SIZE).abs().amax(dim=1)
+        if not bool(torch.isfinite(bm).all()):
+            raise _nonfinite(name)
+        scale.copy_(e8m0_exponent(bm))
+    q_np, scale_np = q.view(torch.uint8).numpy(), scale.numpy()
 
     def chunk(b0: int, b1: int) -> None:
-        m = b1 - b0
-        n = m * BLOCK_SIZE
-        x = _buf("mx:x", (N,), np.int32)[:n]                # fp32 bits of x
-        if bf16:
-            np.left_shift(src[b0 * 32: b1 * 32], 16, out=x, dtype=np.int32)
-        else:  # exact fp16/fp32 -> fp32 by numpy (no torch op in a worker thread)
-            np.copyto(x.view(np.float32), src[b0 * 32: b1 * 32])
-        a = _buf("mx:a", (N,), np.int32)[:n]
-        np.bitwise_and(x, 0x7FFFFFFF, out=a)
-        t, t2 = a, _buf("mx:t", (N // 2,), np.int32)
-        k = n
-        while k > m:                                        # strided max tree: 32 -> 1 per block
-            np.maximum(t[0:k:2], t[1:k:2], out=t2[: k // 2])
-            t, t2 = t2, (a if t is a else t)
-            k //= 2
-        bm = t[:m].copy()
-        if int(bm.max()) >= 0x7F800000:
+        m, n, M = b1 - b0, (b1 - b0) * BLOCK_SIZE, _MX_CHUNK_BLOCKS  # scratch of a whole chunk, reused
+        scratch = (_buf("mx:tmp", (M * 32,), src.dtype)[:n], _buf("mx:top", (M,), np.uint32)[:m],
+                   _buf("mx:u", (M * 32,), np.uint32)[:n], _buf("mx:f", (M * 32,), np.float32)[:n])
+        if _jit.mxfp8_blocks(src[b0 * 32: b1 * 32], shift, mask, given, scale_np[b0:b1], q_np[b0 * 32: b1 * 32],
+                             *scratch) == _jit.NONFINITE:
             raise _nonfinite(name)
-        e8 = _e8m0_from_bits(bm, exact_int=not needs_clamp)
-        scale_np[b0:b1] = e8
-        # 2^(127 - E) as fp32 bits (torch.exp2 of an integer is exact; E = 254 is subnormal 2^-127)
-        fb = (254 - e8.astype(np.int32)) << 23
-        fb[e8 == 254] = 0x00400000
-        y = x.view(np.float32)
-        np.multiply(y, np.repeat(fb.view(np.float32), BLOCK_SIZE), out=y)   # x * 2^-e, as ModelOpt
-        if needs_clamp:
-            np.clip(y, np.float32(-E4M3_MAX), np.float32(E4M3_MAX), out=y)
-        yt = torch.from_numpy(y)
-        dst = q[b0 * 32: b1 * 32]
-        for lo in range(0, n, _TORCH_SERIAL):               # torch's own fp32 -> e4m3 cast
-            dst[lo: lo + _TORCH_SERIAL].copy_(yt[lo: lo + _TORCH_SERIAL])
 
-    _run_chunks(chunk, nblk, CB)
+    _run_chunks(chunk, nblk, _MX_CHUNK_BLOCKS)
     return q, scale
 
 

@@ -16,17 +16,13 @@ The numbers are bit-identical to ``modelopt.torch.quantization.qtensor.NVFP4QTen
 round-half-to-even onto the e2m1 grid, same saturation. docs/formats.md pins every convention and
 its source; tests/test_formats.py holds us to ModelOpt bit for bit.
 
-The CPU path is a reimplementation for speed (ModelOpt's ``searchsorted`` quantizer runs at
-~15-30 MB/s on two cores; this one at several hundred MB/s, see tools/bench_formats.py): the input
-is split into chunks of whole 16-blocks, each chunk is processed with a fixed sequence of numpy
-operations on reused per-thread buffers, and chunks run on ``torch.get_num_threads()`` threads
-(numpy releases the GIL). Two tricks carry most of the gain:
-
-* bf16 pairs are read as one int32: ``v << 16`` and ``v & 0xFFFF0000`` are the exact fp32 bit
-  patterns of the even and odd elements. Working on these two "planes" makes the final nibble
-  packing a contiguous operation instead of a strided one.
-* the e2m1 rounding is done by the FPU with "magic number" additions, which round half to even
-  exactly like ModelOpt's bounds + tie rule (proof in :func:`_e2m1_code_doc`).
+The CPU path is a compiled kernel (formats/_jit.py: numba, vectorized flat loops over chunks of
+whole 16-blocks on ``torch.get_num_threads()`` threads, the GIL released) evaluating ModelOpt's
+fp32 operations in its order: ModelOpt's ``searchsorted`` quantizer runs at ~15-30 MB/s on two
+cores, this one at ~2 GB/s per core (tools/bench_formats.py). Its e2m1 rounding counts the bounds
+below |y| with ModelOpt's tie fix (``_jit.e2m1_code``); its e4m3 block-scale rounding is torch's
+cast done on the fp32 bit pattern (``_jit.e4m3_bytes``). tests/test_formats.py checks both against
+ModelOpt and torch on every bf16 value and around every bound.
 
 On other devices (CUDA) a plain-torch path runs the same formulas on the device.
 """
@@ -39,7 +35,9 @@ import numpy as np
 import torch
 
 from ..errors import FormatError
-from ._cpu import _BITS, _buf, _check_dtype, _check_shape, _const, _nonfinite, _np, _run_chunks, _where, fp32_preimage
+from . import _jit
+from ._cpu import (_BITS, _buf, _check_dtype, _check_shape, _nonfinite, _np, _run_chunks, _source_bits, _where,
+                   fp32_preimage)
 from .base import Format, OutSpec
 
 __all__ = [
@@ -148,153 +146,32 @@ def nvfp4_input_scale(input_amax, name: str = "") -> torch.Tensor:
 
 
 # ============================================================================ the CPU kernel
-_M22 = float(2 ** 22)        # x + 2^22 rounds x to a multiple of 0.5 (half to even) for 0 <= x < 2^22
-_M23H = float(3 * 2 ** 22)   # 1.5 * 2^23: x + M rounds x to an integer for -2^22 <= x < 2^22
-_B22 = 0x4A800000            # bits(2^22)
-_B23H = 0x4B400000           # bits(1.5 * 2^23)
-_NV_CHUNK_BLOCKS = 8192      # 131072 elements per chunk
-
-
-def _e2m1_code_doc() -> None:
-    """Why the CPU kernel's e2m1 rounding equals ModelOpt's ``_cast_fp4``.
-
-    ModelOpt: ``code = searchsorted(bounds, |y|) + [|y| in (0.75, 1.75, 3.5)]``, i.e. the number of
-    bounds strictly below |y|, plus one on an exact odd bound: round half to even on the grid
-    {0, .5, 1, 1.5, 2, 3, 4, 6} with everything above 5 saturating to 6 (code 7).
-    With ``R`` = round half to even to an integer and A = |y| (fp32), the kernel computes::
-
-        code = min(R(2A), 4 + R(min(A - 2, A / 2, 3)))
-
-    * R(2A) is ``bits(A + 2^22) - bits(2^22)``: adding 2^22 leaves a spacing of 0.5, and the FPU
-      rounds the exact sum once, half to even. For A < 2 this is the code (grid spacing 0.5).
-    * For 2 <= A <= 4, A - 2 is exact (Sterbenz) and R(A - 2) + 4 = R(A) + 2 is the code (spacing
-      1; shifting by an even integer keeps the tie parity). For 4 <= A <= 6, A/2 is exact and
-      R(A/2) + 4 is the code (spacing 2, tie at 5 -> 4). min(A - 2, A/2) picks the right one
-      (A - 2 <= A/2 iff A <= 4) and the cap 3 saturates everything above 6 to code 7.
-      R(u) is ``bits(u + 1.5*2^23) - bits(1.5*2^23)`` (spacing 1 for |u| < 2^22).
-    * The min selects R(2A) below 2 (there 4 + R(A - 2) >= R(2A)) and the second term above 2
-      (there R(2A) >= 4 + R(...)). Checked once against ModelOpt's ``_cast_fp4`` on every fp32 in
-      [0, 8.5] (no difference); the tests recheck every bf16 value, 4096 ulps around each bound
-      and grid point, and random values up to 1e38.
-    """
-
-
-def _e2m1_magnitude(y: np.ndarray, code: np.ndarray, lo: np.ndarray, u: np.ndarray, t: np.ndarray,
-                    three: np.ndarray | None) -> None:
-    """code[...] = e2m1 magnitude code (0..7) of fp32 ``y >= 0``, ModelOpt's rounding (see
-    :func:`_e2m1_code_doc`). lo, u, t: fp32 scratch like y; three: fp32 filled with 3.0, or None
-    when every y is known to be < 7 (then the saturation cap cannot act and is skipped)."""
-    np.add(y, np.float32(_M22), out=lo)                 # bits(lo) - bits(2^22) = R(2y)
-    np.subtract(y, np.float32(2.0), out=u)
-    np.multiply(y, np.float32(0.5), out=t)
-    np.minimum(u, t, out=u)
-    if three is not None:
-        np.minimum(u, three, out=u)
-    np.add(u, np.float32(_M23H), out=u)                 # bits(u) - bits(1.5*2^23) = R(u)
-    ui = u.view(np.int32)
-    np.add(ui, _B22 + 4 - _B23H, out=ui)                # now bits(2^22) + 4 + R(u)
-    np.minimum(lo.view(np.int32), ui, out=code, casting="unsafe")  # low byte: bits(2^22) ends in 0x00
-
-
-def _block_scales(bm: np.ndarray, denom: np.float32, s2f: np.float32) -> tuple[np.ndarray, np.ndarray, bool]:
-    """ModelOpt's block scales from fp32 block amax values: ``pbs = amax / (6*s2)``, 0 -> 1.0,
-    clamp to [2^-9, 448], cast to e4m3. Returns (e4m3 bytes, fp32(scale) * s2 as fp32, exact)
-    where ``exact`` says no scale was clamped or e4m3-subnormal: every scale is then within 2^-4
-    of amax/(6*s2), so every |x| / d is at most 6 * 17/16 < 7 and the e2m1 cap cannot act."""
-    pbs = bm / denom                                      # torch: amax / (E2M1_MAX * s2), fp32
-    m = pbs.size
-    exact = float(pbs.max()) <= E4M3_MAX
-    np.minimum(pbs, _const("448", m, np.float32, E4M3_MAX), out=pbs)
-    exact = exact and float(pbs.min()) >= 2.0 ** -6
-    if exact:
-        # every scale is a normal e4m3 number: round the fp32 mantissa to 3 bits, half to even,
-        # on the bit pattern (the float8 cast does the same; the clamp keeps it <= 448)
-        b = pbs.view(np.int32)
-        t = np.right_shift(b, 20)
-        np.bitwise_and(t, 1, out=t)
-        np.add(t, b, out=t)
-        np.add(t, 0x7FFFF, out=t)
-        s8 = np.empty(m, np.uint8)
-        np.subtract(np.right_shift(t, 20), 960, out=s8, casting="unsafe")   # (exp+120)<<3|mant - 960
-        np.bitwise_and(t, -0x100000, out=t)               # the rounded value's fp32 bits
-        d = t.view(np.float32)
-    else:  # zero or e4m3-subnormal scales somewhere: ModelOpt's ops verbatim
-        pbs[pbs == 0] = 1.0
-        np.maximum(pbs, np.float32(MIN_BLOCK_SCALE), out=pbs)
-        s8 = torch.from_numpy(pbs).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-        d = np.take(_E4M3_TO_F32, s8)
-    np.multiply(d, s2f, out=d)                            # fp32(scale) * s2, fp32
-    return s8, d, exact
+_NV_CHUNK_BLOCKS = 4096      # 64 Ki elements per chunk: its scratch stays in the L2 cache
 
 
 def _nvfp4_cpu(w: torch.Tensor, s2: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed uint8 [numel/2], scale uint8 [numel/16]) for a contiguous CPU weight."""
-    bits_t, _, _, min_exp = _BITS[w.dtype]
-    flat_t = w.reshape(-1)
-    numel = flat_t.numel()
-    nblk = numel // BLOCK_SIZE
-    packed = torch.empty(numel // 2, dtype=torch.uint8)
+    """(packed uint8 [numel/2], scale uint8 [numel/16]) for a contiguous CPU weight: the compiled
+    kernel (_jit.nvfp4_blocks) on chunks of whole blocks, on torch.get_num_threads() threads."""
+    src, shift, mask = _source_bits(w)
+    nblk = src.size // BLOCK_SIZE
+    packed = torch.empty(nblk * 8, dtype=torch.uint8)
     scale = torch.empty(nblk, dtype=torch.uint8)
-    packed_np, scale_np = packed.numpy(), scale.numpy()
-    s2f = np.float32(float(s2))
-    denom = np.float32(E2M1_MAX) * s2f          # torch: E2M1_MAX * weights_scaling_factor_2 (fp32)
-    # fl(|x| / d) is never 0 for x != 0 while d < 2^(150 + log2(smallest subnormal)); above that,
-    # the sign needs the exact test "y < 0" (a negative x whose quotient underflows gives -0.0).
-    d_exact_sign = np.float32(2.0 ** min(127, 150 + min_exp))
-    bf16 = w.dtype == torch.bfloat16
-    # bf16: pairs as int32 (see the module doc); fp16/fp32: the elements themselves
-    src = _np(flat_t.view(torch.int32)) if bf16 else _np(flat_t)
-    CB = _NV_CHUNK_BLOCKS
-    H = CB * 8  # half-chunk: elements per plane
+    packed_np, scale_np, s2f = packed.numpy(), scale.numpy(), np.float32(float(s2))
 
     def chunk(b0: int, b1: int) -> None:
-        m = b1 - b0
-        h = m * 8
-        xx = _buf("nv:x", (2, H), np.int32)[:, :h]        # fp32 bits of x: row 0 even, row 1 odd
-        if bf16:
-            v = src[b0 * 8: b1 * 8]
-            np.left_shift(v, 16, out=xx[0])
-            np.bitwise_and(v, -65536, out=xx[1])
-        else:  # exact fp16/fp32 -> fp32 by numpy (no torch op in a worker thread)
-            np.copyto(xx[0].view(np.float32), src[b0 * 16: b1 * 16: 2])
-            np.copyto(xx[1].view(np.float32), src[b0 * 16 + 1: b1 * 16: 2])
-        sgn = _buf("nv:sg", (2, H), np.bool_)[:, :h]        # ModelOpt's sign bit: y < 0
-        np.less(xx.view(np.float32), 0, out=sgn)            # (== x < 0 unless y underflows, below)
-        aa = _buf("nv:a", (2, H), np.int32)[:, :h]          # |x| bits, then y = |x| / d
-        np.bitwise_and(xx, 0x7FFFFFFF, out=aa)
-        # block amax bits: max of the two planes, then a strided max tree over each block's 8
-        pm = _buf("nv:pm", (H,), np.int32)[:h]
-        np.maximum(aa[0], aa[1], out=pm)
-        t4 = _buf("nv:t4", (H // 2,), np.int32)[: h // 2]
-        np.maximum(pm[0::2], pm[1::2], out=t4)
-        t2 = pm[: h // 4]
-        np.maximum(t4[0::2], t4[1::2], out=t2)
-        bm = np.maximum(t2[0::2], t2[1::2])
-        if int(bm.max()) >= 0x7F800000:
+        m, n, M = b1 - b0, (b1 - b0) * BLOCK_SIZE, _NV_CHUNK_BLOCKS  # scratch of a whole chunk, reused
+        scratch = (_buf("nv:tmp", (M * 16,), src.dtype)[:n], _buf("nv:top", (M,), np.uint32)[:m],
+                   _buf("nv:pbs", (M,), np.uint32)[:m], _buf("nv:d", (M,), np.float32)[:m],
+                   _buf("nv:dd", (M * 8,), np.float32)[: n // 2], _buf("nv:u", (M * 16,), np.uint32)[:n])
+        status = _jit.nvfp4_blocks(src[b0 * 16: b1 * 16], shift, mask, s2f, _E4M3_TO_F32, packed_np[b0 * 8: b1 * 8],
+                                   scale_np[b0:b1], *scratch)
+        if status == _jit.NONFINITE:
             raise _nonfinite(name)
-        s8, d, exact = _block_scales(bm.view(np.float32), denom, s2f)
-        scale_np[b0:b1] = s8
-        y = aa.view(np.float32)
-        np.divide(y, np.repeat(d, 8), out=y)                # |x| / d == |x / d| exactly
-        if float(d.max()) >= d_exact_sign:
-            np.logical_and(sgn, y > 0, out=sgn)
-        if float(d.min()) == 0.0:  # only from an absurdly small caller-given global_amax
+        if status == _jit.SCALE_UNDERFLOW:  # only from an absurdly small caller-given global_amax
             raise FormatError(f"{_where(name)}global_amax {float(s2) * GLOBAL_DIV:g} is too small: "
                               f"block scale * weight_scale_2 underflows to 0", tensor=name or None)
-        code = _buf("nv:code", (2, H), np.uint8)[:, :h]
-        _e2m1_magnitude(y, code, xx.view(np.float32),      # x is no longer needed: scratch
-                        _buf("nv:u", (2, H), np.float32)[:, :h], _buf("nv:t", (2, H), np.float32)[:, :h],
-                        None if exact else _const("three", 2 * H, np.float32, 3.0).reshape(2, H)[:, :h])
-        # byte shifts on uint16 views: AVX2 has no 8-bit shifts, and no bit crosses a byte here
-        for r in (0, 1):
-            s16 = sgn[r].view(np.uint16)
-            np.left_shift(s16, 3, out=s16)
-        np.bitwise_or(code, sgn.view(np.uint8), out=code)
-        hi = _buf("nv:hi", (H,), np.uint8)[:h]
-        np.left_shift(code[1].view(np.uint16), 4, out=hi.view(np.uint16))
-        np.bitwise_or(code[0], hi, out=packed_np[b0 * 8: b1 * 8])
 
-    _run_chunks(chunk, nblk, CB)
+    _run_chunks(chunk, nblk, _NV_CHUNK_BLOCKS)
     return packed, scale
 
 

@@ -282,19 +282,21 @@ class ShardReader:
         mv = self.read_bytes(entry, buffer.view(entry.nbytes) if buffer is not None else None)
         return torch.frombuffer(mv, dtype=entry.dtype).reshape(entry.shape)
 
-    def get_rows(self, name: str, rows: int, buffer: "TensorBuffer | None" = None) -> torch.Tensor:
-        """`tensor[:rows]` along the first dimension, reading only those bytes."""
+    def get_rows(self, name: str, rows: int, buffer: "TensorBuffer | None" = None, start: int = 0) -> torch.Tensor:
+        """`tensor[start:rows]` along the first dimension, reading only those bytes (a piece of
+        a large tensor, or the leading rows of one)."""
         entry = self.header.tensors.get(name)
         if entry is None:
             raise CheckpointError(f"no tensor {name!r} in this shard", path=self.path, tensor=name)
-        if not entry.shape or not 0 <= rows <= entry.shape[0]:
-            raise CheckpointError(f"tensor {name!r} {list(entry.shape)} has no {rows} rows", path=self.path,
+        if not entry.shape or not 0 <= start <= rows <= entry.shape[0]:
+            raise CheckpointError(f"tensor {name!r} {list(entry.shape)} has no rows {start}:{rows}", path=self.path,
                                   tensor=name)
-        shape = (rows, *entry.shape[1:])
-        n = math.prod(shape) * entry.dtype.itemsize
+        shape = (rows - start, *entry.shape[1:])
+        row = math.prod(entry.shape[1:]) * entry.dtype.itemsize
+        n = shape[0] * row
         if n == 0:
             return torch.empty(shape, dtype=entry.dtype)
-        mv = self.read_bytes(entry, buffer.view(n) if buffer is not None else None, nbytes=n)
+        mv = self.read_bytes(entry, buffer.view(n) if buffer is not None else None, start=start * row, nbytes=n)
         return torch.frombuffer(mv, dtype=entry.dtype).reshape(shape)
 
     def get_slice(self, name: str, index: int, buffer: "TensorBuffer | None" = None) -> torch.Tensor:
