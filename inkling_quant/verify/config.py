@@ -10,9 +10,10 @@ from typing import Callable
 from ..errors import InklingQuantError
 from ..export import modelopt_quantization_config, quantization_problems
 from ..io.checkpoint import HF_QUANT_CONFIG as QUANT_CONFIG
+from ..inkling2 import experts_module, modelopt_experts_module
 from ..layout import model_config
 from ..schemes import SCHEMES
-from . import published
+from ..tensors import TensorName
 from .inventory import UNQUANTIZED, Conf, converter_of, load_json
 from .report import ERROR, Check, Recorder, VerifyReport
 
@@ -62,18 +63,19 @@ def _parse(c: Check, root: Path, config: dict, scheme_arg: str | None) -> Conf:
 
 # ============================================================================ against the tensors
 def check_config(run: Recorder, conf: Conf, weight_only: bool, want: dict[str, dict] | None,
-                 tensor_of: Callable[[str], str] = published.named_tensor) -> None:
+                 tensor_of: Callable[[str], str] | None = None) -> None:
     """The second half of the `config` check, once the tensors decided `weight_only`: both
     quantization configs list exactly the modules in `want` (experts module -> its
     quantized_layers entry; None: the layout check could not list them), with their algorithm.
-    A problem about an experts module names the tensor `tensor_of(module)`."""
+    A problem about an experts module names the tensor `tensor_of(module)` (default: the
+    Inkling 2 layout's, `named_tensor`)."""
     c = run.report.check("config")
     if not conf.usable or c.status == ERROR:
         return
     if want is None:
         c.figures["tensors"] = "not compared (the layout check could not list them)"
         return
-    run.guard(c, _check, c, conf, weight_only, want, tensor_of)
+    run.guard(c, _check, c, conf, weight_only, want, tensor_of or named_tensor)
 
 
 def _check(c: Check, conf: Conf, weight_only: bool, want: dict[str, dict], tensor_of: Callable[[str], str]) -> None:
@@ -140,5 +142,25 @@ def check_config_files(ckpt: str | Path, *, scheme: str | None = None, weight_on
     run = Recorder(report, root)
     conf = load_config(run, root, scheme)
     usable = conf.usable and not conf.generic
-    check_config(run, conf, weight_only, published.scheme_layers(conf, weight_only) if usable else None)
+    check_config(run, conf, weight_only, scheme_layers(conf, weight_only) if usable else None)
     return report
+
+
+def scheme_layers(conf: Conf, weight_only: bool) -> dict[str, dict]:
+    """experts module -> the `quantized_layers` entry the scheme prescribes for it (the Inkling 2
+    layout, whose experts modules the config alone names): what check_config_files holds the
+    quantization configs to without any tensor."""
+    out = {}
+    for i in range(conf.cfg.num_hidden_layers):
+        entry = conf.format_for(TensorName(f"{experts_module(i)}.0", "expert", i)).layer_config(weight_only)
+        if entry is not None:
+            out[modelopt_experts_module(i) if conf.modelopt_hf else experts_module(i)] = entry
+    return out
+
+
+def named_tensor(module: str) -> str:
+    """The tensor a config problem about an Inkling 2 experts module names without a detected
+    layout: its stacked w13 (ModelOpt's form: its first expert's gate_proj weight)."""
+    if module.startswith("model.language_model."):
+        return f"{module}.0.gate_proj.weight"
+    return f"{module}.w13_weight"
