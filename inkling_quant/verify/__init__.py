@@ -122,7 +122,7 @@ def _run_checks(run: Recorder, o: _Options) -> None:
     expected = experts.check_layout(run, files, conf, source)                     # layout
     inv = Inventory(o.root, files, conf, source, expected)
     config.check_config(run, conf, expected.weight_only, experts.quantized_layers(expected),
-                        experts.tensor_namer(expected))                           # config (2/2)
+                        experts.tensor_namer(expected), experts.unquantized(expected))  # config (2/2)
     # the single read of every file: sha256 + each tensor's bytes through the visitors
     tally, scales = Tally(), values.GateUpScales()
     passthrough = numerics.Passthrough.start(run, inv)                            # passthrough

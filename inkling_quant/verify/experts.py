@@ -136,12 +136,14 @@ def _layout(files: Files, conf: Conf) -> Layout:
 
 def _expert_layers(c: Check, conf: Conf, lay: Layout, src: Layout | None) -> Layout:
     """The layers that must hold routed experts: the source's (--against), else every layer the
-    config does not make dense (Inkling 2: all; a family without a dense-layer rule: all).
-    Layers with experts beyond them fail; missing ones are expected (the comparison names each
-    missing tensor)."""
+    config does not make dense (Inkling 2: every layer); for a config without a dense-layer rule
+    (Mixtral) the tensors decide, as layout.detect and convert decide (docs/layout.md, "How
+    detection decides", step 4). Layers with experts beyond them fail; missing ones are expected
+    (the comparison names each missing tensor)."""
     n = conf.cfg.num_hidden_layers
-    dense = () if isinstance(conf.cfg, Inkling2Config) else conf.cfg.dense_layers or ()
-    want = set(src.expert_layers) if src is not None else set(range(n)) - set(dense)
+    dense = frozenset() if isinstance(conf.cfg, Inkling2Config) else conf.cfg.dense_layers
+    want = set(src.expert_layers) if src is not None else set(range(n)) - dense if dense is not None \
+        else set(lay.expert_layers)
     by = "the source" if src is not None else "config.json"
     for i in sorted(set(lay.expert_layers) - want):
         c.fail(listing(conf.root), _named(lay, lay.experts_modules[i]),
@@ -359,6 +361,13 @@ def quantized_layers(expected: Expected) -> dict[str, dict] | None:
         return None
     return {m: FORMATS[expected.fmt_of[names[0]]].layer_config(expected.weight_only)
             for m, names in expected.module_tensors.items()}
+
+
+def unquantized(expected: Expected) -> list[str]:
+    """The Linear modules the tensors leave unquantized (a pass-through 2D `<module>.weight`):
+    what a quantization config of one format must exclude."""
+    return [n[:-len(".weight")] for n, (shape, _) in expected.tensors.items()
+            if n.endswith(".weight") and len(shape) == 2 and expected.fmt_of[n] == _PASS.name]
 
 
 def tensor_namer(expected: Expected) -> Callable[[str], str] | None:
