@@ -76,9 +76,11 @@ def check_layout(run: Recorder, files: Files, conf: Conf, source: Source | None)
 
 
 def _check(c: Check, files: Files, conf: Conf, source: Source | None) -> Expected:
-    spec = None if conf.generic else _spec(c, files, conf)
-    if spec == []:
-        return Expected(DISAGREES)
+    spec = None
+    if not conf.generic:  # Inkling 2: its strict spec but the routed experts
+        spec = _spec(c, files, conf)
+        if spec is None:
+            return Expected(DISAGREES)
     lay = _layout(files, conf)
     src = source.layout if source is not None and source.ok else None
     lay = _expert_layers(c, conf, lay, src)
@@ -104,8 +106,8 @@ def _check(c: Check, files: Files, conf: Conf, source: Source | None) -> Expecte
     return expected
 
 
-def _spec(c: Check, files: Files, conf: Conf) -> list[TensorSpec]:
-    """An Inkling 2 config's strict spec but the routed experts; [] (the reason in `c`) when the
+def _spec(c: Check, files: Files, conf: Conf) -> list[TensorSpec] | None:
+    """An Inkling 2 config's strict spec but the routed experts; None (the reason in `c`) when the
     config implies far more tensors than the files hold."""
     bound = 4 * (len(files.weight_map) or len(files.tensors)) + 64
     out = []
@@ -113,7 +115,7 @@ def _spec(c: Check, files: Files, conf: Conf) -> list[TensorSpec]:
         if len(out) > bound:  # each spec tensor is at least one stored tensor: bound the work by the files
             c.fail(conf.root / "config.json", None, f"config.json implies more than {bound} tensors, the "
                    f"checkpoint holds {len(files.tensors)}: they disagree (layer counts?); not checked tensor by tensor")
-            return []
+            return None
         out.append(s)
     return out
 
