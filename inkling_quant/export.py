@@ -119,34 +119,50 @@ def format_of(q: dict | None, module: str) -> Format | None:
 
 
 def quantization_problems(q: dict, want: dict[str, dict], key: str,
-                          tensor_of: Callable[[str], str] = lambda m: f"{m}.weight") -> list[tuple[str | None, str]]:
+                          tensor_of: Callable[[str], str] = lambda m: f"{m}.weight",
+                          unquantized: Iterable[str] = ()) -> list[tuple[str | None, str]]:
     """(tensor or None, message) for every way the quantization config `q` (config.json's
     `quantization_config` or hf_quant_config.json's `quantization`, named `key` in messages)
     disagrees with `want` (module -> the `quantized_layers` entry its tensors imply), as vLLM's
     ModelOpt config classes would resolve it. `tensor_of(module)` is the tensor a problem names
-    (`<module>.weight`; the published layout's stacked `<module>.w13_weight`)."""
+    (`<module>.weight`; the published layout's stacked `<module>.w13_weight`). Two forms, as
+    ModelOpt 0.47 writes them (export/quant_utils.py:780-790): MIXED_PRECISION, every quantized
+    module in `quantized_layers`; or one format's quant_algo (NVFP4, W4A16_NVFP4, MXFP8) with
+    `group_size` and exclusions, where every module not excluded is that format, so each of
+    `unquantized` (the Linear modules the tensors leave unquantized) must be excluded. vLLM
+    reads the exclusions as `exclude_modules` (hf_quant_config.json) or `ignore` (config.json)."""
     out: list[tuple[str | None, str]] = []
 
     def fail(tensor: str | None, message: str) -> None:
         out.append((tensor, message))
-    if q.get("quant_algo") != MIXED_PRECISION:
-        fail(None, f"{key}.quant_algo is {q.get('quant_algo')!r}, expected '{MIXED_PRECISION}'")
+    algo = q.get("quant_algo")
+    single = algo != MIXED_PRECISION and format_for_quant_algo(algo) is not None
+    if algo != MIXED_PRECISION and not single:
+        fail(None, f"{key}.quant_algo is {algo!r}, expected '{MIXED_PRECISION}' or one format's "
+               f"({', '.join(a for f in FORMATS.values() for a in f.quant_algos)})")
     if q.get("kv_cache_quant_algo") is not None:
         fail(None, f"{key}.kv_cache_quant_algo is {q['kv_cache_quant_algo']!r} but the checkpoint "
                f"has no KV-cache scales (expected null)")
     layers = q.get("quantized_layers")
-    if not isinstance(layers, dict) or not layers:
+    if single:
+        for module, entry in want.items():
+            if entry.get("quant_algo") != algo:
+                fail(tensor_of(module), f"{key}.quant_algo is {algo!r} for every module not excluded, the "
+                     f"tensors of {module!r} are {entry.get('quant_algo')!r}" + _activation_note(entry.get("quant_algo")))
+    elif not isinstance(layers, dict) or not layers:
         fail(None, f"{key}.quantized_layers must be a non-empty object (vLLM refuses an empty one)")
         return out
-    for module, entry in want.items():
-        _check_layer(fail, key, module, tensor_of(module), entry, layers.get(module))
-    for module in layers:
-        if module not in want:
-            fail(tensor_of(module), f"{key}.quantized_layers names {module!r}, which the tensors "
-                   f"do not quantize")
-    excl = q.get("exclude_modules", [])
+    else:
+        for module, entry in want.items():
+            _check_layer(fail, key, module, tensor_of(module), entry, layers.get(module))
+        for module in layers:
+            if module not in want:
+                fail(tensor_of(module), f"{key}.quantized_layers names {module!r}, which the tensors "
+                       f"do not quantize")
+    ekey = "exclude_modules" if "exclude_modules" in q or "ignore" not in q else "ignore"
+    excl = q.get(ekey, [])
     if not isinstance(excl, list) or not all(isinstance(p, str) for p in excl):
-        fail(None, f"{key}.exclude_modules must be a list of strings")
+        fail(None, f"{key}.{ekey} must be a list of strings")
         return out
     excluded = exclusion_matcher(excl)
     hit: set[str] = set()
@@ -154,12 +170,17 @@ def quantization_problems(q: dict, want: dict[str, dict], key: str,
         pat = excluded(module)
         if pat is not None and pat not in hit:  # one problem per pattern
             hit.add(pat)
-            fail(tensor_of(module), f"{key}.exclude_modules pattern {pat!r} excludes the "
+            fail(tensor_of(module), f"{key}.{ekey} pattern {pat!r} excludes the "
                    f"quantized module {module!r} (vLLM would load it as BF16)")
-    if "group_size" in q:  # ModelOpt's top-level group_size is the NVFP4 block
-        nv = [e.get("group_size") for e in want.values() if format_for_quant_algo(e.get("quant_algo")) is _NVFP4]
-        if nv and q["group_size"] != nv[0]:
-            fail(None, f"{key}.group_size is {q['group_size']}, the NVFP4 tensors use {nv[0]}")
+    for module in unquantized if single else ():
+        if excluded(module) is None:
+            fail(f"{module}.weight", f"{key}.{ekey} does not exclude {module!r}, which the tensors leave "
+                 f"unquantized (vLLM would load it as {algo})")
+    if "group_size" in q:  # ModelOpt's top-level group_size is the NVFP4 block (single format: its block)
+        fmt = format_for_quant_algo(algo) if single else _NVFP4
+        gs = [e.get("group_size") for e in want.values() if format_for_quant_algo(e.get("quant_algo")) is fmt]
+        if gs and q["group_size"] != gs[0]:
+            fail(None, f"{key}.group_size is {q['group_size']}, the {fmt.name.upper()} tensors use {gs[0]}")
     return out
 
 

@@ -31,10 +31,9 @@ Python: `verify(ckpt, against=...) -> VerifyReport` (`.ok`, `.exit_code`, `.chec
 #   inventory  what is there (Files, Conf, Source) and what should be (Expected); read-only
 #   structure  input, index, header[F], source
 #   config     config (load_config: the scheme; check_config: the quantization configs vs the tensors)
-#   published  layout, what config expects, numerics[layer L]: the Inkling 2 layout (stacked
-#              experts, or ModelOpt's per-expert modules under transformers' names: Conf.modelopt_hf)
-#   hf         the same three for every other Hugging Face MoE family (layout.detect: per-expert or
-#              stacked experts, ModelOpt's export form)
+#   experts    layout, what config expects, numerics[layer L], for every layout (layout.detect:
+#              Inkling's interleaved experts, per-expert modules, transformers' stacked experts;
+#              an Inkling 2 config's strict spec for the rest)
 #   stream     the single read of every file: sha256 + per-tensor visitors
 #   values     values[F], gate_up (visitors)
 #   numerics   passthrough (a visitor); the sample, activations and GEMM numerics[layer L] uses
@@ -54,7 +53,7 @@ from ..errors import HubError, UsageError
 from ..formats import FORMATS
 from ..io.output import CHECKSUMS, check_paths, write_report
 from ..schemes import get_scheme
-from . import config, hf, integrity, numerics, published, stream, structure, values
+from . import config, experts, integrity, numerics, stream, structure, values
 from .config import QUANT_CONFIG, check_config_files
 from .inventory import UNQUANTIZED, Inventory
 from .numerics import ACT_ROWS, activations, sample_experts
@@ -120,13 +119,12 @@ def _run_checks(run: Recorder, o: _Options) -> None:
     files = structure.check_index(run, o.root)                                    # index, header[F]
     conf = config.load_config(run, o.root, o.scheme)                              # config (1/2)
     source = structure.check_source(run, src_root, conf) if src_root else None    # source
-    lay = hf if conf.generic else published  # the Inkling 2 spec, or a layout detected from the names
-    expected = lay.check_layout(run, files, conf, source)                         # layout
+    expected = experts.check_layout(run, files, conf, source)                     # layout
     inv = Inventory(o.root, files, conf, source, expected)
-    config.check_config(run, conf, expected.weight_only, published.quantized_layers(expected),
-                        lay.tensor_namer(expected))                               # config (2/2)
+    config.check_config(run, conf, expected.weight_only, experts.quantized_layers(expected),
+                        experts.tensor_namer(expected), experts.unquantized(expected))  # config (2/2)
     # the single read of every file: sha256 + each tensor's bytes through the visitors
-    tally, scales = Tally(), values.GateUpScales(lay.FUSED)
+    tally, scales = Tally(), values.GateUpScales()
     passthrough = numerics.Passthrough.start(run, inv)                            # passthrough
     visitors = [tally, values.ValueRules(), scales] + ([passthrough] if passthrough else [])
     digests = stream.read_all(run, inv, integrity.files_to_hash(inv, o.write_checksums), visitors,
@@ -134,7 +132,7 @@ def _run_checks(run: Recorder, o: _Options) -> None:
     values.check_gate_up(run, inv, scales)                                        # gate_up
     integrity.check_checksums(run, o.root, digests, o.write_checksums,
                               o.require_checksums or not conf.generic)            # checksums
-    lay.check_numerics(run, inv, o.sample, o.device)                              # numerics[layer L]
+    experts.check_numerics(run, inv, o.sample, o.device)                          # numerics[layer L]
     run.report.rows = summary_rows(tally, run.report.numerics, passthrough.check if passthrough else None)
     if o.write_checksums:
         integrity.write_checksums_file(run, o.root, digests)                      # write_checksums

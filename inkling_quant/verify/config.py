@@ -5,14 +5,15 @@ the quantization configs to what the scheme prescribes."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from ..errors import InklingQuantError
-from ..export import modelopt_quantization_config, quantization_problems
+from ..export import MIXED_PRECISION, modelopt_quantization_config, quantization_problems
 from ..io.checkpoint import HF_QUANT_CONFIG as QUANT_CONFIG
+from ..inkling2 import experts_module, modelopt_experts_module
 from ..layout import model_config
 from ..schemes import SCHEMES
-from . import published
+from ..tensors import TensorName
 from .inventory import UNQUANTIZED, Conf, converter_of, load_json
 from .report import ERROR, Check, Recorder, VerifyReport
 
@@ -62,21 +63,25 @@ def _parse(c: Check, root: Path, config: dict, scheme_arg: str | None) -> Conf:
 
 # ============================================================================ against the tensors
 def check_config(run: Recorder, conf: Conf, weight_only: bool, want: dict[str, dict] | None,
-                 tensor_of: Callable[[str], str] = published.named_tensor) -> None:
+                 tensor_of: Callable[[str], str] | None = None, unquantized: Iterable[str] = ()) -> None:
     """The second half of the `config` check, once the tensors decided `weight_only`: both
     quantization configs list exactly the modules in `want` (experts module -> its
     quantized_layers entry; None: the layout check could not list them), with their algorithm.
-    A problem about an experts module names the tensor `tensor_of(module)`."""
+    A problem about an experts module names the tensor `tensor_of(module)` (default: the
+    Inkling 2 layout's, `named_tensor`). A config of one format (no quantized_layers) must exclude
+    every module in `unquantized` (the Linear modules the tensors leave unquantized)."""
     c = run.report.check("config")
     if not conf.usable or c.status == ERROR:
         return
     if want is None:
         c.figures["tensors"] = "not compared (the layout check could not list them)"
         return
-    run.guard(c, _check, c, conf, weight_only, want, tensor_of)
+    run.guard(c, _check, c, conf, weight_only, (want, list(unquantized)), tensor_of or named_tensor)
 
 
-def _check(c: Check, conf: Conf, weight_only: bool, want: dict[str, dict], tensor_of: Callable[[str], str]) -> None:
+def _check(c: Check, conf: Conf, weight_only: bool, tensors: tuple[dict[str, dict], list[str]],
+           tensor_of: Callable[[str], str]) -> None:
+    want = tensors[0]
     path, qpath = conf.root / "config.json", conf.root / QUANT_CONFIG
     qc = conf.config.get("quantization_config")
     if not want:
@@ -88,7 +93,7 @@ def _check(c: Check, conf: Conf, weight_only: bool, want: dict[str, dict], tenso
         return
     if not str(qc.get("quant_method", "")).startswith("modelopt"):
         c.fail(path, None, f"quantization_config.quant_method is {qc.get('quant_method')!r}, expected 'modelopt'")
-    _check_quant_dict(c, path, "quantization_config", qc, want, tensor_of)
+    _check_quant_dict(c, path, "quantization_config", qc, tensors, tensor_of)
     hq = conf.hf_quant
     if hq is None:
         c.fail(qpath, None, f"{QUANT_CONFIG} missing")
@@ -96,12 +101,10 @@ def _check(c: Check, conf: Conf, weight_only: bool, want: dict[str, dict], tenso
         c.fail(qpath, None, "missing the 'quantization' object")
     else:
         q = hq["quantization"]
-        _check_quant_dict(c, qpath, "quantization", q, want, tensor_of)
-        ref, skip = (_modelopt_form(q), set()) if conf.modelopt_hf else (q, {"quant_method"})
-        for k in sorted(set(ref) | set(qc) - skip):
-            if k not in skip and ref.get(k) != qc.get(k):
-                c.fail(qpath, None, f"quantization.{k} disagrees with config.json quantization_config.{k}" +
-                       (" (ModelOpt's form of quantization)" if conf.modelopt_hf else ""))
+        _check_quant_dict(c, qpath, "quantization", q, tensors, tensor_of)
+        for k, kc in _disagreements(q, qc, conf.modelopt_hf):
+            c.fail(qpath, None, f"quantization.{k} disagrees with config.json quantization_config.{kc}" +
+                   (" (ModelOpt's form of quantization)" if conf.modelopt_hf else ""))
         if not isinstance(hq.get("producer"), dict):
             c.fail(qpath, None, "missing the 'producer' object")
         conv = hq.get("converter")
@@ -109,6 +112,18 @@ def _check(c: Check, conf: Conf, weight_only: bool, want: dict[str, dict], tenso
             c.fail(qpath, None, f"converter.weight_only is {conv['weight_only']} but the NVFP4 tensors "
                    f"{'lack' if weight_only else 'have'} an activation scale (input_scale / input_amax)")
     c.figures.update(quantized_layers=len(want), weight_only=weight_only)
+
+
+def _disagreements(q: dict, qc: dict, modelopt_hf: bool) -> list[tuple[str, str]]:
+    """(key of `q`, key of `qc`) where hf_quant_config.json's `quantization` and config.json's
+    quantization_config say different things. ModelOpt derives config.json's from it
+    (export/convert_hf_config.py:130-285): for one format, quant_algo and the exclusions (as
+    `ignore`) are what vLLM reads of it; for MIXED_PRECISION, export.modelopt_quantization_config."""
+    if q.get("quant_algo") != MIXED_PRECISION and "quantized_layers" not in q:
+        pairs = (("quant_algo", "quant_algo"), ("exclude_modules", "ignore"))
+        return [(k, kc) for k, kc in pairs if q.get(k) != qc.get(kc, qc.get(k))]
+    ref, skip = (_modelopt_form(q), set()) if modelopt_hf else (q, {"quant_method"})
+    return [(k, k) for k in sorted(set(ref) | set(qc) - skip) if k not in skip and ref.get(k) != qc.get(k)]
 
 
 def _modelopt_form(q: dict) -> dict:
@@ -121,10 +136,11 @@ def _modelopt_form(q: dict) -> dict:
         return {}
 
 
-def _check_quant_dict(c: Check, path: Path, key: str, q: dict, want: dict[str, dict],
+def _check_quant_dict(c: Check, path: Path, key: str, q: dict, tensors: tuple[dict[str, dict], list[str]],
                       tensor_of: Callable[[str], str]) -> None:
-    """One quantization config (config.json's or hf_quant_config.json's) against `want`."""
-    for tensor, message in quantization_problems(q, want, key, tensor_of=tensor_of):
+    """One quantization config (config.json's or hf_quant_config.json's) against the tensors."""
+    want, unquantized = tensors
+    for tensor, message in quantization_problems(q, want, key, tensor_of=tensor_of, unquantized=unquantized):
         c.fail(path, tensor, message)
 
 
@@ -140,5 +156,25 @@ def check_config_files(ckpt: str | Path, *, scheme: str | None = None, weight_on
     run = Recorder(report, root)
     conf = load_config(run, root, scheme)
     usable = conf.usable and not conf.generic
-    check_config(run, conf, weight_only, published.scheme_layers(conf, weight_only) if usable else None)
+    check_config(run, conf, weight_only, scheme_layers(conf, weight_only) if usable else None)
     return report
+
+
+def scheme_layers(conf: Conf, weight_only: bool) -> dict[str, dict]:
+    """experts module -> the `quantized_layers` entry the scheme prescribes for it (the Inkling 2
+    layout, whose experts modules the config alone names): what check_config_files holds the
+    quantization configs to without any tensor."""
+    out = {}
+    for i in range(conf.cfg.num_hidden_layers):
+        entry = conf.format_for(TensorName(f"{experts_module(i)}.0", "expert", i)).layer_config(weight_only)
+        if entry is not None:
+            out[modelopt_experts_module(i) if conf.modelopt_hf else experts_module(i)] = entry
+    return out
+
+
+def named_tensor(module: str) -> str:
+    """The tensor a config problem about an Inkling 2 experts module names without a detected
+    layout: its stacked w13 (ModelOpt's form: its first expert's gate_proj weight)."""
+    if module.startswith("model.language_model."):
+        return f"{module}.0.gate_proj.weight"
+    return f"{module}.w13_weight"

@@ -2,7 +2,7 @@
 
 The first steps of `verify()` read the checkpoint once each and record what they found (and
 their check): `Files` (index + headers), `Conf` (config.json, hf_quant_config.json, the scheme),
-`Source` (--against). The layout step (published.check_layout) then computes `Expected` from
+`Source` (--against). The layout step (experts.check_layout) then computes `Expected` from
 them. The four together are the `Inventory`, which no step changes afterwards; every later
 check reads it.
 Nothing here records a problem except `load_json`, which reads the checkpoint's JSON files
@@ -67,8 +67,8 @@ def converter_of(hf_quant):
 @dataclass(frozen=True)
 class Conf:
     """config.json, hf_quant_config.json and the scheme. `cfg`/`scheme` None: not usable. `cfg`
-    is the published Inkling 2 model's (its strict spec: published.py) or another Hugging Face
-    MoE family's (`generic`: the layout is detected from the tensor names, hf.py)."""
+    is the published Inkling 2 model's (its strict spec applies) or another Hugging Face MoE
+    family's (`generic`). Either way the layout is detected from the tensor names (experts.py)."""
 
     root: Path
     config: dict | None = None
@@ -110,8 +110,8 @@ class Conf:
         return False
 
     def classify(self, name: str) -> TensorName:
-        """The Inkling 2 layout's classify, memoized for this run (the steps classify the same
-        names). Other families classify by their detected layout (`Inventory.classify`)."""
+        """The Inkling 2 layout's classify, memoized for this run: what the checks read a name
+        as when no layout was detected (`Inventory.classify`)."""
         if self.generic:
             raise CheckpointError(f"tensor {name!r}: the layout of this {self.cfg.model_type} checkpoint was not "
                                   f"detected (see the layout check)", tensor=name)
@@ -137,7 +137,7 @@ class Source:
     headers: dict[str, Header]
     tensors: dict[str, Located]
     ok: bool
-    layout: Layout | None = None        # other families: the source's detected layout
+    layout: Layout | None = None        # the source's detected layout
 
 
 # ============================================================================ what should be there
@@ -159,7 +159,7 @@ class Expected:
     fmt_of: dict[str, str] = field(default_factory=dict)         # output tensor -> its format
     module_tensors: dict[str, list[str]] = field(default_factory=dict)  # quantized module -> tensors
     source_of: dict[str, str] = field(default_factory=dict)      # output tensor -> its source tensor, where renamed
-    layout: Layout | None = None        # other families: the checkpoint's detected layout
+    layout: Layout | None = None        # the checkpoint's detected layout (CHECKED)
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ class Inventory:
     expected: Expected
 
     def classify(self, name: str) -> TensorName:
-        """What tensor `name` is: by the detected layout (other families), else the Inkling 2 layout's."""
+        """What tensor `name` is: by the detected layout, else (none detected) the Inkling 2 layout's."""
         lay = self.expected.layout
         return lay.classify(name) if lay is not None else self.conf.classify(name)
 

@@ -1,5 +1,5 @@
 """Structure checks: the input directories, the index and every shard's header (`Files`) and the
---against source (`Source`). The layout check (the exact tensor set) is published.py's."""
+--against source (`Source`). The layout check (the exact tensor set) is experts.py's."""
 from __future__ import annotations
 
 import os
@@ -154,15 +154,15 @@ def _header(run: Recorder, root: Path, shard: str) -> Header | None:
 
 # ============================================================================ source
 def check_source(run: Recorder, src_root: Path, conf: Conf) -> Source:
-    """The `source` check (--against): the source opens and has the same config.json; for a
-    family other than Inkling 2, its layout is detected (where its experts are, how stored)."""
+    """The `source` check (--against): the source opens and has the same config.json, and
+    its layout is detected (where its experts are, how stored)."""
     c = run.new("source", "numerics", "the source checkpoint opens and has the same config")
     opened = run.guard(c, _open_source, c, src_root)
     headers, tensors = opened if opened is not None else ({}, {})
     layout = None
     if opened is not None:
         run.guard(c, _compare_source_config, c, src_root, conf, len(headers), len(tensors))
-        if conf.generic:
+        if conf.cfg is not None:
             layout = run.guard(c, _source_layout, c, src_root, conf, tensors)
     return Source(src_root, headers, tensors, ok=c.status == PASS, layout=layout)
 
@@ -176,6 +176,8 @@ def _source_layout(c: Check, root: Path, conf: Conf, tensors: dict[str, Located]
         c.error(e.path or root, f"source: {e.message}")
         return None
     c.figures["layout"] = lay.describe()
+    if not conf.generic:  # Inkling 2: interleaved experts, no orientation to settle
+        return lay
     return oriented(lay, {n: tuple(w.entry.shape) for n, w in tensors.items()}, conf.cfg)
 
 

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from ..formats import FORMATS, VALUE_RULES, value_rules
-from ..formats.stacked import PROJECTIONS
 from ..io.checkpoint import INDEX_NAME
 from ..io.safetensors import TensorEntry
+from ..layout import CANONICAL
 from ..tensors import TensorName
 from .inventory import Inventory
 from .report import Recorder
@@ -143,16 +143,14 @@ def _first_bad(x: torch.Tensor, rule: str) -> tuple[int, str]:
 # ============================================================================ gate_up
 # the per-tensor scales that formats fusing gate and up (NVFP4's weight_scale_2) share
 _SHARED_SCALES = {f.global_scale for f in FORMATS.values() if f.fuses_gate_up}
-FUSED = PROJECTIONS["w13"]  # the modules vLLM fuses into one w13, in w13's order: gate, up
 
 
 class GateUpScales:
-    """Collects each expert's shared global scales (fp32 scalars) of gate and up in the read.
-    `fused`: the projections vLLM fuses, as the layout's classify names them (gate then up:
-    the Inkling 2 layout's gate_proj/up_proj, another family's canonical gate/up)."""
+    """Collects each expert's shared global scales (fp32 scalars) of gate and up in the read:
+    the projections vLLM fuses into one w13, as the detected layout's classify names them."""
 
-    def __init__(self, fused: tuple[str, ...] = FUSED) -> None:
-        self.fused = fused
+    def __init__(self) -> None:
+        self.fused = CANONICAL[:2]
         self.scale2: dict[tuple[int, int], dict[str, float]] = {}
         self.seen: dict[tuple[int, int, str], str] = {}  # (layer, expert, projection) -> tensor name
 
@@ -189,9 +187,9 @@ def check_gate_up(run: Recorder, inv: Inventory, scales: GateUpScales) -> None:
             n += 1
             g, u = d[first], d[second]
             if not (g == u or (math.isnan(g) and math.isnan(u))):
-                name = scales.seen[layer, expert, second]
+                name, gate = scales.seen[layer, expert, second], scales.seen[layer, expert, first]
                 where = inv.files.tensors.get(name)
                 c.fail(inv.root / (where.shard if where else INDEX_NAME), name,
-                       f"{u!r} differs from {first}'s {g!r}: vLLM fuses gate and up (w13) under one "
-                       f"global scale and would use {first}'s for both")
+                       f"{u!r} differs from {gate}'s {g!r}: vLLM fuses gate and up (w13) under one "
+                       f"global scale and would use the gate's for both")
     c.figures["experts"] = n

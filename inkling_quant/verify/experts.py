@@ -1,0 +1,504 @@
+"""The layout in `verify`, one path for every layout: the `layout` check, what the `config` check
+holds the quantization configs to, and `numerics[layer L]`.
+
+The checkpoint's layout is detected once from its tensor names (layout.detect: the text prefix,
+where the routed experts are and how they are stored). The storage says what each layer's
+experts are, asked of the format for that storage:
+  interleaved  Inkling's stacked form `<module>.w13_*` / `w2_*` (formats.stacked.projection_specs)
+  per_expert   ModelOpt's export form (and a BF16 source's): `<module>.<e>.<proj>.<suffix>` under
+               the family's projection names (Format.out_tensors)
+  stacked      transformers' fused `gate_up_proj` / `down_proj`, unquantized only
+with the shapes from config.json (E experts of width I over hidden size H). Everything else
+passes through: for an Inkling 2 config its strict spec (inkling2.checkpoint_tensors without
+the experts; in ModelOpt's form under transformers' names with lm_head cut to the unpadded
+vocabulary, inkling2.modelopt_tensor, `Expected.source_of` mapping them back); for other
+families the source's other tensors (--against), else any float tensor the layout places
+outside the routed experts that is not named as a scale.
+
+Each layer's experts have one format: the one whose tensors the layer holds exactly (with or
+without an activation scale), else the one the quantization config declares for the experts
+module (export.format_of; without a config, the scheme's). A scheme given (--scheme, the
+converter's record) must agree with the tensors; the config check names a declaration that
+disagrees.
+
+`numerics` compares each sampled expert's quantized modules (ModelOpt's per-expert tensors, or
+its slices of the stacked ones: formats.stacked.unstack_expert) with the source expert's weights,
+read for the source's storage (`_source_expert`)."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from ..errors import CheckpointError, FormatError, InklingQuantError
+from ..export import format_of, read_quantization
+from ..formats import FORMATS, SCALE_SUFFIXES, Format
+from ..formats.stacked import projection_specs, unstack_expert
+from ..inkling2 import RELEASE_EXPERT_FORMAT, TEXT_PREFIX, Inkling2Config, checkpoint_tensors, modelopt_tensor
+from ..io.safetensors import DTYPE_NAMES
+from ..layout import CANONICAL, Layout, detect, natural_key, oriented
+from ..tensors import TensorName, TensorSpec
+from .inventory import (CHECKED, DISAGREES, FAILED, SKIPPED, Conf, Expected, Files, Inventory, Shape, Source,
+                        config_shape, listing, weight_only_vote)
+from .numerics import Gemm, judge, layer_figures, module_tensors, sample_experts, start, stored_ok
+from .report import Check, Recorder
+from .stream import torch_threads
+
+_PASS = FORMATS["passthrough"]
+_MODELOPT_PREFIX = "model.language_model."  # Inkling 2 in ModelOpt's form: transformers' names
+# a layer's routed-expert weights as the checkpoint names them -> (source shape, source dtype)
+Weights = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def dims(cfg) -> tuple[int, int, int]:
+    """(experts E, hidden size H, expert width I) of an Inkling 2 or another family's config."""
+    if isinstance(cfg, Inkling2Config):
+        return cfg.text.n_routed_experts, cfg.text.hidden_size, cfg.text.moe_intermediate_size
+    return cfg.num_experts, cfg.hidden_size, cfg.expert_width
+
+
+# ============================================================================ layout
+def check_layout(run: Recorder, files: Files, conf: Conf, source: Source | None) -> Expected:
+    """The `layout` check: every tensor the layout and the quantization config require, present
+    with its dtype and shape, and no other. Returns what it expected (nothing when it could not check)."""
+    c = run.new("layout", "structure",
+                "every tensor the layout and the quantization config require is present with its dtype and "
+                "shape; no other")
+    if not conf.usable:
+        c.skip("config.json could not be used")
+    elif not files.index_ok and not files.tensors:
+        c.skip("the index could not be read")
+    else:
+        expected = run.guard(c, _check, c, files, conf, source)
+        return expected if expected is not None else Expected(FAILED)
+    return Expected(SKIPPED)
+
+
+def _check(c: Check, files: Files, conf: Conf, source: Source | None) -> Expected:
+    spec = None
+    if not conf.generic:  # Inkling 2: its strict spec but the routed experts
+        spec = _spec(c, files, conf)
+        if spec is None:
+            return Expected(DISAGREES)
+    lay = _layout(files, conf)
+    src = source.layout if source is not None and source.ok else None
+    lay = _expert_layers(c, conf, lay, src)
+    if spec is not None:
+        tensors, source_of = _spec_tensors(spec, lay, conf, files, source)
+    else:
+        tensors, source_of = _others(files, source if src else None, lay), {}
+    fmt_of, module_tensors = dict.fromkeys(tensors, _PASS.name), {}
+    weights = {i: _weights(lay, conf, i, files, source) for i in lay.expert_layers}
+    held, declared = _held(files, lay), _declared(conf, lay)
+    fmts = {i: _layer_format(c, files, conf, lay, i, w, held.get(lay.experts_modules[i], {}), declared)
+            for i, w in weights.items()}
+    weight_only = _weight_only(conf, lay, weights, fmts, held)
+    for i, w in weights.items():
+        want = _specs(lay, w, fmts[i], not weight_only, conf)
+        tensors.update(want)
+        fmt_of.update(dict.fromkeys(want, fmts[i].name))
+        if fmts[i] is not _PASS:
+            module_tensors[lay.experts_modules[i]] = list(want)
+    expected = Expected(CHECKED, weight_only, tensors, fmt_of, module_tensors, source_of, layout=lay)
+    compare(c, files, conf, expected, _why(lay, files, src is not None, spec is not None))
+    c.figures["detected"] = lay.describe()
+    return expected
+
+
+def _spec(c: Check, files: Files, conf: Conf) -> list[TensorSpec] | None:
+    """An Inkling 2 config's strict spec but the routed experts; None (the reason in `c`) when the
+    config implies far more tensors than the files hold."""
+    bound = 4 * (len(files.weight_map) or len(files.tensors)) + 64
+    out = []
+    for s in checkpoint_tensors(conf.cfg, include_experts=False):
+        if len(out) > bound:  # each spec tensor is at least one stored tensor: bound the work by the files
+            c.fail(conf.root / "config.json", None, f"config.json implies more than {bound} tensors, the "
+                   f"checkpoint holds {len(files.tensors)}: they disagree (layer counts?); not checked tensor by tensor")
+            return None
+        out.append(s)
+    return out
+
+
+def _layout(files: Files, conf: Conf) -> Layout:
+    """The checkpoint's layout, detected from its names (a stacked storage's orientation settled)."""
+    names = list(dict.fromkeys([*files.weight_map, *files.tensors]))
+    lay = detect(names, conf.cfg, str(conf.root))
+    form = (lay.text_prefix, lay.experts.kind)
+    if conf.generic and form[1] == "interleaved":
+        raise CheckpointError(f"routed experts stored as Inkling's w13_weight/w2_weight under a config.json of "
+                              f"model_type {conf.cfg.model_type!r}: not a layout of this family",
+                              path=conf.root / "config.json")
+    if not conf.generic and form not in ((TEXT_PREFIX, "interleaved"), (_MODELOPT_PREFIX, "per_expert")):
+        raise CheckpointError(f"an Inkling 2 checkpoint keeps its routed experts interleaved under {TEXT_PREFIX!r} "
+                              f"(w13_weight, w2_weight) or as ModelOpt's per-expert modules under "
+                              f"{_MODELOPT_PREFIX!r}; found {lay.describe()}", path=conf.root)
+    return oriented(lay, {n: tuple(w.entry.shape) for n, w in files.tensors.items()}, conf.cfg)
+
+
+def _expert_layers(c: Check, conf: Conf, lay: Layout, src: Layout | None) -> Layout:
+    """The layers that must hold routed experts: the source's (--against), else every layer the
+    config does not make dense (Inkling 2: every layer); for a config without a dense-layer rule
+    (Mixtral) the tensors decide, as layout.detect and convert decide (docs/layout.md, "How
+    detection decides", step 4). Layers with experts beyond them fail; missing ones are expected
+    (the comparison names each missing tensor)."""
+    n = conf.cfg.num_hidden_layers
+    dense = frozenset() if isinstance(conf.cfg, Inkling2Config) else conf.cfg.dense_layers
+    want = set(src.expert_layers) if src is not None else set(range(n)) - dense if dense is not None \
+        else set(lay.expert_layers)
+    by = "the source" if src is not None else "config.json"
+    for i in sorted(set(lay.expert_layers) - want):
+        c.fail(listing(conf.root), _named(lay, lay.experts_modules[i]),
+               f"layer {i} holds routed experts; {by} has none there" + ("" if src else f" (num_hidden_layers {n})"))
+    return replace(lay, expert_layers=tuple(sorted(want | set(lay.expert_layers))))
+
+
+def _spec_tensors(spec: list[TensorSpec], lay: Layout, conf: Conf, files: Files,
+                  source: Source | None) -> tuple[dict[str, Shape], dict[str, str]]:
+    """The strict spec's tensors as the checkpoint names them, and output name -> source name
+    where ModelOpt's form renames one."""
+    hf = lay.experts.kind == "per_expert"
+    tensors, source_of = {}, {}
+    for s in spec:
+        out, rows = modelopt_tensor(conf.cfg, s.name) if hf else (s.name, None)
+        tensors[out] = ((rows, *s.shape[1:]) if rows is not None else tuple(s.shape),
+                        _source_dtype(out, files, source, s.name, s.dtype))
+        if out != s.name:
+            source_of[out] = s.name
+    return tensors, source_of
+
+
+def _others(files: Files, source: Source | None, lay: Layout) -> dict[str, Shape]:
+    """What passes through: the source's tensors but its routed experts (--against); without a
+    source, every float tensor the layout places outside the routed experts, none named as a scale."""
+    if source is not None:
+        return {n: (tuple(w.entry.shape), w.entry.dtype) for n, w in source.tensors.items()
+                if source.layout.classify(n).part != "expert"}
+    out = {}
+    for n, w in files.tensors.items():
+        t = lay.classify(n)
+        if t.part != "expert" and w.entry.dtype in _PASS.source_dtypes and t.suffix not in SCALE_SUFFIXES:
+            out[n] = (tuple(w.entry.shape), w.entry.dtype)
+    return out
+
+
+def _why(lay: Layout, files: Files, against: bool, spec: bool) -> Callable[[str], str]:
+    def why(name: str) -> str:
+        t = lay.classify(name)
+        if t.part == "expert":
+            return ("not a tensor of its layer's routed experts in their format (an expert or layer past "
+                    "config.json's counts, or a tensor the format does not write)")
+        if spec:
+            return "not a tensor of the Inkling 2 layout for this config.json (docs/layout.md)"
+        if against:
+            return "the source has no such tensor (everything but the routed experts passes through as it is)"
+        dtype = DTYPE_NAMES[files.tensors[name].entry.dtype]
+        return (f"a {t.part} tensor stored as {dtype}{' named as a scale' if t.suffix in SCALE_SUFFIXES else ''}: "
+                f"only routed experts are quantized, everything else passes through as the source stores it")
+    return why
+
+
+def source_tensor(lay: Layout, layer: int, e: int, proj: str) -> str:
+    """The tensor holding expert `e`'s projection `proj` (gate, up, down) in a checkpoint of
+    layout `lay`: per expert its own weight; stacked the layer's gate_up_proj or down_proj;
+    interleaved its w13_weight or w2_weight."""
+    module, down = lay.experts_modules[layer], proj == "down"
+    if lay.experts.kind == "per_expert":
+        return f"{module}.{e}.{lay.experts.names[CANONICAL.index(proj)]}.weight"
+    if lay.experts.kind == "interleaved":
+        return f"{module}.{'w2_weight' if down else 'w13_weight'}"
+    return f"{module}.{'down_proj' if down else 'gate_up_proj'}"
+
+
+def _source_dtype(name: str, files: Files, source: Source | None, src_name: str | None,
+                  default: torch.dtype = torch.bfloat16) -> torch.dtype:
+    """The dtype the source holds a weight in: the source's (--against), else the one stored
+    where it is float (pass-through keeps it), else `default`."""
+    if source is not None and src_name in source.tensors:
+        return source.tensors[src_name].entry.dtype
+    got = files.tensors.get(name)
+    return got.entry.dtype if got is not None and got.entry.dtype in _PASS.source_dtypes else default
+
+
+def _weights(lay: Layout, conf: Conf, layer: int, files: Files, source: Source | None) -> Weights:
+    """Layer `layer`'s expert weights as the checkpoint stores them (per expert, or the layer's
+    two stacked tensors in their orientation), with their source shape and dtype."""
+    module, (E, H, I) = lay.experts_modules[layer], dims(conf.cfg)
+    src = source.layout if source is not None else None
+    out: Weights = {}
+    if lay.experts.kind == "per_expert":
+        for e in range(E):
+            for proj, name in zip(CANONICAL, lay.experts.names):
+                w = f"{module}.{e}.{name}.weight"
+                s = source_tensor(src, layer, e, proj) if src is not None and layer in src.expert_layers else None
+                out[w] = ((H, I) if proj == "down" else (I, H), _source_dtype(w, files, source, s))
+        return out
+    for proj, (rows, cols) in (("gate", (2 * I, H)), ("down", (H, I))):
+        name = source_tensor(lay, layer, 0, proj)
+        out[name] = ((E, cols, rows) if lay.experts.transposed else (E, rows, cols),
+                     _source_dtype(name, files, source, name))
+    return out
+
+
+def _specs(lay: Layout, weights: Weights, fmt: Format, activation_scale: bool,
+           conf: Conf | None = None) -> dict[str, Shape]:
+    """name -> (shape, dtype) of every tensor `fmt` writes for the weights in the layout's
+    storage. FormatError (naming config.json and the weight; without `conf`, the format's own)
+    when a shape cannot be `fmt`."""
+    out: dict[str, Shape] = {}
+    for w, (shape, dtype) in weights.items():
+        with config_shape(conf, w, shape, fmt):
+            if fmt is _PASS or lay.experts.kind == "per_expert":
+                specs = fmt.out_tensors(w, shape, dtype, activation_scale)
+            elif lay.experts.kind == "interleaved":
+                module, key = w.rsplit(".", 1)
+                specs = {f"{module}.{k}": o for k, o in projection_specs(
+                    fmt, key.removesuffix("_weight"), shape, dtype=dtype, activation_scale=activation_scale).items()}
+            else:
+                raise FormatError(f"transformers' stacked experts have no {fmt.name} form (quantized experts "
+                                  f"are per-expert modules, as ModelOpt writes them)")
+        out.update({n: (tuple(o.shape), o.dtype) for n, o in specs.items()})
+    return out
+
+
+def _held(files: Files, lay: Layout) -> dict[str, dict[str, Shape]]:
+    """experts module -> {name: (shape, dtype)} of the routed-expert tensors the headers hold."""
+    modules = set(lay.experts_modules.values())
+    out: dict[str, dict[str, Shape]] = {}
+    for n, w in files.tensors.items():
+        head, sep, _ = n.partition(".experts.")
+        if sep and head + ".experts" in modules:
+            out.setdefault(head + ".experts", {})[n] = (tuple(w.entry.shape), w.entry.dtype)
+    return out
+
+
+def _stored(lay: Layout, weights: Weights, held: dict[str, Shape]) -> Format | None:
+    """The format whose tensors (with or without an activation scale) the layer holds exactly."""
+    for fmt in FORMATS.values():
+        for act in (True, False) if fmt.static_activation_scale else (True,):
+            try:
+                if _specs(lay, weights, fmt, act) == held:
+                    return fmt
+            except FormatError:
+                break
+    return None
+
+
+def _declared(conf: Conf, lay: Layout) -> Callable[[str, int], Format]:
+    """(experts module, layer) -> the format the quantization config declares for it (none:
+    pass-through); without a quantization config, the scheme's. A malformed config counts as
+    none here (the config check reports it)."""
+    try:
+        q = read_quantization(conf.root, conf.config)
+    except InklingQuantError:
+        q = {}
+    if q is None:
+        return lambda module, layer: conf.format_for(TensorName(f"{module}.0", "expert", layer))
+
+    def of(module: str, layer: int) -> Format:
+        try:
+            return format_of(q, module) or _PASS
+        except (TypeError, AttributeError):  # exclude_modules of the wrong types
+            return _PASS
+    return of
+
+
+def _layer_format(c: Check, files: Files, conf: Conf, lay: Layout, layer: int, weights: Weights,
+                  held: dict[str, Shape], declared: Callable[[str, int], Format]) -> Format:
+    """The format layer `layer`'s experts are checked as: the one their tensors are, else the
+    declared one. A scheme given (--scheme, the converter's record) must agree with the tensors."""
+    stored, module = _stored(lay, weights, held), lay.experts_modules[layer]
+    if stored is not None and conf.scheme_given:
+        prescribed = conf.format_for(TensorName(f"{module}.0", "expert", layer))
+        if prescribed is not stored:
+            name = next(iter(weights))
+            where = files.tensors.get(name)
+            c.fail(conf.root / where.shard if where else listing(conf.root), name,
+                   f"the experts of layer {layer} are stored as {stored.name}; scheme {conf.scheme.name!r} "
+                   f"prescribes {prescribed.name}")
+    return stored or declared(module, layer)
+
+
+def _weight_only(conf: Conf, lay: Layout, weights: dict[int, Weights], fmts: dict[int, Format],
+                 held: dict[str, dict[str, Shape]]) -> bool:
+    """W4A16 or W4A4 (inventory.weight_only_vote): does each layer whose format has a static
+    activation scale hold one?"""
+    holds = []
+    for i, fmt in fmts.items():
+        if fmt.static_activation_scale:
+            act = set(_specs(lay, weights[i], fmt, True, conf)) - set(_specs(lay, weights[i], fmt, False, conf))
+            holds.append(bool(act & set(held.get(lay.experts_modules[i], {}))))
+    return weight_only_vote(conf, holds)
+
+
+def compare(c: Check, files: Files, conf: Conf, expected: Expected, why: Callable[[str], str]) -> None:
+    """The tensors against `expected`: each present with its dtype and shape; none other (`why`
+    says why one is unexpected)."""
+    root, unreadable = conf.root, {}
+    for n, (shape, dtype) in expected.tensors.items():
+        got, fmt = files.tensors.get(n), expected.fmt_of[n]
+        if got is None:
+            shard = files.weight_map.get(n)
+            if shard is not None and shard not in files.headers:
+                unreadable.setdefault(shard, []).append(n)  # its header check failed
+            else:
+                c.fail(listing(root), n, f"missing: {fmt} requires it ({DTYPE_NAMES[dtype]} {list(shape)})")
+        elif (tuple(got.entry.shape), got.entry.dtype) != (shape, dtype):
+            c.fail(root / got.shard, n, f"is {DTYPE_NAMES[got.entry.dtype]} {list(got.entry.shape)}, "
+                   f"{fmt} prescribes {DTYPE_NAMES[dtype]} {list(shape)}")
+    for n in sorted(set(files.tensors) - set(expected.tensors), key=natural_key):
+        c.fail(root / files.tensors[n].shard, n, f"unexpected tensor: {why(n)}")
+    for shard, names in unreadable.items():
+        c.fail(root / shard, names[0], f"{len(names)} tensor(s) the index puts in this shard could "
+               f"not be checked: its header is malformed (see header[{shard}])")
+    c.figures.update(expected=len(expected.tensors), present=len(files.tensors),
+                     quantized_experts={m: expected.fmt_of[ts[0]] for m, ts in expected.module_tensors.items()})
+
+
+# ============================================================================ config
+def quantized_layers(expected: Expected) -> dict[str, dict] | None:
+    """module -> the `quantized_layers` entry the tensors imply (None: the layout check could
+    not list them)."""
+    if expected.status != CHECKED:
+        return None
+    return {m: FORMATS[expected.fmt_of[names[0]]].layer_config(expected.weight_only)
+            for m, names in expected.module_tensors.items()}
+
+
+def unquantized(expected: Expected) -> list[str]:
+    """The Linear modules the tensors leave unquantized (a pass-through 2D `<module>.weight`):
+    what a quantization config of one format must exclude."""
+    return [n[:-len(".weight")] for n, (shape, _) in expected.tensors.items()
+            if n.endswith(".weight") and len(shape) == 2 and expected.fmt_of[n] == _PASS.name]
+
+
+def tensor_namer(expected: Expected) -> Callable[[str], str] | None:
+    """How the config check names an experts module's tensor (None: no layout was detected)."""
+    lay = expected.layout
+    return (lambda m: _named(lay, m)) if lay is not None else None
+
+
+def _named(lay: Layout, module: str) -> str:
+    """The tensor a problem about an experts module names: its first expert's gate weight, or
+    the stacked tensor holding it."""
+    if lay.experts.kind == "per_expert":
+        return f"{module}.0.{lay.experts.names[0]}.weight"
+    return f"{module}.{'w13_weight' if lay.experts.kind == 'interleaved' else 'gate_up_proj'}"
+
+
+# ============================================================================ numerics[layer L]
+def check_numerics(run: Recorder, inv: Inventory, sample: int, device: str) -> None:
+    """A `numerics[layer L]` check per quantized layer (--against): for the sampled experts,
+    each module (gate, up, down) y = x @ W^T through its format's kernel against the fp32 product
+    with the source expert's weight."""
+    gemm = start(run, inv, device)
+    if gemm is None:
+        return
+    lay, (_, H, I) = inv.expected.layout, dims(inv.conf.cfg)
+    try:
+        with torch_threads(1 if H * I < (1 << 22) else torch.get_num_threads()):
+            for layer, module in (lay.experts_modules.items() if lay is not None else ()):
+                names = inv.expected.module_tensors.get(module)
+                if names:
+                    c = run.new(f"numerics[layer {layer}]", "numerics",
+                                f"layer {layer}: sampled experts' dequant-GEMM vs the BF16 source")
+                    run.guard(c, _check_layer, run, c, inv, gemm, layer, names, sample)
+    finally:
+        gemm.close()
+
+
+def _check_layer(run: Recorder, c: Check, inv: Inventory, gemm: Gemm, layer: int, names: list[str],
+                 sample: int) -> None:
+    lay, src = inv.expected.layout, inv.source.layout
+    fmt, module = FORMATS[inv.expected.fmt_of[names[0]]], lay.experts_modules[layer]
+    if src is None or layer not in src.expert_layers:
+        c.fail(listing(inv.source.root), None, f"the source has no routed experts in layer {layer}")
+        return
+    if not stored_ok(c, inv, names):
+        return
+    experts = sample_experts(layer, dims(inv.conf.cfg)[0], sample)
+    first = len(run.report.numerics)
+    for e in experts:
+        weights = _source_expert(c, inv, gemm, layer, e)
+        if weights is None:
+            return
+        per = _quantized_expert(c, inv, gemm, fmt, lay, names, module, e)
+        if per is None:
+            continue
+        for proj, mod in zip(CANONICAL, lay.experts.names):
+            (w, what), (tensor, blame, tail) = weights[proj], _judged(lay, module, e, mod, proj)
+            judge(run, c, inv, fmt, (layer, e, mod), tensor, gemm.errors(f"{module}.{e}.{mod}", w, per[mod], fmt),
+                  blame, f"expert {e} {mod} ({fmt.name}) y = x @ W^T vs the BF16 source ({what})", tail)
+    layer_figures(c, run.report.numerics[first:], experts)
+
+
+def _judged(lay: Layout, module: str, e: int, mod: str, proj: str) -> tuple[str, str, str]:
+    """(the numerics entry's tensor, the tensor a failure names, why) for expert e's module."""
+    if lay.experts.kind == "interleaved":
+        stacked = "w2" if proj == "down" else "w13"
+        return (f"{module}.{stacked}_weight", f"{module}.{stacked}_weight_scale",
+                f"expert {e}'s slices of the stacked {stacked} tensors do not reproduce the source")
+    tensor = f"{module}.{e}.{mod}.weight"
+    return tensor, tensor, "its tensors do not reproduce the source"
+
+
+def _quantized_expert(c: Check, inv: Inventory, gemm: Gemm, fmt: Format, lay: Layout, names: list[str],
+                      module: str, e: int) -> dict[str, dict[str, torch.Tensor]] | None:
+    """Expert e's quantized modules (module -> suffix -> tensor): ModelOpt's per-expert tensors,
+    or its slices of the stacked ones unstacked (None: a scale the format cannot read back, in `c`)."""
+    if lay.experts.kind == "per_expert":
+        return module_tensors(inv, gemm, names, f"{module}.{e}.")
+    got = {n[len(module) + 1:]: gemm.reader(inv.root, inv.files.headers, inv.files.tensors[n].shard)
+           .get_slice(n, e).unsqueeze(0) for n in names}
+    try:
+        return unstack_expert(fmt, got, 0)
+    except FormatError as err:  # a bad input_amax
+        c.fail(inv.root / inv.files.tensors[names[0]].shard, names[0], f"expert {e}: {err.message}")
+        return None
+
+
+def _source_expert(c: Check, inv: Inventory, gemm: Gemm, layer: int,
+                   e: int) -> dict[str, tuple[torch.Tensor, str]] | None:
+    """proj -> (expert e's source weight [out, in], what it is) for gate, up and down, read for
+    the source's storage: per expert by name; stacked gate then up along 2I (transposed where
+    stored [E, in, out]); interleaved gate = w13[e, 0::2], up = w13[e, 1::2], an MXFP8 release's
+    e4m3 + `_scale` dequantized as convert reads them. None (the reason in `c`) when the source
+    does not hold them in the config's shapes."""
+    src, (E, H, I) = inv.source, dims(inv.conf.cfg)
+    lay, kind = src.layout, src.layout.experts.kind
+    out: dict[str, tuple[torch.Tensor, str]] = {}
+    slabs: dict[str, torch.Tensor] = {}  # gate and up share one stacked slice: read it once
+    for proj in CANONICAL:
+        name = source_tensor(lay, layer, e, proj)
+        rows, cols = (H, I) if proj == "down" else (I if kind == "per_expert" else 2 * I, H)
+        want = (rows, cols) if kind == "per_expert" else (E, cols, rows) if lay.experts.transposed else (E, rows, cols)
+        where = src.tensors.get(name)
+        if where is None:
+            c.fail(listing(src.root), name, "source lacks this tensor")
+            return None
+        if tuple(where.entry.shape) != want:
+            c.fail(src.root / where.shard, name, f"source has shape {list(where.entry.shape)}, config.json implies "
+                   f"{list(want)}")
+            return None
+        if kind == "per_expert":
+            out[proj] = (gemm.reader(src.root, src.headers, where.shard).get(name), name)
+            continue
+        if name not in slabs:
+            slabs[name] = _source_slab(gemm, inv, name, e, lay.experts.transposed)
+        w, i = slabs[name], CANONICAL.index(proj)
+        if proj != "down":
+            w = w[i::2] if kind == "interleaved" else w[i * I:(i + 1) * I]
+        out[proj] = (w, f"{name}[{e}], {proj} rows")
+    return out
+
+
+def _source_slab(gemm: Gemm, inv: Inventory, name: str, e: int, transposed: bool) -> torch.Tensor:
+    """Expert e's slice [out, in] of the source's stacked tensor `name`: an MXFP8 release's
+    (e4m3 + its `_scale`, Inkling's interleaved form) dequantized exactly, as convert reads it."""
+    src = inv.source
+    w = gemm.reader(src.root, src.headers, src.tensors[name].shard).get_slice(name, e)
+    scale = src.tensors.get(name + "_scale") if src.layout.experts.kind == "interleaved" else None
+    if scale is not None:
+        s = gemm.reader(src.root, src.headers, scale.shard).get_slice(name + "_scale", e)
+        w = FORMATS[RELEASE_EXPERT_FORMAT].dequantize({"weight": w, "weight_scale": s}, torch.float32)
+    return w.T if transposed else w
