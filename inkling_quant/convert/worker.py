@@ -307,7 +307,7 @@ def _per_expert_unit(u: Unit, sources: ShardReaders, device: str, counts: dict[s
 def _check_stored(fmt, stored: dict[str, torch.Tensor], path, name: str, e: int) -> None:
     """A quantized expert copied as it is must still be valid: its dequantization finite (a NaN
     e4m3 byte or an e8m0 255 shows there) — what the quantizers assure of every other path."""
-    if not bool(torch.isfinite(fmt.dequantize(stored, torch.float32)).all()):
+    if not fmt.all_finite(stored):
         raise FormatError(f"tensor {name!r}, expert {e}: holds NaN or Inf (an e4m3 NaN byte or an e8m0 255 "
                           f"scale)", path=path, tensor=name)
 

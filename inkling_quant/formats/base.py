@@ -70,6 +70,11 @@ class Format:
     def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         raise NotImplementedError
 
+    def all_finite(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Whether stored tensors of this format dequantize to finite values only (a NaN code or
+        scale shows there): what a quantized tensor copied as it is must still be."""
+        return bool(torch.isfinite(self.dequantize(tensors, torch.float32)).all())
+
     def layer_config(self, weight_only: bool = False) -> dict | None:
         """The `quantized_layers` entry of ModelOpt's MIXED_PRECISION config, None if unquantized."""
         return None

@@ -35,6 +35,8 @@ __all__ = ["MXFP8", "BLOCK_SIZE", "E4M3_MAX", "e8m0_exponent"]
 
 BLOCK_SIZE = 32
 E4M3_MAX = 448.0
+# float8_e4m3fn byte -> its fp32 value (exact), for the kernels
+_E4M3_TO_F32 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 _MX_CHUNK_BLOCKS = 2048      # 64 Ki elements per chunk: its scratch stays in the L2 cache
 
 
@@ -137,18 +139,29 @@ class MXFP8(Format):
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``fp32(weight) * 2^(weight_scale - 127)`` per 32-block, cast to ``dtype`` (ModelOpt
-        ``MXFP8QTensor.dequantize``)."""
-        w = tensors["weight"]
-        e8 = tensors["weight_scale"]
+        ``MXFP8QTensor.dequantize``); on CPU the compiled kernel (_jit.mxfp8_dequantize)."""
+        return self._dequantize(tensors)[0].to(dtype)
+
+    def all_finite(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        return self._dequantize(tensors)[1] == 0
+
+    def _dequantize(self, tensors: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """(fp32 values, how many are not finite)."""
+        w, e8 = tensors["weight"], tensors["weight_scale"].view(torch.uint8)
         if w.dtype == torch.uint8:
             w = w.view(torch.float8_e4m3fn)
         k = w.shape[-1]
         if e8.shape[-1] * BLOCK_SIZE != k or e8.shape[:-1] != w.shape[:-1]:
             raise FormatError(f"mxfp8 dequantize: weight {tuple(w.shape)} and weight_scale "
                               f"{tuple(e8.shape)} do not match")
-        descale = torch.exp2(e8.view(torch.uint8).float() - 127)
-        deq = w.float().view(*w.shape[:-1], -1, BLOCK_SIZE) * descale.unsqueeze(-1)
-        return deq.reshape(w.shape).to(dtype)
+        if w.device.type != "cpu":
+            deq = (w.float().view(*w.shape[:-1], -1, BLOCK_SIZE)
+                   * torch.exp2(e8.float() - 127).unsqueeze(-1)).reshape(w.shape)
+            return deq, int((~torch.isfinite(deq)).sum())
+        out = torch.empty(w.shape, dtype=torch.float32)
+        bad = _jit.mxfp8_dequantize(w.contiguous().view(torch.uint8).reshape(-1).numpy(),
+                                    e8.contiguous().reshape(-1).numpy(), _E4M3_TO_F32, out.reshape(-1).numpy())
+        return out, bad
 
     def layer_config(self, weight_only: bool = False) -> dict:
         return {"quant_algo": "MXFP8", "group_size": BLOCK_SIZE}
