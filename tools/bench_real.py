@@ -418,6 +418,7 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps({
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}",
+            "cpus": os.cpu_count(), "workers": args.workers,
             "command": " ".join(["python", "tools/bench_real.py", *(argv if argv is not None else sys.argv[1:])]),
             "inputs": {k: {kk: str(v) if isinstance(v, Path) else v for kk, v in i.items()} for k, i in inputs.items()},
             "results": rows, "sweep": sweep, "targets": targets}, indent=2) + "\n")
