@@ -212,12 +212,21 @@ def bench_input(inp: dict, cases: list[dict], args, work: Path, lc_py: str | Non
     rows = [{"input": inp["key"], "id": c["id"], "label": c["label"], "runs": []} for c in cases]
     for rep in range(args.repeat):
         for c, row in zip(cases, rows):
-            r = run_case(c, inp, work, lc_py)
+            if "error" in row:
+                continue
+            try:
+                r = run_case(c, inp, work, lc_py)
+            except RuntimeError as e:  # a peer refusing the input is a result; our own failing is a bug
+                if c["kind"] not in ("lc", "bc"):
+                    raise
+                row["error"] = str(e).strip().splitlines()[-1][:300]
+                print(f"  run {rep + 1}  {c['label']:<52} FAILED: {row['error']}", flush=True)
+                continue
             row["runs"].append(r)
             print(f"  run {rep + 1}  {c['label']:<52} {r['work_s']:7.2f} s {r['mb_per_s']:7.0f} MB/s  "
                   f"cpu {r['work_cpu_s']:6.1f} s  wall {r['wall_s']:6.1f} s  RSS {r['peak_rss_mb']:5.0f} / "
                   f"tree {r['peak_tree_rss_mb']:5.0f} MB  load {r['load_before']:.1f}", flush=True)
-    for row in rows:
+    for row in (r for r in rows if r["runs"]):
         best = min(row["runs"], key=lambda r: r["work_s"])
         row.update(best_work_s=best["work_s"], mb_per_s=best["mb_per_s"],
                    work_cpu_s=min(r["work_cpu_s"] for r in row["runs"]),
@@ -230,7 +239,10 @@ def print_table(rows: list[dict]) -> None:
     print(f"\n{'input':<12} {'case':<52} {'work s: min (each)':>24} {'MB/s':>6} {'x floor':>7} {'x cp':>5} "
           f"{'cpu s':>6} {'RSS MB':>6} {'tree MB':>7}")
     for row in rows:
-        base = {r["id"]: r for r in rows if r["input"] == row["input"]}
+        if not row["runs"]:
+            print(f"{row['input']:<12} {row['label']:<52} failed: {row['error']}")
+            continue
+        base = {r["id"]: r for r in rows if r["input"] == row["input"] and r["runs"]}
         each = " ".join(f"{r['work_s']:.1f}" for r in row["runs"])
         xf = row["mb_per_s"] / base["none"]["mb_per_s"] if "none" in base else float("nan")
         xc = row["mb_per_s"] / base["cp"]["mb_per_s"] if "cp" in base else float("nan")
@@ -255,12 +267,12 @@ TARGETS = [  # (what, input, case, baseline input, baseline case, at least this 
 
 
 def check_targets(rows: list[dict], sweep: list[dict], rss_band: float) -> list[dict]:
-    by = {(r["input"], r["id"]): r for r in rows}
+    by = {(r["input"], r["id"]): r for r in rows if r["runs"]}
     out = []
     for what, i, c, bi, bc, need in TARGETS:
         a, b = by.get((i, c)), by.get((bi, bc))
         if a is None or b is None:
-            print(f"SKIP  {what}: not run")
+            print(f"SKIP  {what}: not run (or failed: see above)")
             continue
         ratio = a["mb_per_s"] / b["mb_per_s"]
         each = [x["mb_per_s"] / y["mb_per_s"] for x, y in zip(a["runs"], b["runs"])]
