@@ -43,6 +43,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import shutil
 import sys
 import time
@@ -167,7 +168,7 @@ def run_case(case: dict, inp: dict, work: Path, lc_py: str | None) -> dict:
     res_path = work / "res.json"
     sync_disk()
     if case["kind"] == "shell":
-        meas = run_measured(["bash", "-c", case["cmd"].format(**fill)], log)
+        meas = run_measured(["bash", "-c", case["cmd"].format(**{k: shlex.quote(v) for k, v in fill.items()})], log)
         res = {"work_s": meas["wall_s"], "work_cpu_s": meas["cpu_s"]}
     else:
         if case["kind"] == "cli":
