@@ -24,9 +24,9 @@ stacked ``w13_weight`` [E, 2 x 2304, 4608] and ``w2_weight`` [E, 4608, 2304] bf1
                     one expert at a time (its gate, up and down apart, gate/up sharing a global scale as
                     ModelOpt's export does), written in the Inkling stacked form as ours is.
 
-Each case runs in its own process; its peak RSS comes from ``os.wait4`` (the largest single process
-of its tree) and from sampling /proc every 50 ms (sum over the process tree, which is what a
-multi-process run really occupies). ``work s`` is the conversion itself, timed inside the process
+Each case runs in its own process (measured by tools/benchlib.py); its peak RSS comes from
+``os.wait4`` (the largest single process of its tree) and from sampling /proc every 50 ms (sum over
+the process tree, which is what a multi-process run really occupies). ``work s`` is the conversion itself, timed inside the process
 (after imports: llm-compressor takes ~10-30 s to import); ``cpu s`` is the CPU time of that work
 (threads and reaped worker processes included), which a busy shared machine disturbs less than
 wall time. ``--repeat N`` keeps the fastest of N runs per case. Outputs of (b) and (d) are compared
@@ -52,15 +52,14 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-LC_VERSION = "0.14.0.1"
-TORCH_VERSION = "2.13.0"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import (ROOT, cpu_s as _cpu_s, ensure_lc_venv, helper, lc_env, mb as _mb,  # noqa: E402
+                      ours_env, run_measured, sync_disk)
+
 # llm-compressor `ignore`: module names matched with re.match; this one matches (and so ignores)
 # every module that is not a routed-expert projection.
 LC_IGNORE = [r"re:^(?!model\.language_model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj$)"]
@@ -68,86 +67,7 @@ LC_SCHEME = {"nvfp4": "NVFP4A16", "mxfp8": "MXFP8"}
 TARGETS = {"nvfp4": 10.0, "mxfp8": 5.0}  # required speed-up over llm-compressor (the issue)
 
 
-# ============================================================================ process measurement
-def _children_map() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rfind(b")") + 2:].split()[1])
-        kids.setdefault(ppid, []).append(int(d))
-    return kids
-
-
-def _tree_rss_kb(pid: int) -> int:
-    kids = _children_map()
-    todo, total = [pid], 0
-    while todo:
-        p = todo.pop()
-        todo.extend(kids.get(p, ()))
-        try:
-            with open(f"/proc/{p}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
-                        break
-        except OSError:
-            pass
-    return total
-
-
-def run_measured(cmd: list[str], log: Path, env: dict | None = None, timeout: float | None = None) -> dict:
-    """Run cmd; return wall seconds, rusage (max single-process RSS, CPU of the whole tree) and the
-    sampled peak RSS summed over the process tree."""
-    load0 = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    with open(log, "wb") as lf:
-        p = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        peak = [0]
-        done = threading.Event()
-
-        def sample():
-            while not done.wait(0.05):
-                peak[0] = max(peak[0], _tree_rss_kb(p.pid))
-
-        th = threading.Thread(target=sample, daemon=True)
-        th.start()
-        try:
-            _, status, ru = os.wait4(p.pid, 0)
-        except BaseException:
-            p.kill()
-            raise
-        finally:
-            done.set()
-            th.join()
-        p.returncode = os.waitstatus_to_exitcode(status)
-    wall = time.perf_counter() - t0
-    if p.returncode != 0:
-        tail = log.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"{' '.join(map(str, cmd))} exited {p.returncode}; log {log}:\n{tail}")
-    return {"wall_s": round(wall, 2), "cpu_s": round(ru.ru_utime + ru.ru_stime, 2),
-            "peak_rss_mb": round(ru.ru_maxrss / 1024, 1), "peak_tree_rss_mb": round(peak[0] / 1024, 1),
-            "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2)}
-
-
-def sync_disk() -> None:
-    os.sync()  # flush the previous case's dirty pages so they are not written during the next one
-
-
 # ============================================================================ child processes
-def _cpu_s() -> float:
-    """CPU seconds of this process and of its reaped children (our spawned workers)."""
-    import resource
-
-    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
-
-
 def child(spec: dict) -> None:
     """Runs inside the measured process: one case, result JSON to spec['result']. work_s and
     work_cpu_s cover the conversion only (not interpreter start and imports)."""
@@ -389,28 +309,7 @@ def _child_compare(spec: dict) -> dict:
             "bit_exact": differ == 0 and not only_a and not only_b}
 
 
-# ============================================================================ llm-compressor venv
-def ensure_lc_venv(venv: Path) -> Path:
-    py = venv / "bin" / "python"
-    probe = [str(py), "-c", f"import llmcompressor, torch; assert llmcompressor.__version__ == '{LC_VERSION}'"]
-    if py.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
-        return py
-    print(f"creating {venv} (torch=={TORCH_VERSION}, then llmcompressor=={LC_VERSION}; a few minutes)", flush=True)
-    if not py.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(py), "-m", "pip", "install", "-q"]
-    # torch first: llmcompressor's torch requirement would otherwise pull a CUDA build (~3 GB).
-    subprocess.run(pip + [f"torch=={TORCH_VERSION}"], check=True)
-    subprocess.run(pip + [f"llmcompressor=={LC_VERSION}"], check=True)
-    subprocess.run(probe, check=True)
-    return py
-
-
 # ============================================================================ driver
-def _mb(n: float) -> float:
-    return n / 1e6
-
-
 def _child_synth(spec: dict) -> dict:
     sys.path.insert(0, str(ROOT))
     from inkling_quant.cli_common import parse_size
@@ -422,28 +321,18 @@ def _child_synth(spec: dict) -> dict:
     return {"seconds": time.perf_counter() - t0}
 
 
-def helper(script: str | Path, spec: dict, result: Path, env: dict | None = None) -> dict:
-    """Run `script --child spec` unmeasured and return its result. The measuring process itself never
-    imports torch: a child's ru_maxrss (wait4) starts from its parent's RSS at exec, so a lean
-    parent is what makes the per-process peaks true."""
-    subprocess.run([sys.executable, str(script), "--child", json.dumps({**spec, "result": str(result)})],
-                   check=True, cwd=ROOT, env=env)
-    res = json.loads(result.read_text())
-    result.unlink()
-    return res
-
-
 def src_stats(src: Path) -> dict:
     sys.path.insert(0, str(ROOT))
     from inkling_quant.inkling2 import classify
     from inkling_quant.io.safetensors import read_header
 
-    total = expert = 0
+    parts: dict[str, int] = {}  # layout part (expert, embed, draft, ...) -> tensor bytes
     for p in _src_shards(src):
         for e in read_header(p).tensors.values():
-            total += e.nbytes
-            expert += e.nbytes if classify(e.name).part == "expert" else 0
-    return {"bytes": total, "expert_bytes": expert, "shards": len(_src_shards(src))}
+            part = classify(e.name).part
+            parts[part] = parts.get(part, 0) + e.nbytes
+    return {"bytes": sum(parts.values()), "expert_bytes": parts.get("expert", 0), "parts": parts,
+            "shards": len(_src_shards(src))}
 
 
 def main(argv=None) -> int:
@@ -482,10 +371,7 @@ def main(argv=None) -> int:
     logs = work / "logs"
     logs.mkdir()
     src = work / "src"
-    env_ours = dict(os.environ)
-    env_ours["PYTHONPATH"] = str(ROOT) + os.pathsep + env_ours.get("PYTHONPATH", "")
-    env_lc = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
-    env_lc["CUDA_VISIBLE_DEVICES"] = ""
+    env_ours, env_lc = ours_env(), lc_env()
 
     lc_py = None if args.skip_peer else ensure_lc_venv(Path(args.venv))
 

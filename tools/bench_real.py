@@ -1,0 +1,444 @@
+#!/usr/bin/env python
+"""Issue 17's benchmark: every command on real-shape Inkling 2 inputs, side by side in one run,
+against our copy floor, `cp -r` + `sha256sum` of the same bytes, NVIDIA ModelOpt's quantizers in a
+per-tensor loop and llm-compressor's ``model_free_ptq``; the issue's targets printed PASS/FAIL.
+
+Inputs (``synth --preset bench``: the reference config's real expert and attention shapes, stacked
+row-interleaved experts w13 [E, 4608, 4608] and w2 [E, 4608, 2304] bf16, fewer layers and experts):
+  experts      expert-heavy, default 2 layers x 32 experts (5.2 GB, 78 % routed experts; the real
+               model is 98.8 %: the embedding, LM head, vision tower, draft and attention of even one
+               layer are ~0.9 GB, so reaching 95 % takes ~200 expert slabs);
+  release      the MXFP8 release form made from it (``convert --scheme mxfp8``, the stacked form
+               Inkling-2-Small-MXFP8 stores; docs/convert.md: an accepted source), untimed;
+  passthrough  pass-through-heavy, default 2 layers x 1 expert (1.2 GB, 10 % experts);
+  sweep        peak RSS of ``convert --scheme default`` on 1 layer with experts grown to ~1, 2, 4 and
+               8 GB of input (--sweep-gb, --max-gb).
+
+Cases, each its own process (tools/benchlib.py: wall, CPU and peak RSS of the largest process
+(wait4) and of the process tree (sampled /proc)): our CLI in-process (``inkling_quant.cli.main``;
+``work s`` is its run after imports, ~2 s of torch import left out), ``convert --scheme none``
+(our copy floor: every tensor through the converter's own read, check, hash and O_DIRECT write),
+``default`` (NVFP4 W4A4 + MXFP8, --default-activation-amax), ``nvfp4 --weight-only`` (W4A16, the
+counterpart of llm-compressor's NVFP4A16), ``mxfp8``, ``default --output-format modelopt-hf``;
+the release's own copy floor and release -> default; ``draft extract`` (its bytes: the draft
+tensors) and ``lora merge --copy`` (an attention adapter, r=16, on every layer; --copy writes every
+shard, so its bytes are the whole input: the default hardlinks the shards it does not change) on the
+passthrough input; ``cp -r`` + ``sha256sum`` of the copy (no sync: the page cache takes its writes,
+ours are O_DIRECT and fsynced); tools/bench_convert.py's ModelOpt loop and llm-compressor children
+(llm-compressor reads a copy with the experts unstacked into 2-D per-expert weights, made untimed:
+model_free_ptq quantizes ``<module>.weight`` matrices only and leaves a stacked tensor as it is; it
+does not take the release, whose experts are e4m3 already).
+
+MB/s = the case's bytes (source tensor bytes; the draft's for draft extract) / work s. Ratios are
+MB/s over MB/s on the same input: the best of --repeat runs, and each run's against the same run of
+the baseline (cases alternate within a run: a busy moment hits them all).
+
+    python tools/bench_real.py --repeat 2 --json bench-out/real.json      # the recorded run
+    python tools/bench_real.py --skip-peer --experts-input 1,2 --passthrough-input 1,1 --max-gb 1
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import (ROOT, cpu_s, ensure_lc_venv, helper, lc_env, mb, ours_env, run_measured,  # noqa: E402
+                      sync_disk)
+
+ME = Path(__file__).resolve()
+BC = ME.parent / "bench_convert.py"    # its children: synth, stats, unstack, modelopt, lc
+SCALE = ME.parent / "bench_scale.py"   # its child: bench input sizes by expert count
+ATTN_LORA = ("q_proj.linear", "k_proj.linear", "v_proj.linear", "o_proj.linear")
+
+
+# ============================================================================ children
+def child(spec: dict) -> None:
+    """Runs inside a measured (or helper) process; result JSON to spec['result']."""
+    res = {"cli": _child_cli, "adapter": _child_adapter}[spec["kind"]](spec)
+    Path(spec["result"]).write_text(json.dumps(res))
+
+
+def _child_cli(spec: dict) -> dict:
+    """`inkling-quant ARGV` in-process, timed after the imports (torch, the command's module)."""
+    sys.path.insert(0, str(ROOT))
+    import importlib
+
+    importlib.import_module("torch")  # before the clock starts (every command imports it)
+    from inkling_quant import cli
+
+    cli.build_parser(spec["argv"][0])  # imports the command's module
+    c0, t0 = cpu_s(), time.perf_counter()
+    rc = cli.main(spec["argv"])
+    work_s, work_cpu = time.perf_counter() - t0, cpu_s() - c0
+    if rc:
+        raise SystemExit(f"inkling-quant {' '.join(spec['argv'])}: exit {rc}")
+    return {"work_s": work_s, "work_cpu_s": work_cpu}
+
+
+def _child_adapter(spec: dict) -> dict:
+    """A PEFT LoRA adapter (as PeftModel.save_pretrained writes one) on the attention projections
+    q, k, v, o of every layer of the checkpoint, rank spec['r'], random A and B."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+    from safetensors.torch import save_file
+
+    from inkling_quant.inkling2 import original_name
+    from inkling_quant.io.checkpoint import Checkpoint
+
+    shapes = {n: e.shape for h in Checkpoint.open(spec["ckpt"]).headers().values() for n, e in h.tensors.items()}
+    layers = sorted({int(n.split(".")[3]) for n in shapes if n.startswith("model.llm.layers.")})
+    gen, r, tensors = torch.Generator().manual_seed(0), spec["r"], {}
+    for i in layers:
+        for proj in ATTN_LORA:
+            module = f"model.language_model.layers.{i}.self_attn.{proj}"
+            out_f, in_f = shapes[original_name(module + ".weight")]
+            tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(r, in_f, generator=gen) / in_f ** 0.5
+            tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out_f, r, generator=gen) * 0.02
+    d = Path(spec["out"])
+    d.mkdir(parents=True)
+    save_file(tensors, d / "adapter_model.safetensors")
+    (d / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 2 * r, "bias": "none",
+        "use_rslora": False, "fan_in_fan_out": False, "target_modules": list(ATTN_LORA),
+        "base_model_name_or_path": "thinkingmachines/Inkling-2-Small"}))
+    return {"modules": len(tensors) // 2}
+
+
+# ============================================================================ cases
+def our_cases(scheme_args: dict) -> list[tuple[str, str, list[str]]]:
+    """(id, label, `inkling-quant` argv with {src} {out}) of the converter's cases."""
+    conv = ["convert", "{src}", "{out}", "--quiet", "--workers", scheme_args["workers"],
+            "--max-shard-size", scheme_args["max_shard_size"]]
+    amax = ["--default-activation-amax", scheme_args["amax"]]
+    return [("none", "convert --scheme none (copy floor)", conv + ["--scheme", "none"]),
+            ("default", "convert --scheme default", conv + ["--scheme", "default"] + amax),
+            ("nvfp4", "convert --scheme nvfp4 --weight-only", conv + ["--scheme", "nvfp4", "--weight-only"]),
+            ("mxfp8", "convert --scheme mxfp8", conv + ["--scheme", "mxfp8"]),
+            ("default-hf", "convert default --output-format modelopt-hf",
+             conv + ["--scheme", "default", "--output-format", "modelopt-hf"] + amax)]
+
+
+CP = ("cp", "cp -r + sha256sum", "cp -r {src} {out} && sha256sum {out}/*.safetensors > /dev/null")
+
+
+def plan_cases(args, peer: bool) -> dict[str, list[dict]]:
+    """input -> its cases: {id, label, kind (cli | shell | bc | lc), what to run, bytes (src | draft)}."""
+    conv = {c[0]: c for c in our_cases({"workers": str(args.workers), "max_shard_size": args.max_shard_size,
+                                         "amax": str(args.activation_amax)})}
+
+    def cli(cid, label=None, argv=None, bytes_="src"):
+        c = conv.get(cid)
+        return {"id": cid, "label": label or c[1], "kind": "cli", "argv": argv or c[2], "bytes": bytes_}
+
+    shell = {"id": CP[0], "label": CP[1], "kind": "shell", "cmd": CP[2], "bytes": "src"}
+    mo = [{"id": f"modelopt-{f}", "label": f"ModelOpt loop {f} ({args.modelopt_threads} threads)", "kind": "bc",
+           "spec": {"kind": "modelopt", "scheme": f, "threads": args.modelopt_threads}, "bytes": "src"}
+          for f in ("nvfp4", "mxfp8")]
+    lc = [{"id": "lc-nvfp4", "label": "llm-compressor model_free_ptq NVFP4A16", "kind": "lc",
+           "spec": {"kind": "lc", "lc_scheme": "NVFP4A16", "workers": args.workers}, "bytes": "src"}] if peer else []
+    ours = [cli(c) for c in ("none", "default", "nvfp4", "mxfp8")]
+    return {
+        "experts": ours + [cli("default-hf"), shell] + (mo if not args.skip_modelopt else []) + lc,
+        "release": [cli("none", "convert --scheme none (the release's copy floor)"),
+                    cli("default", "convert --scheme default (MXFP8 release -> default)"), shell],
+        "passthrough": ours + [shell,
+                               cli("draft", "draft extract", ["draft", "extract", "{src}", "{out}", "--quiet"],
+                                   bytes_="draft"),
+                               cli("lora", "lora merge --copy (attention adapter, r=16)",
+                                   ["lora", "merge", "{src}", "{adapter}", "{out}", "--copy", "--quiet"])]
+        + (mo[:1] if not args.skip_modelopt else []) + lc,
+    }
+
+
+def run_case(case: dict, inp: dict, work: Path, lc_py: str | None) -> dict:
+    """One measured run of a case on an input; its output removed after."""
+    out = work / "out"
+    for d in (out, out.with_name("out.partial")):
+        shutil.rmtree(d, ignore_errors=True)
+    fill = {"src": str(inp["dir"]), "out": str(out), "adapter": str(inp.get("adapter", ""))}
+    log = work / "logs" / f"{inp['key']}-{case['id']}-{time.monotonic_ns()}.log"
+    res_path = work / "res.json"
+    sync_disk()
+    if case["kind"] == "shell":
+        meas = run_measured(["bash", "-c", case["cmd"].format(**{k: shlex.quote(v) for k, v in fill.items()})], log)
+        res = {"work_s": meas["wall_s"], "work_cpu_s": meas["cpu_s"]}
+    else:
+        if case["kind"] == "cli":
+            cmd = [sys.executable, str(ME), "--child", json.dumps({"kind": "cli", "result": str(res_path),
+                                                                   "argv": [a.format(**fill) for a in case["argv"]]})]
+        else:
+            src = inp["lc_dir"] if case["kind"] == "lc" else inp["dir"]
+            spec = {**case["spec"], "src": str(src), "out": str(out), "result": str(res_path)}
+            cmd = [lc_py if case["kind"] == "lc" else sys.executable, str(BC), "--child", json.dumps(spec)]
+        meas = run_measured(cmd, log, env=lc_env() if case["kind"] == "lc" else ours_env())
+        res = json.loads(res_path.read_text())
+        res_path.unlink()
+    for d in (out, out.with_name("out.partial")):
+        shutil.rmtree(d, ignore_errors=True)
+    n = inp["stats"]["parts"].get("draft", 0) if case["bytes"] == "draft" else inp["stats"]["bytes"]
+    return {**meas, "work_s": round(res["work_s"], 2), "work_cpu_s": round(res["work_cpu_s"], 2),
+            "bytes": n, "mb_per_s": round(mb(n) / res["work_s"], 1)}
+
+
+# ============================================================================ inputs
+def make_input(key: str, layers: int, experts: int, work: Path, args, env: dict) -> dict:
+    d = work / key
+    t0 = time.perf_counter()
+    helper(BC, {"kind": "synth", "out": str(d), "layers": layers, "experts": experts,
+                "shard_size": args.src_shard_size}, work / "h.json", env)
+    return {"key": key, "dir": d, "layers": layers, "experts": experts, "made_s": round(time.perf_counter() - t0, 1),
+            "what": f"synth --preset bench --layers {layers} --experts {experts}"}
+
+
+def describe(inp: dict, env: dict, work: Path) -> None:
+    inp["stats"] = st = helper(BC, {"kind": "stats", "src": str(inp["dir"])}, work / "h.json", env)
+    parts = ", ".join(f"{k} {100 * v / st['bytes']:.0f}%" for k, v in sorted(st["parts"].items(), key=lambda kv: -kv[1])
+                      if v >= 0.005 * st["bytes"])
+    print(f"\n== {inp['key']}: {inp['what']}: {mb(st['bytes']):.0f} MB in {st['shards']} shards ({parts}); "
+          f"load {os.getloadavg()[0]:.1f}", flush=True)
+
+
+def bench_input(inp: dict, cases: list[dict], args, work: Path, lc_py: str | None) -> list[dict]:
+    """Every case on one input, --repeat times, alternating; after one unrecorded warm-up copy (the
+    VM faults in memory it has not touched recently at a fraction of the usual speed)."""
+    run_case(cases[0], inp, work, lc_py)
+    rows = [{"input": inp["key"], "id": c["id"], "label": c["label"], "runs": []} for c in cases]
+    for rep in range(args.repeat):
+        for c, row in zip(cases, rows):
+            if "error" in row:
+                continue
+            try:
+                r = run_case(c, inp, work, lc_py)
+            except RuntimeError as e:  # a peer refusing the input is a result; our own failing is a bug
+                if c["kind"] not in ("lc", "bc"):
+                    raise
+                row["error"] = str(e).strip().splitlines()[-1][:300]
+                print(f"  run {rep + 1}  {c['label']:<52} FAILED: {row['error']}", flush=True)
+                continue
+            row["runs"].append(r)
+            print(f"  run {rep + 1}  {c['label']:<52} {r['work_s']:7.2f} s {r['mb_per_s']:7.0f} MB/s  "
+                  f"cpu {r['work_cpu_s']:6.1f} s  wall {r['wall_s']:6.1f} s  RSS {r['peak_rss_mb']:5.0f} / "
+                  f"tree {r['peak_tree_rss_mb']:5.0f} MB  load {r['load_before']:.1f}", flush=True)
+    for row in (r for r in rows if r["runs"]):
+        best = min(row["runs"], key=lambda r: r["work_s"])
+        row.update(best_work_s=best["work_s"], mb_per_s=best["mb_per_s"],
+                   work_cpu_s=min(r["work_cpu_s"] for r in row["runs"]),
+                   peak_rss_mb=max(r["peak_rss_mb"] for r in row["runs"]),
+                   peak_tree_rss_mb=max(r["peak_tree_rss_mb"] for r in row["runs"]))
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'input':<12} {'case':<52} {'work s: min (each)':>24} {'MB/s':>6} {'x floor':>7} {'x cp':>5} "
+          f"{'cpu s':>6} {'RSS MB':>6} {'tree MB':>7}")
+    for row in rows:
+        if not row["runs"]:
+            print(f"{row['input']:<12} {row['label']:<52} failed: {row['error']}")
+            continue
+        base = {r["id"]: r for r in rows if r["input"] == row["input"] and r["runs"]}
+        each = " ".join(f"{r['work_s']:.1f}" for r in row["runs"])
+        xf = row["mb_per_s"] / base["none"]["mb_per_s"] if "none" in base else float("nan")
+        xc = row["mb_per_s"] / base["cp"]["mb_per_s"] if "cp" in base else float("nan")
+        print(f"{row['input']:<12} {row['label']:<52} {row['best_work_s']:>7.2f} ({each:>14}) {row['mb_per_s']:6.0f} "
+              f"{xf:7.2f} {xc:5.2f} {row['work_cpu_s']:6.1f} {row['peak_rss_mb']:6.0f} {row['peak_tree_rss_mb']:7.0f}")
+
+
+# ============================================================================ targets
+TARGETS = [  # (what, input, case, baseline input, baseline case, at least this many times the baseline's MB/s)
+    ("default >= 0.9x our copy floor (expert-heavy)", "experts", "default", "experts", "none", 0.9),
+    ("nvfp4 >= 0.9x our copy floor (expert-heavy)", "experts", "nvfp4", "experts", "none", 0.9),
+    ("mxfp8 >= 0.9x our copy floor (expert-heavy)", "experts", "mxfp8", "experts", "none", 0.9),
+    ("MXFP8 release -> default >= 0.8x the release's copy floor", "release", "default", "release", "none", 0.8),
+    ("copy floor >= 0.8x cp + sha256sum (expert-heavy)", "experts", "none", "experts", "cp", 0.8),
+    ("copy floor >= 0.8x cp + sha256sum (pass-through-heavy)", "passthrough", "none", "passthrough", "cp", 0.8),
+    ("draft extract >= 0.8x cp + sha256sum", "passthrough", "draft", "passthrough", "cp", 0.8),
+    ("lora merge --copy >= 0.8x cp + sha256sum", "passthrough", "lora", "passthrough", "cp", 0.8),
+    ("nvfp4 >= 10x llm-compressor NVFP4A16 (expert-heavy)", "experts", "nvfp4", "experts", "lc-nvfp4", 10.0),
+    ("nvfp4 >= 10x llm-compressor NVFP4A16 (pass-through-heavy)", "passthrough", "nvfp4", "passthrough", "lc-nvfp4",
+     10.0),
+]
+
+
+def check_targets(rows: list[dict], sweep: list[dict], rss_band: float) -> list[dict]:
+    by = {(r["input"], r["id"]): r for r in rows if r["runs"]}
+    out = []
+    for what, i, c, bi, bc, need in TARGETS:
+        a, b = by.get((i, c)), by.get((bi, bc))
+        if a is None or b is None:
+            print(f"SKIP  {what}: not run (or failed: see above)")
+            continue
+        ratio = a["mb_per_s"] / b["mb_per_s"]
+        each = [x["mb_per_s"] / y["mb_per_s"] for x, y in zip(a["runs"], b["runs"])]
+        ok = ratio >= need
+        out.append({"target": what, "ratio": round(ratio, 3), "per_run": [round(x, 3) for x in each],
+                    "threshold": need, "pass": ok})
+        print(f"{'PASS' if ok else 'FAIL'}  {what}: {ratio:.2f}x best of {len(each)} (each run: "
+              f"{', '.join(f'{x:.2f}' for x in each)})")
+    rel, floor = by.get(("release", "default")), by.get(("experts", "none"))
+    if rel and floor:  # another reading of the release target: the same model's BF16 copy floor, by time
+        x = floor["best_work_s"] / rel["best_work_s"]
+        print(f"INFO  MXFP8 release -> default against the BF16 input's copy floor (its time / ours): {x:.2f}x")
+    if len(sweep) >= 2:
+        ref = sweep[0]["peak_tree_rss_mb"]
+        dev = [s["peak_tree_rss_mb"] / ref - 1 for s in sweep]
+        ok = max(abs(d) for d in dev) <= rss_band
+        span = f"{sweep[0]['src_gb']:.1f}-{sweep[-1]['src_gb']:.1f} GB"
+        out.append({"target": f"peak RSS flat within +-{rss_band:.0%} over {span}", "pass": ok,
+                    "rss_mb": [s["peak_tree_rss_mb"] for s in sweep], "deviation": [round(d, 3) for d in dev]})
+        print(f"{'PASS' if ok else 'FAIL'}  peak RSS (process tree) flat within +-{rss_band:.0%} of the smallest "
+              f"input's over {span}: " + ", ".join(f"{s['src_gb']:.1f} GB {s['peak_tree_rss_mb']:.0f} MB ({d:+.1%})"
+                                                   for s, d in zip(sweep, dev)))
+    else:
+        print("SKIP  peak RSS flat over 1-8 GB: fewer than two sweep sizes")
+    return out
+
+
+# ============================================================================ the RSS sweep
+def rss_sweep(args, work: Path, env: dict) -> list[dict]:
+    """Peak RSS of `convert --scheme default` on inputs of --sweep-gb (up to --max-gb), one run each,
+    experts grown at a fixed layer count so only routed-expert bytes grow, as up to the real model."""
+    gbs = [float(g) for g in args.sweep_gb.split(",") if float(g) <= args.max_gb]
+    if not gbs:
+        return []
+    most = int(max(gbs) * 1e9 / 63.7e6) + 16  # one expert of the bench preset: 63.7 MB
+    table = helper(SCALE, {"kind": "sizes", "layers": args.sweep_layers, "max_experts": most}, work / "h.json",
+                   env)["sizes"]
+    case = next(c for c in plan_cases(args, False)["experts"] if c["id"] == "default")
+    print(f"\n== sweep: {case['label']}, {args.sweep_layers} layer(s), experts grown to "
+          f"{', '.join(f'{g:g}' for g in gbs)} GB", flush=True)
+    rows = []
+    picks = {min(table, key=lambda row: abs(row[1] / 1e9 - g))[0]: None for g in gbs}  # distinct, in order
+    for experts, total, expert in (row for e in picks for row in table if row[0] == e):
+        inp = make_input("sweep", args.sweep_layers, experts, work, args, env)
+        inp["stats"] = {"bytes": total, "parts": {"expert": expert}}
+        r = run_case(case, inp, work, None)
+        rows.append({"src_gb": round(total / 1e9, 3), "experts": experts, "expert_gb": round(expert / 1e9, 3), **r})
+        print(f"  {total / 1e9:5.2f} GB ({experts} experts)  {r['work_s']:7.2f} s {r['mb_per_s']:6.0f} MB/s  "
+              f"RSS {r['peak_rss_mb']:5.0f} / tree {r['peak_tree_rss_mb']:5.0f} MB  load {r['load_before']:.1f}",
+              flush=True)
+        shutil.rmtree(inp["dir"])
+    return rows
+
+
+# ============================================================================ driver
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts-input", default="2,32", metavar="LAYERS,EXPERTS",
+                   help="the expert-heavy input (default 2,32: 5.2 GB, 78%% routed experts)")
+    p.add_argument("--passthrough-input", default="2,1", metavar="LAYERS,EXPERTS",
+                   help="the pass-through-heavy input (default 2,1: 1.2 GB, 10%% routed experts)")
+    p.add_argument("--inputs", default="experts,release,passthrough,sweep",
+                   help="which inputs to run (comma list; default all)")
+    p.add_argument("--sweep-gb", default="1,2,4,8", help="RSS sweep input sizes, GB")
+    p.add_argument("--max-gb", type=float, default=8.0, help="leave out sweep sizes above this")
+    p.add_argument("--sweep-layers", type=int, default=1, help="layers of the sweep inputs (1: 0.92 GB without experts)")
+    p.add_argument("--rss-band", type=float, default=0.10, help="peak RSS 'flat': within this of the smallest input's")
+    p.add_argument("--repeat", type=int, default=2, help="runs of every case (each recorded; the best is compared)")
+    p.add_argument("--workers", type=int, default=1, help="our --workers and llm-compressor's max_workers")
+    p.add_argument("--modelopt-threads", type=int, default=2, help="torch threads of the ModelOpt loop")
+    p.add_argument("--activation-amax", type=float, default=4.0, help="--default-activation-amax of W4A4 cases")
+    p.add_argument("--src-shard-size", default="500MB", help="input shard size")
+    p.add_argument("--max-shard-size", default="500MB", help="our output shard size")
+    p.add_argument("--work-dir", default=str(ROOT / "bench-out" / "real"), help="inputs and outputs (on disk by "
+                   "default; removed at the end)")
+    p.add_argument("--venv", default=str(ROOT / "bench-out" / "lc-venv"), help="llm-compressor's venv")
+    p.add_argument("--skip-peer", action="store_true", help="no llm-compressor (no venv)")
+    p.add_argument("--skip-modelopt", action="store_true", help="no ModelOpt loop")
+    p.add_argument("--json", metavar="OUT", help="write every run, the ratios and the targets as JSON")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _pair(s: str) -> tuple[int, int]:
+    layers, experts = (int(x) for x in s.split(","))
+    return layers, experts
+
+
+def run_inputs(args, work: Path, env: dict, lc_py: str | None) -> tuple[list[dict], dict]:
+    """The experts, release and passthrough inputs, one after the other (each removed when done)."""
+    which = set(args.inputs.split(","))
+    cases = plan_cases(args, lc_py is not None)
+    rows, inputs = [], {}
+
+    def with_lc(inp):
+        if lc_py is not None:
+            inp["lc_dir"] = work / f"{inp['key']}-lc"
+            helper(BC, {"kind": "unstack", "src": str(inp["dir"]), "out": str(inp["lc_dir"])}, work / "h.json", env)
+
+    if which & {"experts", "release"}:
+        inp = inputs["experts"] = make_input("experts", *_pair(args.experts_input), work, args, env)
+        describe(inp, env, work)
+        if "experts" in which:
+            with_lc(inp)
+            rows += bench_input(inp, cases["experts"], args, work, lc_py)
+            shutil.rmtree(inp.pop("lc_dir", work / "none"), ignore_errors=True)
+        if "release" in which:
+            rel = inputs["release"] = {"key": "release", "dir": work / "release",
+                                       "what": "the MXFP8 release form of the experts input (convert --scheme mxfp8)"}
+            helper(ME, {"kind": "cli", "argv": ["convert", str(inp["dir"]), str(rel["dir"]), "--scheme", "mxfp8",
+                                                 "--quiet", "--max-shard-size", args.src_shard_size]}, work / "h.json", env)
+            describe(rel, env, work)
+            rows += bench_input(rel, cases["release"], args, work, None)
+            shutil.rmtree(rel["dir"])
+        shutil.rmtree(inp["dir"])
+    if "passthrough" in which:
+        inp = inputs["passthrough"] = make_input("passthrough", *_pair(args.passthrough_input), work, args, env)
+        describe(inp, env, work)
+        inp["adapter"] = work / "adapter"
+        helper(ME, {"kind": "adapter", "ckpt": str(inp["dir"]), "out": str(inp["adapter"]), "r": 16}, work / "h.json", env)
+        with_lc(inp)
+        rows += bench_input(inp, cases["passthrough"], args, work, lc_py)
+        for d in (inp["dir"], inp.pop("lc_dir", None), inp["adapter"]):
+            if d is not None:
+                shutil.rmtree(d)
+    return rows, inputs
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        child(json.loads(args.child))
+        return 0
+    work = Path(args.work_dir)
+    if work.exists():
+        shutil.rmtree(work)
+    (work / "logs").mkdir(parents=True)
+    env = ours_env()
+    lc_py = None if args.skip_peer else str(ensure_lc_venv(Path(args.venv)))
+    t0 = time.perf_counter()
+    print(f"bench_real: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, work dir {work}, "
+          f"{args.repeat} run(s) of every case, --workers {args.workers}", flush=True)
+    if lc_py is None:
+        print("llm-compressor skipped (--skip-peer)")
+    print("llm-compressor does not take the stacked form as it is (model_free_ptq quantizes 2-D <module>.weight "
+          "only): it reads a copy with the experts unstacked; nor the MXFP8 release (e4m3 experts): not run there")
+    rows, inputs = run_inputs(args, work, env, lc_py)
+    sweep = rss_sweep(args, work, env) if "sweep" in args.inputs.split(",") else []
+    if rows:
+        print_table(rows)
+    print()
+    targets = check_targets(rows, sweep, args.rss_band)
+    print(f"\n{sum(t['pass'] for t in targets)} of {len(targets)} targets met; {time.perf_counter() - t0:.0f} s in all")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}",
+            "cpus": os.cpu_count(), "workers": args.workers,
+            "command": " ".join(["python", "tools/bench_real.py", *(argv if argv is not None else sys.argv[1:])]),
+            "inputs": {k: {kk: str(v) if isinstance(v, Path) else v for kk, v in i.items()} for k, i in inputs.items()},
+            "results": rows, "sweep": sweep, "targets": targets}, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    shutil.rmtree(work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
