@@ -150,3 +150,18 @@ def mxfp8_dequantize(q, scale, e4m3_values, out):
             out[i] = v
             bad += not abs(v) < np.inf
     return bad
+
+
+@_jit
+def mxfp8_all_finite(q, scale, e4m3_values):
+    """Whether mxfp8_dequantize would give finite values only, without writing them: per block
+    the largest magnitude byte (e4m3 bytes order as their magnitudes; 0x7F is NaN) times the
+    block's factor."""
+    for b in range(scale.size):
+        top = np.uint8(0)
+        for k in range(32):
+            top = max(top, q[np.uint64(b * 32 + k)] & np.uint8(0x7F))
+        f = np.float32(math.ldexp(1.0, np.int64(scale[b]) - 127))
+        if top == 0x7F or not abs(e4m3_values[top] * f) < np.inf:
+            return False
+    return True
