@@ -56,10 +56,10 @@ def prepare(src: str, opts: Options) -> Prepared:
     decided before any byte is written (the same for every part and every resume)."""
     root, repo, revision = hub.resolve(str(src))
     cfg = load_config(root)
-    opts = dataclasses.replace(opts, output_format=output_format(cfg, opts.output_format))
     scheme = get_scheme(opts.scheme)
     listing, other_files, stat = list_source(root, repo, revision)
     tensors, layout = validate_source(cfg, listing, str(src))
+    opts = dataclasses.replace(opts, output_format=output_format(cfg, layout, opts.output_format))
     calibrated = {} if opts.weight_only else load_calibration(opts.activation_scales, tensors, layout, src)
     jobs = plan(cfg, layout, tensors, scheme, opts, calibrated, str(src))
     return Prepared(root, repo, revision, cfg, layout, jobs, other_files, fingerprint(jobs, opts, stat),
