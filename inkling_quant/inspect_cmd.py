@@ -7,10 +7,11 @@ shapes, dtypes: `formats.stacked.projection_specs`) it would write for the sourc
 config.json), and checked against the format the quantization config declares for
 `model.llm.layers.N.mlp.experts`; everything else passes through.
 
-Two kinds of checkpoint (layout.model_config): the published Inkling 2 layout (inkling_quant.inkling2,
-the bundled DSpark draft of inkling_quant.dspark; a config.json without text_config is refused
-with a ConfigError), and every other Hugging Face MoE family, as transformers saves it and as
-ModelOpt's exporter (or our convert) writes it. For those the layout is detected from the names
+Two kinds of checkpoint (layout.model_config): the published Inkling 2 layout under its original
+names (inkling_quant.inkling2, the bundled DSpark draft of inkling_quant.dspark; a config.json
+without text_config is refused with a ConfigError), and every other checkpoint (Inkling 2 under
+transformers' names too: a state_dict save, ModelOpt's export of it), as transformers saves it
+and as ModelOpt's exporter (or our convert) writes it. For those the layout is detected from the names
 (layout.detect: text prefix, routed-expert storage and layers, vision tower and projector, shown
 first), and each expert module's tensors are recognized by asking every format which tensors it
 writes for the module's source shape (`formats.detect`), against the format the quantization

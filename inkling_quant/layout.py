@@ -6,8 +6,10 @@ the strict spec: every tensor present with its shape) or a Hugging Face MoE mode
 the text model's settings, top level or under `text_config`, with the aliases the families use).
 `detect(names, cfg)` decides, from the tensor names alone, where the text model lives (its
 prefix), how routed experts are stored and what every other tensor is; `Layout.classify(name)`
-then answers per tensor. Only routed experts are quantized by the schemes: shared experts, dense
-MLPs, routers and everything else pass through. docs/layout.md has the table of supported
+then answers per tensor. `expected_tensors(cfg, layout)` is what the config requires of such a
+checkpoint: Inkling 2's every tensor under the checkpoint's naming (original or transformers'),
+another family's routed experts. Only routed experts are quantized by the schemes: shared
+experts, dense MLPs, routers and everything else pass through. docs/layout.md has the table of supported
 layouts and the families each was tested on.
 """
 from __future__ import annotations

@@ -42,7 +42,7 @@ def _model():
 
 def _per_expert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The state dict with each stacked expert tensor split into ModelOpt's per-expert modules
-    (gate_up_proj [E, 2I, H]: gate rows then up rows, modeling_inkling2.py:809, 834-835)."""
+    (gate_up_proj [E, 2I, H]: gate rows then up rows, modeling_inkling2.py:809, 836)."""
     out = {}
     for k, v in sd.items():
         if k.endswith(".mlp.experts.gate_up_proj"):

@@ -1,9 +1,9 @@
 """Planning: everything decided before any byte is written. The source is listed, its layout
-detected (inkling_quant.layout) and checked (the published Inkling 2 layout strictly, against
-inkling_quant.inkling2; a Hugging Face MoE against its config), each NVFP4 expert gets its
-activation amax, tensors become units (a pass-through tensor, an expert's gate and up sharing one
-global scale, or a stacked expert tensor converted expert by expert) and the units are packed
-into output shards."""
+detected (inkling_quant.layout) and checked in one loop against the tensors its config requires
+(`layout.expected_tensors`: Inkling 2's strict spec under the checkpoint's naming, a Hugging
+Face MoE's routed experts), each NVFP4 expert gets its activation amax, tensors become units (a
+pass-through tensor, an expert's gate and up sharing one global scale, or a stacked expert
+tensor converted expert by expert) and the units are packed into output shards."""
 from __future__ import annotations
 
 import os
