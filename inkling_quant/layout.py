@@ -164,11 +164,16 @@ class Layout:
 
     def classify(self, name: str) -> TensorName:
         """What `name` is (part, layer, expert, canonical projection gate/up/down, suffix)."""
-        rec = _classify(self, name)
+        rec = self.part_of(name)
         if rec is None:
             raise CheckpointError(f"tensor {name!r} is not part of the detected layout ({self.describe()})",
                                   tensor=name)
         return rec
+
+    def part_of(self, name: str) -> TensorName | None:
+        """`classify`, or None for a name outside the layout (e.g. a missing lm_head's, which
+        detection could not see)."""
+        return _classify(self, name)
 
     @property
     def experts_modules(self) -> dict[int, str]:

@@ -153,6 +153,7 @@ def _broken(sources, tmp_path: Path, naming: str, edit) -> Path:
 @pytest.mark.parametrize("naming, name", [
     ("transformers", "model.language_model.layers.1.self_attn.q_proj.linear.weight"),
     ("transformers", "model.vision_tower.merger.linear_2.bias"),
+    ("transformers", "lm_head.weight"),
     ("per_expert", "model.language_model.layers.2.mlp.experts.3.up_proj.weight"),
 ])
 def test_a_missing_tensor_is_named(sources, tmp_path, naming, name):

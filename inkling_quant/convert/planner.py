@@ -226,8 +226,9 @@ def _unexpected(layout: Layout, names: list[str], missing: list[str]) -> str:
 
 
 def _missing(cfg: Inkling2Config | MoEConfig, layout: Layout, missing: list[str]) -> str:
-    rec, more = layout.classify(missing[0]), f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-    if rec.part != "expert":
+    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+    rec = layout.part_of(missing[0])
+    if rec is None or rec.part != "expert":
         return f"tensor {missing[0]!r}{more} required by config.json is missing"
     what = f"layer {rec.layer}" + (f" expert {rec.expert}" if rec.expert is not None else "")
     return (f"{what}: the routed expert's {rec.projection} weight is missing: {missing[0]!r}{more} (config.json: "
