@@ -493,6 +493,15 @@ def modelopt_tensor(cfg: Inkling2Config, original: str) -> tuple[str, int | None
     return transformers_name(original), rows
 
 
+def transformers_spec(cfg: Inkling2Config, spec: Spec) -> Spec:
+    """A tensor of the original layout as transformers' model holds it (what its `state_dict()`
+    saves): transformers' name, the unembedding as `lm_head.weight` of the unpadded rows
+    (modeling_inkling2.py:1817); a draft tensor as it is. The routed experts are the storage's
+    (layout.expert_specs)."""
+    name, rows = modelopt_tensor(cfg, spec.name)
+    return Spec(name, spec.shape if rows is None else (rows, *spec.shape[1:]), spec.dtype)
+
+
 def modelopt_experts_module(layer: int) -> str:
     """The MoE module of `layer` as ModelOpt's export names it (and its quantization config keys it)."""
     return transformers_name(f"{experts_module(layer)}.w13_weight").rsplit(".", 1)[0]

@@ -7,10 +7,11 @@ shapes, dtypes: `formats.stacked.projection_specs`) it would write for the sourc
 config.json), and checked against the format the quantization config declares for
 `model.llm.layers.N.mlp.experts`; everything else passes through.
 
-Two kinds of checkpoint (layout.model_config): the published Inkling 2 layout (inkling_quant.inkling2,
-the bundled DSpark draft of inkling_quant.dspark; a config.json without text_config is refused
-with a ConfigError), and every other Hugging Face MoE family, as transformers saves it and as
-ModelOpt's exporter (or our convert) writes it. For those the layout is detected from the names
+Two kinds of checkpoint (layout.model_config): the published Inkling 2 layout under its original
+names (inkling_quant.inkling2, the bundled DSpark draft of inkling_quant.dspark; a config.json
+without text_config is refused with a ConfigError), and every other checkpoint (Inkling 2 under
+transformers' names too: a state_dict save, ModelOpt's export of it), as transformers saves it
+and as ModelOpt's exporter (or our convert) writes it. For those the layout is detected from the names
 (layout.detect: text prefix, routed-expert storage and layers, vision tower and projector, shown
 first), and each expert module's tensors are recognized by asking every format which tensors it
 writes for the module's source shape (`formats.detect`), against the format the quantization
@@ -37,7 +38,7 @@ from .formats import FORMATS, SCALE_SUFFIXES
 from .formats import detect as detect_format
 from .formats.stacked import projection_specs
 from .inkling2 import Inkling2Config, classify, experts_module
-from .layout import CANONICAL, Layout, MoEConfig, detect, model_config, oriented
+from .layout import CANONICAL, Layout, MoEConfig, detect, model_config, oriented, original_names, text_prefix
 from .io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child
 from .io.output import check_paths, write_report
 from .io.safetensors import TensorEntry
@@ -81,7 +82,9 @@ def summarize(root: str | Path) -> Summary:
     root, ckpt = hub.open_checkpoint(str(root))  # a hub repo id: its headers, no shard downloaded
     path = safe_child(root, CONFIG_NAME)
     cfg = model_config(read_json(path, CONFIG_NAME, ConfigError), str(path))
-    return _summarize(root, ckpt, cfg) if isinstance(cfg, Inkling2Config) else _summarize_moe(root, ckpt, cfg)
+    if isinstance(cfg, Inkling2Config) and original_names(cfg, text_prefix(list(ckpt.weight_map))):
+        return _summarize(root, ckpt, cfg)
+    return _summarize_moe(root, ckpt, cfg)  # Inkling 2 too under transformers' names
 
 
 def _stacked_format(proj: str, shape: tuple[int, ...], observed: dict[str, TensorEntry]) -> tuple[str, bool | None]:
@@ -156,10 +159,11 @@ def _summarize(root: Path, ckpt: Checkpoint, cfg: Inkling2Config) -> Summary:
 
 
 # ============================================================================ other families
-def _summarize_moe(root: Path, ckpt: Checkpoint, cfg: MoEConfig) -> Summary:
+def _summarize_moe(root: Path, ckpt: Checkpoint, config: MoEConfig | Inkling2Config) -> Summary:
     """The layout detected from the names; each routed-expert module (an expert's projection, or
     a stacked tensor) recognized as the format whose tensors it holds, everything else float and
-    passed through."""
+    passed through. An Inkling 2 checkpoint under transformers' names is read this way too."""
+    cfg = MoEConfig.of(config)
     headers = ckpt.headers()
     entries = [e for h in headers.values() for e in h.tensors.values()]
     lay = oriented(detect([e.name for e in entries], cfg, str(root)), {e.name: tuple(e.shape) for e in entries}, cfg)
@@ -204,7 +208,8 @@ def _summarize_moe(root: Path, ckpt: Checkpoint, cfg: MoEConfig) -> Summary:
             s.incomplete.append(f"{lay.experts_modules[layer]}: {modules_held} expert module(s), config.json "
                                 f"implies {want}")
     n = {i: cfg.num_experts if lay.experts.kind == "stacked" else len(c) for i, c in counts.items()}
-    _finish(s, parts, {i: (" + ".join(sorted(f)), n[i]) for i, f in per_layer.items()}, False)
+    _finish(s, parts, {i: (" + ".join(sorted(f)), n[i]) for i, f in per_layer.items()},
+            isinstance(config, Inkling2Config) and config.draft is not None)
     return s
 
 

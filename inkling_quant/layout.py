@@ -6,19 +6,25 @@ the strict spec: every tensor present with its shape) or a Hugging Face MoE mode
 the text model's settings, top level or under `text_config`, with the aliases the families use).
 `detect(names, cfg)` decides, from the tensor names alone, where the text model lives (its
 prefix), how routed experts are stored and what every other tensor is; `Layout.classify(name)`
-then answers per tensor. Only routed experts are quantized by the schemes: shared experts, dense
-MLPs, routers and everything else pass through. docs/layout.md has the table of supported
+then answers per tensor. `expected_tensors(cfg, layout)` is what the config requires of such a
+checkpoint: Inkling 2's every tensor under the checkpoint's naming (original or transformers'),
+another family's routed experts. Only routed experts are quantized by the schemes: shared
+experts, dense MLPs, routers and everything else pass through. docs/layout.md has the table of supported
 layouts and the families each was tested on.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
+from typing import Iterator
 
+import torch
+
+from . import inkling2
 from .config_fields import MAX_LAYERS, ConfigFields
 from .errors import CheckpointError, ConfigError
 from .inkling2 import Inkling2Config
-from .tensors import TensorName
+from .tensors import TensorName, TensorSpec
 
 
 def natural_key(name: str) -> list[tuple[int, int, str]]:
@@ -76,6 +82,19 @@ class MoEConfig:
                    hidden_size=t.int("hidden_size"), num_hidden_layers=n, num_experts=experts,
                    num_experts_per_tok=t.int("num_experts_per_tok", hi=experts), expert_width=t.int(width_key),
                    dense_layers=_dense_layers(t, n), nested=nested, raw=dict(d))
+
+    @classmethod
+    def of(cls, cfg: "MoEConfig | Inkling2Config") -> "MoEConfig":
+        """The MoE settings of either kind of config: itself, or an Inkling 2 model's text model's
+        (routed experts in every layer), so detection, orientation and the expert shapes are one
+        rule for both."""
+        if isinstance(cfg, MoEConfig):
+            return cfg
+        t = cfg.text
+        return cls(model_type=str(cfg.raw.get("model_type") or "inkling2"), hidden_size=t.hidden_size,
+                   num_hidden_layers=t.num_hidden_layers, num_experts=t.n_routed_experts,
+                   num_experts_per_tok=t.num_experts_per_tok, expert_width=t.moe_intermediate_size,
+                   dense_layers=frozenset(), nested=True, raw=cfg.raw)
 
 
 def _dense_layers(t: ConfigFields, n: int) -> frozenset[int] | None:
@@ -145,11 +164,16 @@ class Layout:
 
     def classify(self, name: str) -> TensorName:
         """What `name` is (part, layer, expert, canonical projection gate/up/down, suffix)."""
-        rec = _classify(self, name)
+        rec = self.part_of(name)
         if rec is None:
             raise CheckpointError(f"tensor {name!r} is not part of the detected layout ({self.describe()})",
                                   tensor=name)
         return rec
+
+    def part_of(self, name: str) -> TensorName | None:
+        """`classify`, or None for a name outside the layout (e.g. a missing lm_head's, which
+        detection could not see)."""
+        return _classify(self, name)
 
     @property
     def experts_modules(self) -> dict[int, str]:
@@ -221,18 +245,20 @@ def stacked_orientation(down_shape: tuple[int, ...], gate_up_shape: tuple[int, .
     return None
 
 
-def oriented(lay: Layout, shapes: dict[str, tuple[int, ...]], cfg: MoEConfig) -> Layout:
+def oriented(lay: Layout, shapes: dict[str, tuple[int, ...]], cfg: "MoEConfig | Inkling2Config") -> Layout:
     """`lay` with a stacked storage's orientation settled from the shapes (name -> shape) of its
     first expert layer (`stacked_orientation`); any other storage as it is."""
     if lay.experts.kind != "stacked" or not lay.expert_layers:
         return lay
+    cfg = MoEConfig.of(cfg)
     first = lay.experts_modules[lay.expert_layers[0]]
     t = stacked_orientation(tuple(shapes.get(f"{first}.down_proj", ())), tuple(shapes.get(f"{first}.gate_up_proj", ())),
                             cfg.hidden_size, cfg.expert_width)
     return replace(lay, experts=replace(lay.experts, transposed=bool(t)))
 
 
-def _prefix_of(names: list[str]) -> str | None:
+def text_prefix(names: list[str]) -> str | None:
+    """The text model's prefix: the one of TEXT_PREFIXES most names sit under (None: no layers)."""
     counts: dict[str, int] = {}
     for n in names:
         for p in TEXT_PREFIXES:
@@ -245,7 +271,7 @@ def _prefix_of(names: list[str]) -> str | None:
 def detect(names: list[str], cfg: "MoEConfig | Inkling2Config | None" = None, source: str = "checkpoint") -> Layout:
     """The layout of a checkpoint holding `names`; CheckpointError listing what could not be
     placed (and what was expected) when it is not one this module knows."""
-    prefix = _prefix_of(names)
+    prefix = text_prefix(names)
     if prefix is None:
         raise CheckpointError(f"no decoder layers found: expected tensors under one of "
                               f"{', '.join(p + 'layers.N.' for p in TEXT_PREFIXES)} (first names: "
@@ -275,8 +301,8 @@ def detect(names: list[str], cfg: "MoEConfig | Inkling2Config | None" = None, so
             raise CheckpointError(f"per-expert projections {sorted(names_seen)} mix naming schemes "
                                   f"(expected gate_proj/up_proj/down_proj or w1/w3/w2)", path=source)
         storage = ExpertStorage(kind, block, proj)
-    dense = frozenset() if isinstance(cfg, Inkling2Config) else cfg.dense_layers if cfg is not None else None
-    if dense is not None:  # Inkling 2: routed experts in every layer
+    dense = MoEConfig.of(cfg).dense_layers if cfg is not None else None
+    if dense is not None:
         expected = set(range(cfg.num_hidden_layers)) - dense
         if expected != layers:
             odd = sorted(expected ^ layers)
@@ -293,3 +319,58 @@ def detect(names: list[str], cfg: "MoEConfig | Inkling2Config | None" = None, so
                               f"({lay.describe()}): {', '.join(repr(n) for n in unplaced[:5])}"
                               + (" ..." if len(unplaced) > 5 else ""), path=source, tensor=unplaced[0])
     return lay
+
+
+# --------------------------------------------------------------------------- what a config requires
+# The namings an Inkling 2 checkpoint may use: (text prefix, expert storage) -> what it is.
+INKLING_NAMINGS = {
+    (inkling2.TEXT_PREFIX, ExpertStorage("interleaved", "mlp")):
+        "the original names (model.llm.*, model.visual.*; experts mlp.experts.w13_weight [E, 2I, H] gate/up rows "
+        "interleaved and w2_weight [E, H, I]): what save_pretrained and the release write",
+    ("model.language_model.", ExpertStorage("stacked", "mlp")):
+        "transformers' in-memory names (model.language_model.*, model.vision_tower.*, lm_head.weight unpadded; "
+        "experts mlp.experts.gate_up_proj [E, 2I, H] gate then up, and down_proj [E, H, I]): what state_dict() holds",
+    ("model.language_model.", ExpertStorage("per_expert", "mlp")):
+        "transformers' names with per-expert experts as ModelOpt names them "
+        "(mlp.experts.E.{gate,up,down}_proj.weight [I, H], [I, H], [H, I])",
+}
+
+
+def original_names(cfg: "MoEConfig | Inkling2Config", prefix: str | None) -> bool:
+    """Whether a checkpoint with text prefix `prefix` is an Inkling 2 model's under its original
+    names, the only naming `--output-format inkling` writes and ModelOpt's export renames."""
+    return isinstance(cfg, Inkling2Config) and prefix == inkling2.TEXT_PREFIX
+
+
+def expected_tensors(cfg: "MoEConfig | Inkling2Config", lay: Layout) -> dict[str, TensorSpec]:
+    """name -> spec of the tensors `cfg` requires of a checkpoint laid out as `lay`: for an
+    Inkling 2 config every tensor (inkling2.checkpoint_tensors, the strict spec) under the
+    checkpoint's naming (INKLING_NAMINGS); for another family its routed experts' weights (the
+    rest passes through as it is). Float specs are BF16: any float dtype fits them."""
+    specs = list(_inkling_specs(cfg, lay)) if isinstance(cfg, Inkling2Config) else []
+    return {s.name: s for s in (*specs, *expert_specs(lay, MoEConfig.of(cfg)))}
+
+
+def _inkling_specs(cfg: Inkling2Config, lay: Layout) -> Iterator[TensorSpec]:
+    """Every tensor but the routed experts, under the checkpoint's naming."""
+    if (lay.text_prefix, replace(lay.experts, transposed=False)) not in INKLING_NAMINGS:
+        raise CheckpointError(f"an Inkling 2 config, but the tensors are laid out as no Inkling 2 checkpoint is "
+                              f"({lay.describe()}); expected one of: " + "; ".join(INKLING_NAMINGS.values()))
+    for s in inkling2.checkpoint_tensors(cfg, include_experts=False):
+        yield s if original_names(cfg, lay.text_prefix) else inkling2.transformers_spec(cfg, s)
+
+
+def expert_specs(lay: Layout, moe: MoEConfig) -> Iterator[TensorSpec]:
+    """The routed experts' weights of every expert layer as `lay` stores them: per expert
+    gate/up [I, H] and down [H, I]; stacked or interleaved gate_up [E, 2I, H] and down [E, H, I]
+    ([E, in, out] where transposed)."""
+    E, H, I, s = moe.num_experts, moe.hidden_size, moe.expert_width, lay.experts
+    for module in lay.experts_modules.values():
+        if s.kind == "per_expert":
+            for e in range(E):
+                for name, shape in zip(s.names, ((I, H), (I, H), (H, I))):
+                    yield TensorSpec(f"{module}.{e}.{name}.weight", shape, torch.bfloat16)
+            continue
+        names = ("w13_weight", "w2_weight") if s.kind == "interleaved" else ("gate_up_proj", "down_proj")
+        for name, (out, inp) in zip(names, ((2 * I, H), (H, I))):
+            yield TensorSpec(f"{module}.{name}", (E, inp, out) if s.transposed else (E, out, inp), torch.bfloat16)

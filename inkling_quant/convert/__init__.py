@@ -56,10 +56,10 @@ def prepare(src: str, opts: Options) -> Prepared:
     decided before any byte is written (the same for every part and every resume)."""
     root, repo, revision = hub.resolve(str(src))
     cfg = load_config(root)
-    opts = dataclasses.replace(opts, output_format=output_format(cfg, opts.output_format))
     scheme = get_scheme(opts.scheme)
     listing, other_files, stat = list_source(root, repo, revision)
     tensors, layout = validate_source(cfg, listing, str(src))
+    opts = dataclasses.replace(opts, output_format=output_format(cfg, layout, opts.output_format))
     calibrated = {} if opts.weight_only else load_calibration(opts.activation_scales, tensors, layout, src)
     jobs = plan(cfg, layout, tensors, scheme, opts, calibrated, str(src))
     return Prepared(root, repo, revision, cfg, layout, jobs, other_files, fingerprint(jobs, opts, stat),
@@ -229,9 +229,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buffered-io", action="store_true",
                    help="write shards through the page cache instead of O_DIRECT (docs/convert.md)")
     p.add_argument("--output-format", choices=OUTPUT_FORMATS, default=None,
-                   help="Inkling 2 sources: 'inkling' (default: original names, stacked experts, the release's form) "
-                        "or 'modelopt-hf' (exactly what ModelOpt's exporter writes: transformers' names, per-expert "
-                        "tensors, its config); other families: 'modelopt-hf' only (their own names)")
+                   help="Inkling 2 sources under the original names: 'inkling' (default: original names, stacked "
+                        "experts, the release's form) or 'modelopt-hf' (exactly what ModelOpt's exporter writes: "
+                        "transformers' names, per-expert tensors, its config); every other source (Inkling 2 under "
+                        "transformers' names too): 'modelopt-hf' only (its own names)")
     a = p.add_argument_group("NVFP4 activation scales (W4A4 needs one input_scale per expert projection)")
     a.add_argument("--activation-scales", metavar="FILE|DIR",
                    help="calibration amax per module: JSON {module: amax}, safetensors {module.input_amax}, or a "

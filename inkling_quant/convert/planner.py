@@ -1,25 +1,24 @@
 """Planning: everything decided before any byte is written. The source is listed, its layout
-detected (inkling_quant.layout) and checked (the published Inkling 2 layout strictly, against
-inkling_quant.inkling2; a Hugging Face MoE against its config), each NVFP4 expert gets its
-activation amax, tensors become units (a pass-through tensor, an expert's gate and up sharing one
-global scale, or a stacked expert tensor converted expert by expert) and the units are packed
-into output shards."""
+detected (inkling_quant.layout) and checked in one loop against the tensors its config requires
+(`layout.expected_tensors`: Inkling 2's strict spec under the checkpoint's naming, a Hugging
+Face MoE's routed experts), each NVFP4 expert gets its activation amax, tensors become units (a
+pass-through tensor, an expert's gate and up sharing one global scale, or a stacked expert
+tensor converted expert by expert) and the units are packed into output shards."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .. import hub
 from ..errors import CheckpointError, ConfigError, FormatError, UsageError
 from ..formats import FORMATS
 from ..formats.stacked import expert_module_specs, projection_specs
-from ..inkling2 import (RELEASE_EXPERT_FORMAT, Inkling2Config, Spec, checkpoint_tensors, classify, modelopt_tensor,
-                        transformers_name)
+from ..inkling2 import RELEASE_EXPERT_FORMAT, Inkling2Config, Spec, modelopt_tensor, transformers_name
 from ..io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child, shard_name
 from ..io.safetensors import DTYPE_NAMES, DTYPES
 from ..io.shards import plan_shards
-from ..layout import Layout, MoEConfig, detect, model_config, oriented
+from ..layout import INKLING_NAMINGS, Layout, MoEConfig, detect, expected_tensors, model_config, oriented, original_names
 from ..schemes import Scheme
 from ..tensors import TensorName
 
@@ -79,6 +78,8 @@ class ShardJob:
     out_bytes: int
 
 
+# a stacked unit's projection as formats.stacked names it, from the layout's canonical one
+STACKED_PROJECTIONS = {"gate_up": "w13", "down": "w2"}
 OUTPUT_FORMATS = ("inkling", "modelopt-hf")  # Hugging Face MoE sources: modelopt-hf only
 
 
@@ -130,13 +131,20 @@ def load_config(root: Path) -> Inkling2Config | MoEConfig:
     return model_config(read_json(path, CONFIG_NAME, ConfigError), str(path))
 
 
-def output_format(cfg: Inkling2Config | MoEConfig, requested: str | None) -> str:
+def output_format(cfg: Inkling2Config | MoEConfig, layout: Layout, requested: str | None) -> str:
     """The output form: what was asked for, else the source's own (Inkling's stacked form for
-    Inkling 2; ModelOpt's export, the only one for other families)."""
+    Inkling 2 under its original names; ModelOpt's export, under the source's names, otherwise)."""
     if requested is not None and requested not in OUTPUT_FORMATS:
         raise UsageError(f"--output-format {requested!r}: known {', '.join(OUTPUT_FORMATS)}")
-    if isinstance(cfg, Inkling2Config):
+    if original_names(cfg, layout.text_prefix):
         return requested or "inkling"
+    if requested == "inkling" and isinstance(cfg, Inkling2Config):
+        # The original names would need lm_head's vocabulary padding rows, which transformers' model
+        # drops (Inkling2UnpadVocab): there is nothing to write them from.
+        raise UsageError("--output-format inkling writes the original names (model.llm.*); this source is under "
+                         "transformers' names (model.language_model.*, lm_head.weight without the vocabulary "
+                         "padding rows the original unembed holds): it is written as ModelOpt exports it "
+                         "(--output-format modelopt-hf)")
     if requested == "inkling":
         raise UsageError(f"--output-format inkling is the Inkling 2 layout's stacked form; a {cfg.model_type} "
                          f"checkpoint is written as ModelOpt exports it (--output-format modelopt-hf)")
@@ -144,90 +152,87 @@ def output_format(cfg: Inkling2Config | MoEConfig, requested: str | None) -> str
 
 
 def validate_source(cfg: Inkling2Config | MoEConfig, listing: Listing, root: str) -> tuple[list[SrcTensor], Layout]:
-    """The source's tensors and its detected layout: every tensor placed (inkling_quant.layout),
-    float (Inkling's routed experts also as the MXFP8 release stores them), of the shape its
-    config implies; none missing."""
-    names = [n for entries in listing.values() for n in entries]
-    if isinstance(cfg, Inkling2Config):  # the strict spec first: its errors name the tensor exactly
-        tensors = _validate_inkling(cfg, listing, root)
-        return tensors, detect(names, cfg, root)
-    return _validate_moe(cfg, detect(names, cfg, root), listing, root)
-
-
-def _validate_moe(cfg: MoEConfig, layout: Layout, listing: Listing, root: str) -> tuple[list[SrcTensor], Layout]:
-    """A Hugging Face MoE: float tensors, routed experts of the config's width and count in
-    every expert layer (per expert: gate/up [I, H], down [H, I]; stacked: gate_up and down
-    [E, 2I, H] and [E, H, I], or transposed, the same in every layer); the rest passes through as
-    it is. Returns the layout with the stacked orientation settled."""
-    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.expert_width
+    """The source's tensors and its detected layout (the stacked orientation settled): every
+    tensor placed (inkling_quant.layout); every tensor the config requires (`expected_tensors`:
+    for Inkling 2 all of them, under the checkpoint's naming; otherwise the routed experts)
+    present with its shape; float (Inkling's interleaved experts also as the MXFP8 release stores
+    them); for Inkling 2, nothing else."""
     entries = {name: (shard, dtype, tuple(shape)) for shard, e in listing.items() for name, (dtype, shape) in e.items()}
-    want = {"gate": (I, H), "up": (I, H), "down": (H, I)}
-    if layout.experts.kind == "stacked":
-        layout = oriented(layout, {n: e[2] for n, e in entries.items()}, cfg)
-        want = {"gate_up": (E, 2 * I, H), "down": (E, H, I)}
-        if layout.experts.transposed:
-            want = {"gate_up": (E, H, 2 * I), "down": (E, I, H)}
-    tensors, seen = [], set()
+    layout = oriented(detect(list(entries), cfg, root), {n: e[2] for n, e in entries.items()}, cfg)
+    expected = expected_tensors(cfg, layout)
+    if layout.experts.kind == "interleaved":
+        _release_experts(layout, expected, entries)
+    strict = isinstance(cfg, Inkling2Config)
+    tensors, unexpected = [], []
     for name, (shard, dtype, shape) in entries.items():
-        path, rec = f"{root}/{shard}", layout.classify(name)
-        if DTYPES[dtype] not in FLOAT_SOURCES or (rec.part == "expert" and rec.suffix != "weight"):
-            raise CheckpointError(f"tensor {name!r}: dtype {dtype}: the source is already quantized; convert "
-                                  f"takes BF16/FP16/FP32 checkpoints of this family", path=path, tensor=name)
-        if rec.part == "expert":
-            if shape != want[rec.projection]:
-                raise CheckpointError(f"tensor {name!r}: shape {list(shape)} disagrees with config.json (expected "
-                                      f"{list(want[rec.projection])} for a routed expert's {rec.projection} "
-                                      f"weight)", path=path, tensor=name)
-            if rec.expert is not None and rec.expert >= E:
-                raise CheckpointError(f"tensor {name!r}: expert {rec.expert}, config.json has {E}", path=path,
-                                      tensor=name)
-            seen.add((rec.layer, rec.expert, rec.projection))
+        path, spec = f"{root}/{shard}", expected.get(name)
+        if spec is None and strict:
+            unexpected.append(name)
+            continue
+        quantized = spec.dtype not in FLOAT_SOURCES if spec is not None else False
+        if (DTYPES[dtype] != spec.dtype) if quantized else (DTYPES[dtype] not in FLOAT_SOURCES):
+            raise CheckpointError(f"tensor {name!r}: dtype {dtype}: the source is already quantized, in a form "
+                                  f"convert does not take; it takes BF16/FP16/FP32 tensors, with Inkling's routed "
+                                  f"experts also as the MXFP8 release stores them (e4m3 weight + uint8 e8m0 scale)",
+                                  path=path, tensor=name)
+        if spec is None:
+            _check_unlisted(cfg, layout.classify(name), path)
+        elif shape != spec.shape:
+            raise CheckpointError(f"tensor {name!r}: shape {list(shape)} disagrees with config.json (expected "
+                                  f"{list(spec.shape)})", path=path, tensor=name)
         tensors.append(SrcTensor(name, shard, dtype, shape))
-    projections = ("gate_up", "down") if layout.experts.kind == "stacked" else ("gate", "up", "down")
-    for layer in layout.expert_layers:
-        for e in ((None,) if layout.experts.kind == "stacked" else range(E)):
-            for proj in projections:
-                if (layer, e, proj) not in seen:
-                    what = f"layer {layer}" + (f" expert {e}" if e is not None else "")
-                    raise CheckpointError(f"{what}: the routed expert's {proj} weight is missing (config.json: "
-                                          f"{E} experts)", path=root)
+    missing = [n for n in expected if n not in entries]
+    if unexpected:
+        raise CheckpointError(_unexpected(layout, unexpected, missing), path=f"{root}/{entries[unexpected[0]][0]}",
+                              tensor=unexpected[0])
+    if missing:
+        raise CheckpointError(_missing(cfg, layout, missing), path=root, tensor=missing[0])
     return tensors, layout
 
 
-def _validate_inkling(cfg: Inkling2Config, listing: Listing, root: str) -> list[SrcTensor]:
-    """Every tensor one of `checkpoint_tensors(cfg)` (a list bounded by layers, not experts),
-    float (the routed experts also as the MXFP8 release stores them), of its shape; none missing."""
-    expected = {s.name: s for s in checkpoint_tensors(cfg)}
-    listed = {name for entries in listing.values() for name in entries}
-    for name, spec in list(expected.items()):  # experts stored as the MXFP8 release stores them
-        rec = classify(name)
-        if rec.part == "expert" and name + "_scale" in listed:
-            prefix = name[: -len(f"{rec.projection}_weight")]
-            for k, o in projection_specs(FORMATS[RELEASE_EXPERT_FORMAT], rec.projection, spec.shape).items():
+def _release_experts(layout: Layout, expected: dict[str, Spec], entries: dict) -> None:
+    """Interleaved experts stored as the MXFP8 release stores them (a `_scale` beside the weight)
+    expected in that form: e4m3 weight + uint8 e8m0 scale of the same shape."""
+    for name, spec in list(expected.items()):
+        rec = layout.classify(name)
+        if rec.part == "expert" and name + "_scale" in entries:
+            proj = STACKED_PROJECTIONS[rec.projection]
+            prefix = name[: -len(f"{proj}_weight")]
+            for k, o in projection_specs(FORMATS[RELEASE_EXPERT_FORMAT], proj, spec.shape).items():
                 expected[prefix + k] = Spec(prefix + k, tuple(o.shape), o.dtype)
-    tensors = []
-    for shard, entries in listing.items():
-        for name, (dtype, shape) in entries.items():
-            path, spec = f"{root}/{shard}", expected.get(name)
-            if spec is None:
-                raise CheckpointError(f"tensor {name!r} is not a tensor of the Inkling 2 layout with this config "
-                                      f"(docs/layout.md)", path=path, tensor=name)
-            if (DTYPES[dtype] not in FLOAT_SOURCES) if spec.dtype in FLOAT_SOURCES else DTYPES[dtype] != spec.dtype:
-                raise CheckpointError(f"tensor {name!r}: dtype {dtype}: the source is already quantized, in a form "
-                                      f"convert does not take; it takes BF16/FP16/FP32 tensors, with the routed experts "
-                                      f"also as the MXFP8 release stores them (e4m3 weight + uint8 e8m0 scale)",
-                                      path=path, tensor=name)
-            if tuple(shape) != spec.shape:
-                raise CheckpointError(f"tensor {name!r}: shape {list(shape)} disagrees with config.json (expected "
-                                      f"{list(spec.shape)})", path=path, tensor=name)
-            tensors.append(SrcTensor(name, shard, dtype, tuple(shape)))
-    seen = {t.name for t in tensors}
-    missing = [n for n in expected if n not in seen]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"tensor {missing[0]!r}{more} required by config.json is missing", path=root,
-                              tensor=missing[0])
-    return tensors
+
+
+def _check_unlisted(cfg: MoEConfig, rec: TensorName, path: str) -> None:
+    """A tensor of a family without a strict spec passes through, unless it is a routed expert's
+    the config does not require (a quantized source's scales, an expert past the count)."""
+    if rec.part != "expert":
+        return
+    if rec.suffix != "weight":
+        raise CheckpointError(f"tensor {rec.name!r}: the source is already quantized; convert takes BF16/FP16/FP32 "
+                              f"checkpoints of this family", path=path, tensor=rec.name)
+    raise CheckpointError(f"tensor {rec.name!r}: expert {rec.expert}, config.json has {cfg.num_experts}", path=path,
+                          tensor=rec.name)
+
+
+def _more(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names[:5]) + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")
+
+
+def _unexpected(layout: Layout, names: list[str], missing: list[str]) -> str:
+    naming = INKLING_NAMINGS[(layout.text_prefix, replace(layout.experts, transposed=False))]
+    return (f"{len(names)} tensor(s) not a tensor of the Inkling 2 layout with this config, in {naming}: "
+            f"{_more(names)}" + (f"; the layout's tensors missing from the checkpoint: {_more(missing)}" if missing
+                                 else "") + " (docs/layout.md)")
+
+
+def _missing(cfg: Inkling2Config | MoEConfig, layout: Layout, missing: list[str]) -> str:
+    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+    rec = layout.part_of(missing[0])
+    if rec is None or rec.part != "expert":
+        return f"tensor {missing[0]!r}{more} required by config.json is missing"
+    what = f"layer {rec.layer}" + (f" expert {rec.expert}" if rec.expert is not None else "")
+    return (f"{what}: the routed expert's {rec.projection} weight is missing: {missing[0]!r}{more} (config.json: "
+            f"{MoEConfig.of(cfg).num_experts} experts)")
 
 
 # --------------------------------------------------------------------------- units and shards
@@ -248,20 +253,20 @@ def _units(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTen
     by_name = {t.name: t for t in tensors}
     done: set[str] = set()
     missing_amax: list[str] = []
-    inkling = isinstance(cfg, Inkling2Config)
     for t in tensors:
         if t.name in done:
             continue
         rec = layout.classify(t.name)
         fmt = scheme.format_name(cfg, rec)
         if rec.part != "expert":
-            units.append(_passthrough_unit(cfg, t, fmt, opts.output_format))
+            rename = opts.output_format == "modelopt-hf" and original_names(cfg, layout.text_prefix)
+            units.append(_passthrough_unit(cfg, t, fmt, rename))
         elif layout.experts.kind == "per_expert":
             group = _group(layout, t, rec, fmt, by_name)
             done.update(g.name for g in group)
             units.append(_expert_unit(layout, group, fmt, opts, calibrated, root, missing_amax))
         elif rec.suffix == "weight":  # a quantized source's scales go with their weight
-            proj = classify(t.name).projection if inkling else ("w13" if rec.projection == "gate_up" else "w2")
+            proj = STACKED_PROJECTIONS[rec.projection]
             scale = by_name.get(t.name + "_scale") if DTYPES[t.dtype] not in FLOAT_SOURCES else None
             units.append(_stacked_unit(t, scale, proj, fmt, opts, calibrated, root, missing_amax,
                                        layout.experts.kind, layout.experts.transposed))
@@ -368,14 +373,15 @@ def expert_modules(u: Unit) -> list[tuple[int, str, str, tuple[str, str, tuple[i
             for (e, m, k), o in specs.items()]
 
 
-def _passthrough_unit(cfg: Inkling2Config | MoEConfig, t: SrcTensor, fmt: str, output_format: str) -> Unit:
-    """A tensor copied bit-exact: under its own name, or in a modelopt-hf output under transformers'
-    name with the unembedding cut to the rows transformers' lm_head keeps (core_model_loading.py
-    Inkling2UnpadVocab). A bundled DSpark draft, which transformers' model (and so ModelOpt's
-    export) does not have, keeps its own names: nothing of the source is dropped."""
+def _passthrough_unit(cfg: Inkling2Config | MoEConfig, t: SrcTensor, fmt: str, rename: bool) -> Unit:
+    """A tensor copied bit-exact: under its own name, or (`rename`: an Inkling 2 source under its
+    original names, written as ModelOpt exports it) under transformers' name with the unembedding
+    cut to the rows transformers' lm_head keeps (core_model_loading.py Inkling2UnpadVocab). A
+    bundled DSpark draft, which transformers' model (and so ModelOpt's export) does not have,
+    keeps its own names: nothing of the source is dropped."""
     if fmt != "passthrough":  # the schemes quantize routed experts only
         raise UsageError(f"convert quantizes routed experts only; the scheme gives {t.name!r} {fmt}", tensor=t.name)
-    if output_format != "modelopt-hf" or not isinstance(cfg, Inkling2Config):  # other families: their own names
+    if not rename:  # its own name: every other source's names are already what ModelOpt exports
         return Unit((t,), fmt, (None,), (None,))
     out, rows = modelopt_tensor(cfg, t.name)
     return Unit((t,), fmt, (None,), (None,), out_name=out, rows=rows)
