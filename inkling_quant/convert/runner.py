@@ -217,16 +217,21 @@ def run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: d
     """Convert `todo` (here, or in `opts.workers` spawned processes), recording each finished shard
     in `done` and the manifest. Any stop (a signal, a full disk, a dead worker, an error) stops the
     workers and removes what they left half-written, and says how to resume. Returns the hub
-    source's timings for the report ({} for a local source)."""
+    source's timings for the report ({} for a local source) and `stage_seconds`: the busy seconds
+    of each pipeline stage (read, convert, write; worker.convert_shard) summed over the shards,
+    the largest being the stage that bounds the run."""
     args = (str(prep.root), prep.repo, prep.revision, str(out), opts.device, opts.buffered_io)
     pool = None
     pooled = opts.workers if opts.workers > 1 and len(todo) > 1 else 0
     needs = [[s.shard for u in j.units for s in u.sources] for j in todo]  # what a hub source prefetches
+    stages: dict[str, float] = {}
     with _progress_bars(jobs, todo, done, quiet) as (bar_bytes, bar_shards), \
             hub.shard_source(prep.repo, prep.revision, needs, pooled) as source:
         def record(r: ShardResult):
             done[r.file] = r.sha256
             _write_manifest(manifest, prep.fingerprint, done)
+            for k, v in r.stages.items():
+                stages[k] = round(stages.get(k, 0.0) + v, 3)
             bar_shards.update(1)
             source.finished(r)
 
@@ -254,7 +259,7 @@ def run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: d
         except BaseException:
             _stop(pool, out, todo, done)
             raise
-    return source.report()
+    return source.report() | {"stage_seconds": stages}
 
 
 @contextmanager

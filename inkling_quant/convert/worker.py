@@ -35,6 +35,8 @@ class ShardResult:
     counts: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     fetch_seconds: float = 0.0  # of `seconds`, waiting for hub downloads
+    # busy seconds of each pipeline stage (reading, converting, writing): the largest bounds the shard
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 def _sources(root: Path, repo: str | None, revision: str | None) -> ShardReaders:
@@ -63,20 +65,23 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
     steps = _ReadAhead(_job_steps(job, sources, device, counts, progress))
     io = cf.ThreadPoolExecutor(1, thread_name_prefix="inkling-quant-write")
     pending: cf.Future | None = None
+    busy = {"read": 0.0, "convert": 0.0, "write": 0.0}
     try:
         with writer:
             try:
                 for step, tensors in steps:
                     if stop is not None:
                         stop()
+                    t = time.perf_counter()
                     outputs = step.compute(tensors)
+                    busy["convert"] += time.perf_counter() - t
                     if pending is not None:
-                        pending.result()  # an I/O error of the previous step surfaces here
+                        busy["write"] += pending.result()  # an I/O error of the previous step surfaces here
                     pending = io.submit(_write_all, writer, outputs)
                 if pending is not None:
-                    pending.result()
+                    busy["write"] += pending.result()
             finally:
-                steps.close()
+                busy["read"] = steps.close()
                 io.shutdown(wait=True)  # never close the file under a running write
             # No fsync per shard: O_DIRECT bytes are already on the device and buffered ones
             # survive a kill -9 in the page cache; --resume re-hashes every recorded shard anyway,
@@ -85,7 +90,7 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
     finally:
         sources.close()
     return ShardResult(job.file, sha, job.out_bytes, job.src_bytes, counts, time.perf_counter() - start,
-                       hub.fetch_seconds() - fetched)
+                       hub.fetch_seconds() - fetched, {k: round(v, 3) for k, v in busy.items()})
 
 
 # ---------------------------------------------------------------------------- the pipeline
@@ -114,6 +119,7 @@ class _ReadAhead:
     def __init__(self, steps: Iterator[_Step]):
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._cancel = threading.Event()
+        self.seconds = 0.0  # busy reading
         self._thread = threading.Thread(target=self._run, args=(steps,), name="inkling-quant-read", daemon=True)
         self._thread.start()
 
@@ -123,7 +129,9 @@ class _ReadAhead:
             for step in steps:
                 bufs = next(sets)
                 bufs += [TensorBuffer() for _ in range(len(step.reads) - len(bufs))]
+                t = time.perf_counter()
                 item = (step, [read(b) for read, b in zip(step.reads, bufs)])
+                self.seconds += time.perf_counter() - t
                 if not self._put(item):
                     return
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
@@ -149,11 +157,12 @@ class _ReadAhead:
                 raise item
             yield item
 
-    def close(self) -> None:
-        """Stop reading ahead. A read under way (a hub download) is not waited for long: its
-        result is dropped, and the reader exits at its next step."""
+    def close(self) -> float:
+        """Stop reading ahead; returns the seconds spent reading. A read under way (a hub
+        download) is not waited for long: its result is dropped, and the reader exits at its next step."""
         self._cancel.set()
         self._thread.join(timeout=5)
+        return self.seconds
 
 
 def _job_steps(job: ShardJob, sources: ShardReaders, device: str, counts: dict[str, int],
@@ -322,9 +331,12 @@ def _check_finite(t: torch.Tensor, path, name: str) -> None:
         raise FormatError(f"tensor {name!r}: contains NaN or Inf", path=path, tensor=name)
 
 
-def _write_all(writer: ShardWriter, outputs: list[tuple[str, torch.Tensor, bool]]) -> None:
+def _write_all(writer: ShardWriter, outputs: Outputs) -> float:
+    """Hash and write the outputs of a step; returns the seconds it took."""
+    t0 = time.perf_counter()
     for name, t, whole in outputs:
         if whole:
             writer.write(name, t)
         else:
             writer.write_part(name, t)
+    return time.perf_counter() - t0

@@ -245,6 +245,8 @@ class ShardReader:
             self._fd = open_regular(self.path)
         except OSError as e:
             raise CheckpointError(f"cannot open: {e.strerror or e}", path=self.path) from None
+        if hasattr(os, "posix_fadvise"):  # tensors are mostly read in file order: a wider read-ahead
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
     def close(self) -> None:
         if self._fd >= 0:
