@@ -4,7 +4,6 @@ place, shards hard-linked or copied with their sha256 checked, sha256sum-style c
 and report files. Shared by every command that writes (docs/safety.md)."""
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -17,7 +16,7 @@ from typing import Callable, Sequence
 from ..errors import CheckpointError, OutputError, UsageError
 from .checkpoint import CHECKSUMS
 from .files import TEMP_SUFFIX, atomic_file, check_line_safe
-from .safetensors import open_regular, sha256_file
+from .safetensors import ByteWriter, open_regular, sha256_file
 
 _CHUNK = 8 << 20
 
@@ -242,20 +241,20 @@ def staged_output(out: str | Path, sources: Sequence[str | Path | None], overwri
 
 
 def hashed_copy(src: Path, dst: Path, expected: str | None, bar) -> str:
-    """Copy src to dst (fsync'd, atomic), returning its sha256; raise on a digest mismatch."""
-    h = hashlib.sha256()
+    """Copy src to dst (O_DIRECT where the file system takes it, fsync'd, atomic), returning its
+    sha256; raise on a digest mismatch (dst is then not created)."""
     buf = bytearray(_CHUNK)
     mv = memoryview(buf)
-    with open(src, "rb", buffering=0) as fi, atomic_file(dst) as fo:
-        while n := fi.readinto(buf):
-            h.update(mv[:n])
-            fo.write(mv[:n])
-            bar.update(n)
-        digest = h.hexdigest()
+
+    def check(size: int, digest: str) -> None:
         if expected is not None and digest != expected:
             raise CheckpointError(f"sha256 {digest} does not match {CHECKSUMS} ({expected}): the shard is corrupt",
                                   path=src)
-    return digest
+    with open(src, "rb", buffering=0) as fi, ByteWriter(dst, direct=True) as fo:
+        while n := fi.readinto(buf):
+            fo.write(mv[:n])
+            bar.update(n)
+        return fo.commit(check=check)
 
 
 def link_or_copy(src: Path, dst: Path, copy: bool, expected: str | None, want_digest: bool, bar) -> tuple[str | None, str]:

@@ -24,7 +24,7 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -356,11 +356,10 @@ def shard_file_size(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], m
     return len(head) + data_bytes
 
 
-class ShardWriter:
-    """Streams one safetensors file: the header is written from the declared specs, then each
-    tensor in declared order. The file lives under `<name>.<random>.partial` until `commit()` fsyncs and
-    renames it; `abort()` (or an exception inside `with`) removes it. sha256 is computed on the
-    way so nothing is read back.
+class ByteWriter:
+    """A new file written as a stream of bytes, hashed on the way (sha256, so nothing is read
+    back). It lives under `<name>.<random>.partial` until `commit()` renames it into place;
+    `abort()` (or an exception inside `with`) removes it.
 
     `direct=True` writes with O_DIRECT: the bytes go from one reused, page-aligned staging
     buffer to the device without passing through the page cache. A converter writes hundreds of
@@ -369,23 +368,17 @@ class ShardWriter:
     docs/convert.md), then waits for writeback. Where the file system refuses O_DIRECT (EINVAL at
     open or at the first write) the writer falls back to buffered writes, same bytes."""
 
-    def __init__(self, path: str | Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None, *, direct: bool = False):
+    def __init__(self, path: str | Path, *, direct: bool = False):
         self.path = Path(path)
-        head, self._order, self.data_bytes = _header_bytes(specs, metadata)
-        self._next = 0
-        self._part = 0  # bytes of tensor _next written so far by write_part
         self._hash = hashlib.sha256()
         self._hasher: ThreadPoolExecutor | None = None
         self._fd, self.tmp, self.direct = _open_for_write(self.path, direct)
         self._stage: np.ndarray | None = None  # the O_DIRECT staging buffer, page-aligned
         self._staged = 0
-        self._written = 0
-        self._write(memoryview(head))
-        self.nbytes = len(head) + self.data_bytes
+        self.written = 0
 
-    def _write(self, b: memoryview) -> None:
-        # sha256 and the write both release the GIL: for a large tensor they run side by side
+    def write(self, b: memoryview) -> None:
+        # sha256 and the write both release the GIL: for a large piece they run side by side
         # (hashing is the slower of the two, ~2 GB/s with SHA-NI). Both are done on return, so
         # the caller may reuse the memory at once.
         if len(b) < _PARALLEL_HASH_BYTES:
@@ -403,7 +396,7 @@ class ShardWriter:
     def _emit(self, b: memoryview) -> None:
         if not self.direct:
             _write_fully(self._fd, b)
-            self._written += len(b)
+            self.written += len(b)
             return
         if self._stage is None:
             self._stage = np.frombuffer(mmap.mmap(-1, _DIRECT_CHUNK), np.uint8)  # mmap: page-aligned
@@ -430,13 +423,77 @@ class ShardWriter:
             fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             self.direct = False
             _write_fully(self._fd, view)
-        self._written += nbytes
+        self.written += nbytes
         self._staged = 0
 
     def _stop_hasher(self) -> None:
         if self._hasher is not None:
             self._hasher.shutdown(wait=True)
             self._hasher = None
+
+    def commit(self, durable: bool = True, check: Callable[[int, str], None] | None = None) -> str:
+        """Finish, fsync (unless the caller syncs later, see `fsync_files`), rename into place;
+        return the file's sha256 hex digest. `check(size, digest)` may raise to refuse the file
+        before it is renamed (the writer is then aborted)."""
+        self._stop_hasher()
+        if self._staged:
+            # O_DIRECT writes whole blocks: pad the tail with zeros, then cut the file to size.
+            tail = self._staged
+            padded = -(-tail // _DIRECT_ALIGN) * _DIRECT_ALIGN
+            self._stage[tail:padded] = 0
+            self._flush_stage(padded)
+            self.written -= padded - tail
+            os.ftruncate(self._fd, self.written)
+        digest = self._hash.hexdigest()
+        if check is not None:
+            try:
+                check(self.written, digest)
+            except BaseException:
+                self.abort()
+                raise
+        if durable:
+            os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        replace_into(self.tmp, self.path)
+        return digest
+
+    def abort(self) -> None:
+        self._stop_hasher()
+        try:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+        finally:
+            self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *rest):
+        if exc_type is not None:
+            self.abort()
+
+
+class ShardWriter:
+    """Streams one safetensors file (a ByteWriter: hashed on the way, O_DIRECT with `direct`,
+    atomic): the header is written from the declared specs, then each tensor in declared order,
+    whole (`write`) or in consecutive pieces (`write_part`)."""
+
+    def __init__(self, path: str | Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None, *, direct: bool = False):
+        self.path = Path(path)
+        head, self._order, self.data_bytes = _header_bytes(specs, metadata)
+        self._next = 0
+        self._part = 0  # bytes of tensor _next written so far by write_part
+        self._out = ByteWriter(self.path, direct=direct)
+        self.tmp = self._out.tmp
+        self._out.write(memoryview(head))
+        self.nbytes = len(head) + self.data_bytes
+
+    @property
+    def direct(self) -> bool:
+        return self._out.direct
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self._next >= len(self._order):
@@ -447,7 +504,7 @@ class ShardWriter:
                                   f"{shape}", path=self.path, tensor=name)
         t = tensor.contiguous()
         if nbytes:
-            self._write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            self._out.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         self._next += 1
 
     def write_part(self, name: str, piece: torch.Tensor) -> None:
@@ -462,7 +519,7 @@ class ShardWriter:
             raise CheckpointError(f"got a {n}-byte {piece.dtype} piece of {name!r}, declared {want!r} {dtype} "
                                   f"{shape} with {nbytes - self._part} bytes left", path=self.path, tensor=name)
         if n:
-            self._write(memoryview(piece.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            self._out.write(memoryview(piece.contiguous().reshape(-1).view(torch.uint8).numpy()))
         self._part += n
         if self._part == nbytes:
             self._next, self._part = self._next + 1, 0
@@ -473,32 +530,14 @@ class ShardWriter:
         if self._next != len(self._order):  # also a tensor whose pieces stopped short
             missing = self._order[self._next][0]
             raise CheckpointError(f"closed before tensor {missing!r} was written", path=self.path, tensor=missing)
-        self._stop_hasher()
-        if self._staged:
-            # O_DIRECT writes whole blocks: pad the tail with zeros, then cut the file to size.
-            tail = self._staged
-            padded = -(-tail // _DIRECT_ALIGN) * _DIRECT_ALIGN
-            self._stage[tail:padded] = 0
-            self._flush_stage(padded)
-            self._written -= padded - tail
-            os.ftruncate(self._fd, self._written)
-        if self._written != self.nbytes:  # an internal invariant: the header promised this size
-            raise CheckpointError(f"wrote {self._written} bytes, header declares {self.nbytes}", path=self.path)
-        if durable:
-            os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = -1
-        replace_into(self.tmp, self.path)
-        return self._hash.hexdigest()
+
+        def size_ok(size: int, digest: str) -> None:  # an internal invariant: the header promised this size
+            if size != self.nbytes:
+                raise CheckpointError(f"wrote {size} bytes, header declares {self.nbytes}", path=self.path)
+        return self._out.commit(durable, size_ok)
 
     def abort(self) -> None:
-        self._stop_hasher()
-        try:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
-        finally:
-            self.tmp.unlink(missing_ok=True)
+        self._out.abort()
 
     def __enter__(self):
         return self
