@@ -7,6 +7,7 @@ import concurrent.futures as cf
 import itertools
 import math
 import queue
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from ..errors import FormatError
 from ..formats import FORMATS
 from ..formats.stacked import projection_specs, slab_modules, slab_slices
 from ..io.safetensors import DTYPES, ShardWriter, TensorBuffer
+from ..io.memory import keep_freed_memory
 from ..io.shards import ShardReaders
 from .planner import ShardJob, Unit, expert_modules
 
@@ -58,11 +60,12 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
     largest tensor. `stop` is called before each step (it raises to stop the shard: a signal in
     the converting process)."""
     start, fetched = time.perf_counter(), hub.fetch_seconds()
+    keep_freed_memory()
     counts: dict[str, int] = {}
     writer = ShardWriter(Path(out_dir) / job.file, [(n, DTYPES[d], s) for n, d, s in job.specs], SHARD_METADATA,
                          direct=not buffered_io)
     sources = _sources(Path(src_root), repo, revision)
-    steps = _ReadAhead(_job_steps(job, sources, device, counts, progress))
+    steps = _ReadAhead(_job_steps(job, sources, device, counts, progress, Path(out_dir)))
     io = cf.ThreadPoolExecutor(1, thread_name_prefix="inkling-quant-write")
     pending: cf.Future | None = None
     busy = {"read": 0.0, "convert": 0.0, "write": 0.0}
@@ -166,10 +169,10 @@ class _ReadAhead:
 
 
 def _job_steps(job: ShardJob, sources: ShardReaders, device: str, counts: dict[str, int],
-               progress) -> Iterator[_Step]:
+               progress, out_dir: Path) -> Iterator[_Step]:
     for u in job.units:
         if u.stacked is not None:
-            yield from _stacked_steps(u, sources, device, counts, progress)
+            yield from _stacked_steps(u, sources, device, counts, progress, out_dir)
         elif u.storage == "per_expert":
             yield _per_expert_unit(u, sources, device, counts, progress)
         else:
@@ -209,12 +212,14 @@ def _passthrough_steps(u: Unit, sources: ShardReaders, counts: dict[str, int], p
 
 
 def _stacked_steps(u: Unit, sources: ShardReaders, device: str, counts: dict[str, int],
-                   progress) -> Iterator[_Step]:
+                   progress, out_dir: Path) -> Iterator[_Step]:
     """A stacked expert tensor ([E, ...]), one expert at a time: read only its slice, quantize it
     as stored (formats.stacked.slab_slices: gate/up rows stay interleaved) and write its weight
-    slice as the next piece; the scales (an eighth of the weight or less) are gathered and written
-    after the last expert. Memory: one expert plus the layer's scales. Written as ModelOpt exports
-    it (`u.unstacked`): each expert's slab split into ModelOpt's modules (formats.stacked.slab_modules)."""
+    slice as the next piece. The scales follow the weight in the file, so each expert's scale
+    slices are appended to a spool (in memory up to PIECE, then an unnamed file in the output
+    directory) and written after the last expert, PIECE by PIECE. Memory: one expert, whatever
+    the expert count. Written as ModelOpt exports it (`u.unstacked`): each expert's slab split
+    into ModelOpt's modules (formats.stacked.slab_modules), nothing kept."""
     src, fmt, proj = u.sources[0], FORMATS[u.format], u.stacked
     path = sources.get(src.shard).path
     if u.unstacked:
@@ -229,7 +234,7 @@ def _stacked_steps(u: Unit, sources: ShardReaders, device: str, counts: dict[str
         return
     prefix, weight = src.name[: -len(f"{proj}_weight")], f"{proj}_weight"
     specs = projection_specs(fmt, proj, src.shape, dtype=DTYPES[src.dtype], activation_scale=u.activation_scale)
-    gathered = {k: torch.empty(o.shape, dtype=o.dtype) for k, o in specs.items() if k != weight}
+    spools = {k: tempfile.SpooledTemporaryFile(PIECE, dir=out_dir) for k in specs if k != weight}
     for e in range(src.shape[0]):
         def piece(t: list[torch.Tensor], e=e) -> Outputs:
             q = _quantize_slab(u, t, e, path, device, counts, progress)
@@ -238,12 +243,22 @@ def _stacked_steps(u: Unit, sources: ShardReaders, device: str, counts: dict[str
             except FormatError as err:
                 raise FormatError(f"tensor {src.name!r}, expert {e}: {err.message}", path=path,
                                   tensor=src.name) from None
-            for k, t_ in slices.items():
-                if k != weight:
-                    gathered[k][e] = t_
+            for k, spool in spools.items():
+                spool.write(slices[k].contiguous().reshape(-1).view(torch.uint8).numpy())
             return [(prefix + weight, slices[weight], False)]
         yield _Step(_slab_reads(u, sources, e), piece)
-    yield _Step([], lambda t: [(prefix + k, v, True) for k, v in gathered.items()])
+    for k, spool in spools.items():
+        o = specs[k]
+        per = math.prod(o.shape[1:]) * o.dtype.itemsize  # one expert's slice
+        n = max(1, PIECE // max(per, 1))
+        for a in range(0, o.shape[0], n):
+            def back(t: list[torch.Tensor], k=k, spool=spool, a=a, b=min(o.shape[0], a + n), o=o, per=per) -> Outputs:
+                spool.seek(a * per)
+                data = bytearray(spool.read((b - a) * per))
+                if b == o.shape[0]:
+                    spool.close()
+                return [(prefix + k, torch.frombuffer(data, dtype=o.dtype).reshape(b - a, *o.shape[1:]), False)]
+            yield _Step([], back)
 
 
 def _slab_reads(u: Unit, sources: ShardReaders, e: int) -> list[Callable[[TensorBuffer], torch.Tensor]]:

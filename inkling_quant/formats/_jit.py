@@ -92,8 +92,11 @@ def nvfp4_blocks(src, shift, mask, s2, e4m3_values, packed, scale, tmp, top, pbs
         return SCALE_UNDERFLOW
     for i in range(packed.size):
         dd[i] = d[i >> 3]
-    fp32_bits(src, shift, u)
-    x = u.view(np.float32)
+    if shift:  # bf16: widened into u; fp32 sources are read as they are
+        fp32_bits(src, shift, u)
+        x = u.view(np.float32)
+    else:
+        x = src.view(np.float32)
     for i in range(packed.size):
         packed[i] = e2m1_code(x[2 * i] / dd[i]) | (e2m1_code(x[2 * i + 1] / dd[i]) << 4)
     return OK

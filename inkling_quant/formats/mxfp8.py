@@ -163,9 +163,15 @@ class MXFP8(Format):
                    * torch.exp2(e8.float() - 127).unsqueeze(-1)).reshape(w.shape)
             return deq, int((~torch.isfinite(deq)).sum())
         out = torch.empty(w.shape, dtype=torch.float32)
-        bad = _jit.mxfp8_dequantize(w.contiguous().view(torch.uint8).reshape(-1).numpy(),
-                                    e8.contiguous().reshape(-1).numpy(), _E4M3_TO_F32, out.reshape(-1).numpy())
-        return out, bad
+        q, sc, o = w.contiguous().view(torch.uint8).reshape(-1).numpy(), e8.contiguous().reshape(-1).numpy(), \
+            out.reshape(-1).numpy()
+        bad = []  # per chunk (list.append is atomic)
+
+        def chunk(b0: int, b1: int) -> None:
+            bad.append(_jit.mxfp8_dequantize(q[b0 * 32: b1 * 32], sc[b0:b1], _E4M3_TO_F32, o[b0 * 32: b1 * 32]))
+
+        _run_chunks(chunk, sc.size, _MX_CHUNK_BLOCKS)
+        return out, sum(bad)
 
     def layer_config(self, weight_only: bool = False) -> dict:
         return {"quant_algo": "MXFP8", "group_size": BLOCK_SIZE}
