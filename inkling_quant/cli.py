@@ -9,7 +9,6 @@ import sys
 
 from . import __version__
 from .errors import InklingQuantError, printable
-from .io.memory import keep_freed_memory
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -48,7 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command if command in COMMANDS else None).parse_args(argv)
-    keep_freed_memory()  # every command streams large tensors through reused memory
     try:
         return int(args._run(args) or 0)
     except InklingQuantError as e:

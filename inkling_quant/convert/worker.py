@@ -21,7 +21,6 @@ from ..errors import FormatError
 from ..formats import FORMATS
 from ..formats.stacked import projection_specs, slab_modules, slab_slices
 from ..io.safetensors import DTYPES, ShardWriter, TensorBuffer
-from ..io.memory import keep_freed_memory
 from ..io.shards import ShardReaders
 from .planner import ShardJob, Unit, expert_modules
 
@@ -60,7 +59,6 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
     largest tensor. `stop` is called before each step (it raises to stop the shard: a signal in
     the converting process)."""
     start, fetched = time.perf_counter(), hub.fetch_seconds()
-    keep_freed_memory()
     counts: dict[str, int] = {}
     writer = ShardWriter(Path(out_dir) / job.file, [(n, DTYPES[d], s) for n, d, s in job.specs], SHARD_METADATA,
                          direct=not buffered_io)
@@ -99,6 +97,7 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
 # ---------------------------------------------------------------------------- the pipeline
 PIECE = 64 << 20  # a pass-through tensor is read, checked and written in pieces of at most this
 STAGES = 4        # read buffer sets in flight: reading, queued, computing, writing
+SPOOL = 4 << 20   # a stacked tensor's scales beyond this go to an unnamed file while its weight is written
 
 Outputs = list[tuple[str, torch.Tensor, bool]]  # (name, tensor, whole): False for the next piece
 
@@ -216,7 +215,7 @@ def _stacked_steps(u: Unit, sources: ShardReaders, device: str, counts: dict[str
     """A stacked expert tensor ([E, ...]), one expert at a time: read only its slice, quantize it
     as stored (formats.stacked.slab_slices: gate/up rows stay interleaved) and write its weight
     slice as the next piece. The scales follow the weight in the file, so each expert's scale
-    slices are appended to a spool (in memory up to PIECE, then an unnamed file in the output
+    slices are appended to a spool (in memory up to SPOOL, then an unnamed file in the output
     directory) and written after the last expert, PIECE by PIECE. Memory: one expert, whatever
     the expert count. Written as ModelOpt exports it (`u.unstacked`): each expert's slab split
     into ModelOpt's modules (formats.stacked.slab_modules), nothing kept."""
@@ -234,7 +233,7 @@ def _stacked_steps(u: Unit, sources: ShardReaders, device: str, counts: dict[str
         return
     prefix, weight = src.name[: -len(f"{proj}_weight")], f"{proj}_weight"
     specs = projection_specs(fmt, proj, src.shape, dtype=DTYPES[src.dtype], activation_scale=u.activation_scale)
-    spools = {k: tempfile.SpooledTemporaryFile(PIECE, dir=out_dir) for k in specs if k != weight}
+    spools = {k: tempfile.SpooledTemporaryFile(SPOOL, dir=out_dir) for k in specs if k != weight}
     for e in range(src.shape[0]):
         def piece(t: list[torch.Tensor], e=e) -> Outputs:
             q = _quantize_slab(u, t, e, path, device, counts, progress)
@@ -281,8 +280,8 @@ def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, co
         if u.source_format == u.format:
             _check_stored(FORMATS[u.format], stored, path, src.name, e)
             q = stored  # kept: copied bit-exact
-        else:
-            slab = FORMATS[u.source_format].dequantize(stored, torch.float32)
+        else:  # into the step's reused buffer: a fresh 85 MB each expert would page-fault afresh
+            slab = FORMATS[u.source_format].dequantize(stored, torch.float32, out=_scratch(slab.numel()))
     elif u.format == "passthrough":
         _check_finite(slab, path, src.name)
     if q is None:
@@ -297,6 +296,16 @@ def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, co
     if progress is not None:
         progress(nbytes)
     return q
+
+
+_SCRATCH = threading.local()  # the converting thread's reused fp32 buffer
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None:
+        buf = _SCRATCH.buf = TensorBuffer()
+    return torch.frombuffer(buf.view(numel * 4), dtype=torch.float32)
 
 
 def _per_expert_unit(u: Unit, sources: ShardReaders, device: str, counts: dict[str, int], progress) -> _Step:

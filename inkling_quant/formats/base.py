@@ -67,7 +67,10 @@ class Format:
         `name` (optional) is the tensor's name, quoted in FormatError messages."""
         raise NotImplementedError
 
-    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight the stored tensors hold, in `dtype`. `out`: a float32 tensor of the weight's
+        size to put an fp32 result in (memory the caller reuses); a format may ignore it."""
         raise NotImplementedError
 
     def all_finite(self, tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -128,5 +131,5 @@ class Passthrough(Format):
     def quantize(self, weight, *, global_amax=None, input_amax=None, name=""):
         return {"weight": weight}
 
-    def dequantize(self, tensors, dtype=torch.float32):
+    def dequantize(self, tensors, dtype=torch.float32, out=None):
         return tensors["weight"].to(dtype)

@@ -137,10 +137,12 @@ class MXFP8(Format):
         return {"weight": q.reshape(shape),
                 "weight_scale": e8.reshape(*shape[:-1], shape[-1] // BLOCK_SIZE)}
 
-    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
         """``fp32(weight) * 2^(weight_scale - 127)`` per 32-block, cast to ``dtype`` (ModelOpt
-        ``MXFP8QTensor.dequantize``); on CPU the compiled kernel (_jit.mxfp8_dequantize)."""
-        return self._dequantize(tensors)[0].to(dtype)
+        ``MXFP8QTensor.dequantize``); on CPU the compiled kernel (_jit.mxfp8_dequantize), into
+        `out` when given."""
+        return self._dequantize(tensors, out)[0].to(dtype)
 
     def all_finite(self, tensors: Mapping[str, torch.Tensor]) -> bool:
         w, e8 = tensors["weight"], tensors["weight_scale"]
@@ -149,7 +151,8 @@ class MXFP8(Format):
         return _jit.mxfp8_all_finite(w.contiguous().view(torch.uint8).reshape(-1).numpy(),
                                      e8.contiguous().view(torch.uint8).reshape(-1).numpy(), _E4M3_TO_F32)
 
-    def _dequantize(self, tensors: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    def _dequantize(self, tensors: Mapping[str, torch.Tensor],
+                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         """(fp32 values, how many are not finite)."""
         w, e8 = tensors["weight"], tensors["weight_scale"].view(torch.uint8)
         if w.dtype == torch.uint8:
@@ -162,7 +165,9 @@ class MXFP8(Format):
             deq = (w.float().view(*w.shape[:-1], -1, BLOCK_SIZE)
                    * torch.exp2(e8.float() - 127).unsqueeze(-1)).reshape(w.shape)
             return deq, int((~torch.isfinite(deq)).sum())
-        out = torch.empty(w.shape, dtype=torch.float32)
+        if out is None or out.dtype != torch.float32 or out.numel() != w.numel():
+            out = torch.empty(w.shape, dtype=torch.float32)
+        out = out.reshape(w.shape)
         q, sc, o = w.contiguous().view(torch.uint8).reshape(-1).numpy(), e8.contiguous().reshape(-1).numpy(), \
             out.reshape(-1).numpy()
         bad = []  # per chunk (list.append is atomic)

@@ -275,7 +275,8 @@ class NVFP4(Format):
             out["input_scale"] = nvfp4_input_scale(input_amax, name).to(w.device)
         return out
 
-    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
         """``e2m1(weight) * (fp32(weight_scale) * weight_scale_2)`` per 16-block, in fp32, then cast
         to ``dtype`` (ModelOpt ``NVFP4QTensor.dequantize``)."""
         packed = tensors["weight"]
