@@ -216,7 +216,7 @@ def _stacked_steps(u: Unit, sources: ShardReaders, device: str, counts: dict[str
     as stored (formats.stacked.slab_slices: gate/up rows stay interleaved) and write its weight
     slice as the next piece. The scales follow the weight in the file, so each expert's scale
     slices are appended to a spool (in memory up to SPOOL, then an unnamed file in the output
-    directory) and written after the last expert, PIECE by PIECE. Memory: one expert, whatever
+    directory) and written after the last expert, SPOOL by SPOOL. Memory: one expert, whatever
     the expert count. Written as ModelOpt exports it (`u.unstacked`): each expert's slab split
     into ModelOpt's modules (formats.stacked.slab_modules), nothing kept."""
     src, fmt, proj = u.sources[0], FORMATS[u.format], u.stacked
@@ -249,7 +249,7 @@ def _stacked_steps(u: Unit, sources: ShardReaders, device: str, counts: dict[str
     for k, spool in spools.items():
         o = specs[k]
         per = math.prod(o.shape[1:]) * o.dtype.itemsize  # one expert's slice
-        n = max(1, PIECE // max(per, 1))
+        n = max(1, SPOOL // max(per, 1))  # experts per piece read back: memory stays at SPOOL
         for a in range(0, o.shape[0], n):
             def back(t: list[torch.Tensor], k=k, spool=spool, a=a, b=min(o.shape[0], a + n), o=o, per=per) -> Outputs:
                 spool.seek(a * per)
