@@ -107,10 +107,12 @@ def read_quantization(root: Path, config: dict) -> dict | None:
 
 def format_of(q: dict | None, module: str) -> Format | None:
     """The format `q` declares for `module` (None: unquantized), as vLLM resolves it: an
-    exclusion wins, then `quantized_layers[module]`, then a single-algorithm config's algo."""
+    exclusion wins (hf_quant_config.json's `exclude_modules`, or the `ignore` list ModelOpt writes
+    into config.json's quantization_config), then `quantized_layers[module]`, then a
+    single-algorithm config's algo."""
     if not q:
         return None
-    if exclusion_matcher(q.get("exclude_modules") or [])(module) is not None:
+    if exclusion_matcher(q.get("exclude_modules") or q.get("ignore") or [])(module) is not None:
         return None
     layers = q.get("quantized_layers")
     if isinstance(layers, dict) and isinstance(layers.get(module), dict):

@@ -138,3 +138,16 @@ def test_mixtral_expert_layers_are_what_the_tensors_say(tmp_path):
         f"model.layers.{i}.block_sparse_moe.experts" for i in (0, 1)}
     r = verify(tmp_path / "out", against=src, sample=1)
     assert r.ok and {n["layer"] for n in r.numerics} == {0, 1}, r.format_summary()
+
+
+def test_format_of_reads_either_exclusion_list():
+    """A single-format config excludes modules under `exclude_modules` (hf_quant_config.json) or
+    `ignore` (config.json's quantization_config, as ModelOpt writes it): both are honoured."""
+    from inkling_quant.export import format_of
+    from inkling_quant.formats import NVFP4
+
+    experts, attn = "model.layers.1.mlp.experts", "model.layers.1.self_attn.q_proj"
+    for key in ("exclude_modules", "ignore"):
+        q = {"quant_algo": "NVFP4", "group_size": 16, key: ["*self_attn*", "lm_head"]}
+        assert isinstance(format_of(q, experts), NVFP4)
+        assert format_of(q, attn) is None and format_of(q, "lm_head") is None, key

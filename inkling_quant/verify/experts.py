@@ -85,7 +85,7 @@ def _check(c: Check, files: Files, conf: Conf, source: Source | None) -> Expecte
     src = source.layout if source is not None and source.ok else None
     lay = _expert_layers(c, conf, lay, src)
     if spec is not None:
-        tensors, source_of = _spec_tensors(spec, lay, conf, files, source)
+        tensors, source_of = _spec_tensors(spec, lay, conf, files, source, src)
     else:
         tensors, source_of = _others(files, source if src else None, lay), {}
     fmt_of, module_tensors = dict.fromkeys(tensors, _PASS.name), {}
@@ -129,10 +129,12 @@ def _layout(files: Files, conf: Conf) -> Layout:
         raise CheckpointError(f"routed experts stored as Inkling's w13_weight/w2_weight under a config.json of "
                               f"model_type {conf.cfg.model_type!r}: not a layout of this family",
                               path=conf.root / "config.json")
-    if not conf.generic and form not in ((TEXT_PREFIX, "interleaved"), (_MODELOPT_PREFIX, "per_expert")):
+    if not conf.generic and form not in ((TEXT_PREFIX, "interleaved"), (_MODELOPT_PREFIX, "per_expert"),
+                                         (_MODELOPT_PREFIX, "stacked")):
         raise CheckpointError(f"an Inkling 2 checkpoint keeps its routed experts interleaved under {TEXT_PREFIX!r} "
-                              f"(w13_weight, w2_weight) or as ModelOpt's per-expert modules under "
-                              f"{_MODELOPT_PREFIX!r}; found {lay.describe()}", path=conf.root)
+                              f"(w13_weight, w2_weight), or under {_MODELOPT_PREFIX!r} as ModelOpt's per-expert "
+                              f"modules or transformers' stacked gate_up_proj/down_proj (layout.INKLING_NAMINGS); "
+                              f"found {lay.describe()}", path=conf.root)
     return oriented(lay, {n: tuple(w.entry.shape) for n, w in files.tensors.items()}, conf.cfg)
 
 
@@ -153,18 +155,21 @@ def _expert_layers(c: Check, conf: Conf, lay: Layout, src: Layout | None) -> Lay
     return replace(lay, expert_layers=tuple(sorted(want | set(lay.expert_layers))))
 
 
-def _spec_tensors(spec: list[TensorSpec], lay: Layout, conf: Conf, files: Files,
-                  source: Source | None) -> tuple[dict[str, Shape], dict[str, str]]:
-    """The strict spec's tensors as the checkpoint names them, and output name -> source name
-    where ModelOpt's form renames one."""
-    hf = lay.experts.kind == "per_expert"
+def _spec_tensors(spec: list[TensorSpec], lay: Layout, conf: Conf, files: Files, source: Source | None,
+                  src: Layout | None) -> tuple[dict[str, Shape], dict[str, str]]:
+    """The strict spec's tensors as the checkpoint names them (under transformers' names, as
+    ModelOpt's form and the in-memory state dict do: inkling2.modelopt_tensor), and output name ->
+    source name where they differ (a source under the original names, `src`)."""
+    renamed = lay.text_prefix == _MODELOPT_PREFIX
+    original_source = src is None or src.text_prefix == TEXT_PREFIX
     tensors, source_of = {}, {}
     for s in spec:
-        out, rows = modelopt_tensor(conf.cfg, s.name) if hf else (s.name, None)
+        out, rows = modelopt_tensor(conf.cfg, s.name) if renamed else (s.name, None)
+        src_name = s.name if original_source else out
         tensors[out] = ((rows, *s.shape[1:]) if rows is not None else tuple(s.shape),
-                        _source_dtype(out, files, source, s.name, s.dtype))
-        if out != s.name:
-            source_of[out] = s.name
+                        _source_dtype(out, files, source, src_name, s.dtype))
+        if out != src_name:
+            source_of[out] = src_name
     return tensors, source_of
 
 
