@@ -274,3 +274,29 @@ def test_adapter_for_another_model_refused(converted, tmp_path):
     with pytest.raises(ConfigError, match="match no attention projection"):
         lora.check(src, other)
 
+
+
+def test_attention_merge_into_transformers_names_and_modelopt_form(tmp_path):
+    """The same adapter merged into the checkpoint under transformers' names (the in-memory state
+    dict) and into convert's ModelOpt form (also transformers' names): the merged attention
+    projections are bit-identical to the merge into the original names."""
+    base = save_tiny(tmp_path / "base", seed=3)
+    pm = peft_model(base, r=8, lora_alpha=4, target_modules=["q_proj.linear", "o_proj.linear"])
+    pm.save_pretrained(tmp_path / "adapter")
+    model = inkling2.Inkling2ForConditionalGeneration.from_pretrained(base, dtype=torch.bfloat16)
+    names = tmp_path / "names"
+    names.mkdir()
+    for f in base.glob("*.json"):
+        (names / f.name).write_bytes(f.read_bytes())
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, names / "model.safetensors")
+    convert(str(base), tmp_path / "hf", Options(output_format="modelopt-hf", scheme="nvfp4", default_activation_amax=4.0),
+            quiet=True)
+    lora.merge(base, tmp_path / "adapter", tmp_path / "ours")
+    want = tensors(tmp_path / "ours")
+    merged = {k for k in want if ".attn.wq_du." in k or ".attn.wo_ud." in k}
+    assert merged
+    for other in ("names", "hf"):
+        report = lora.merge(tmp_path / other, tmp_path / "adapter", tmp_path / f"{other}-merged")
+        assert report["by_part"] == {"attention": 8, "expert": 0}
+        got = tensors(tmp_path / f"{other}-merged")
+        assert all(bits_equal(got[transformers_name(k)], want[k]) for k in merged), other

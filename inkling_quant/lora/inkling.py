@@ -33,6 +33,16 @@ EXPERT_RULE = ("(the Inkling 2 Small recipe: 'with the NVFP4/MXFP8 experts, use 
 _TEXT_ONLY, _FULL = "model.layers.", "model.language_model.layers."  # Inkling2ForCausalLM vs ...ConditionalGeneration
 
 
+def _original(name: str) -> str:
+    """A checkpoint tensor's original name (itself where it is one already, or has none)."""
+    for to_original in (lambda n: classify(n) and n, original_name):
+        try:
+            return to_original(name)
+        except UnknownTensorError:
+            continue
+    return name
+
+
 def hf_module(module: str) -> str:
     """`module` as Inkling2ForConditionalGeneration names it (a text-only model's `model.layers.`
     is its `model.language_model.layers.`)."""
@@ -51,24 +61,29 @@ class Inkling2Naming:
     def __init__(self, cfg: Inkling2Config, weight_map: dict[str, str]):
         self.num_layers, self.hidden_size = cfg.text.num_hidden_layers, cfg.text.hidden_size
         self.weight_map = weight_map
+        # a checkpoint under transformers' names (the in-memory state dict, ModelOpt's form): its
+        # tensors by original name, so the rules below read one naming (layout.INKLING_NAMINGS)
+        self._stored = {_original(n): n for n in weight_map}
+        self._original = {n: o for o, n in self._stored.items()}
 
     @staticmethod
     def is_experts_module(module: str) -> bool:
         return module.endswith(".mlp.experts")
 
-    @staticmethod
-    def pieces(module: str, param: str | None) -> list[Piece] | None:
-        """The checkpoint tensor of adapter module `module` (its expert parameter `param`)."""
+    def pieces(self, module: str, param: str | None) -> list[Piece] | None:
+        """The checkpoint tensor of adapter module `module` (its expert parameter `param`), as
+        the checkpoint names it."""
         try:
             name = original_name(hf_module(f"{module}.{param}" if param else f"{module}.weight"))
         except UnknownTensorError:
             return None
-        return [Piece(name, interleaved=param == "gate_up_proj")]
+        stored = self._stored.get(name, name)
+        # only the original naming interleaves gate/up rows (transformers' gate_up_proj concatenates)
+        return [Piece(stored, interleaved=param == "gate_up_proj" and stored == name)]
 
-    @staticmethod
-    def classify(tensor: str) -> TensorName | None:
+    def classify(self, tensor: str) -> TensorName | None:
         try:
-            return classify(tensor)
+            return classify(self._original.get(tensor, tensor))
         except UnknownTensorError:
             return None
 
@@ -99,7 +114,7 @@ class Inkling2Naming:
         can name, named as this adapter names its modules (a text-only model's `model.layers.`;
         the bundled draft, no module of the model, its own)."""
         text_only = any(m.startswith(_TEXT_ONLY) for m in adapter_modules)
-        for tensor in self.weight_map:
+        for tensor in self._stored:  # by original name
             t = self.classify(tensor)
             if t is None:
                 continue
