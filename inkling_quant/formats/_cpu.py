@@ -98,16 +98,8 @@ def _buf(key: str, shape: tuple[int, ...], dtype) -> np.ndarray:
     return a
 
 
-def _const(key: str, n: int, dtype, value) -> np.ndarray:
-    """A per-thread 1-D array of at least n elements, all ``value`` (for fast array-array numpy
-    loops: numpy's minimum/maximum against a scalar is several times slower)."""
-    d = getattr(_TLS, "consts", None)
-    if d is None:
-        d = _TLS.consts = {}
-    a = d.get(key)
-    if a is None or a.size < n:
-        a = d[key] = np.full(max(n, 1 << 14), value, dtype)
-    return a[:n]
+# float8_e4m3fn byte -> its fp32 value (exact), the kernels' table
+_E4M3_TO_F32 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

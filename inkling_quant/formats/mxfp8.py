@@ -29,14 +29,12 @@ import torch
 from ..errors import FormatError
 from .base import Format, OutSpec
 from . import _jit
-from ._cpu import _BITS, _buf, _check_dtype, _check_shape, _nonfinite, _run_chunks, _source_bits
+from ._cpu import _BITS, _E4M3_TO_F32, _buf, _check_dtype, _check_shape, _nonfinite, _run_chunks, _source_bits
 
 __all__ = ["MXFP8", "BLOCK_SIZE", "E4M3_MAX", "e8m0_exponent"]
 
 BLOCK_SIZE = 32
 E4M3_MAX = 448.0
-# float8_e4m3fn byte -> its fp32 value (exact), for the kernels
-_E4M3_TO_F32 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 _MX_CHUNK_BLOCKS = 2048      # 64 Ki elements per chunk: its scratch stays in the L2 cache
 
 

@@ -36,8 +36,8 @@ import torch
 
 from ..errors import FormatError
 from . import _jit
-from ._cpu import (_BITS, _buf, _check_dtype, _check_shape, _nonfinite, _np, _run_chunks, _source_bits, _where,
-                   fp32_preimage)
+from ._cpu import (_BITS, _E4M3_TO_F32, _buf, _check_dtype, _check_shape, _nonfinite, _np, _run_chunks,
+                   _source_bits, _where, fp32_preimage)
 from .base import Format, OutSpec
 
 __all__ = [
@@ -57,8 +57,6 @@ E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 #: ModelOpt's rounding bounds between consecutive e2m1 magnitudes (midpoints).
 E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
 
-# float8_e4m3fn byte -> its fp32 value (exact), for numpy.
-_E4M3_TO_F32 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes (0..15) ``[..., 2k]`` -> packed uint8 ``[..., k]``, element 2j in the low nibble
