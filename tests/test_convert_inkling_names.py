@@ -69,9 +69,12 @@ def _save(sd: dict[str, torch.Tensor], like: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    """naming -> a directory holding the same weights: "original" (save_pretrained),
+    return write_sources(tmp_path_factory.mktemp("inkling-names"))
+
+
+def write_sources(base: Path) -> dict[str, Path]:
+    """naming -> a directory under `base` holding the same weights: "original" (save_pretrained),
     "transformers" (the in-memory state dict), "per_expert" (ModelOpt's per-expert names)."""
-    base = tmp_path_factory.mktemp("inkling-names")
     model = _model()
     model.save_pretrained(base / "original")
     sd = {k: v.detach() for k, v in model.state_dict().items()}
