@@ -105,14 +105,20 @@ def read_quantization(root: Path, config: dict) -> dict | None:
     return {**q, "quant_algo": algo}
 
 
+def exclusions_key(q: dict) -> str:
+    """Where `q` lists the modules it leaves unquantized: `exclude_modules` (hf_quant_config.json's
+    form), or `ignore` where that is the form (config.json's, as ModelOpt writes it:
+    export/convert_hf_config.py:262-264); vLLM reads either (docs/ci.md)."""
+    return "exclude_modules" if "exclude_modules" in q or "ignore" not in q else "ignore"
+
+
 def format_of(q: dict | None, module: str) -> Format | None:
     """The format `q` declares for `module` (None: unquantized), as vLLM resolves it: an
-    exclusion wins (hf_quant_config.json's `exclude_modules`, or the `ignore` list ModelOpt writes
-    into config.json's quantization_config), then `quantized_layers[module]`, then a
-    single-algorithm config's algo."""
+    exclusion (exclusions_key) wins, then `quantized_layers[module]`, then a single-algorithm
+    config's algo."""
     if not q:
         return None
-    if exclusion_matcher(q.get("exclude_modules") or q.get("ignore") or [])(module) is not None:
+    if exclusion_matcher(q.get(exclusions_key(q)) or [])(module) is not None:
         return None
     layers = q.get("quantized_layers")
     if isinstance(layers, dict) and isinstance(layers.get(module), dict):
@@ -161,7 +167,7 @@ def quantization_problems(q: dict, want: dict[str, dict], key: str,
             if module not in want:
                 fail(tensor_of(module), f"{key}.quantized_layers names {module!r}, which the tensors "
                        f"do not quantize")
-    ekey = "exclude_modules" if "exclude_modules" in q or "ignore" not in q else "ignore"
+    ekey = exclusions_key(q)
     excl = q.get(ekey, [])
     if not isinstance(excl, list) or not all(isinstance(p, str) for p in excl):
         fail(None, f"{key}.{ekey} must be a list of strings")

@@ -22,6 +22,8 @@ from modelopt_reference import quantize_and_export
 from safetensors.torch import load_file, save_file
 
 from inkling_quant.convert import Options, convert
+from inkling_quant.export import format_of, read_quantization
+from inkling_quant.formats import FORMATS
 from inkling_quant.io.checkpoint import SINGLE_NAME
 from inkling_quant.layout import detect, model_config
 from inkling_quant.verify import verify
@@ -74,6 +76,22 @@ def test_modelopt_export_of_one_format_passes(nvfp4_only):
     assert r.check("layout").figures["quantized_experts"] == {f"model.layers.{i}.mlp.experts": "nvfp4" for i in (1, 2)}
     assert {(n["layer"], n["format"]) for n in r.numerics} == {(1, "nvfp4"), (2, "nvfp4")}
     assert len(r.numerics) == 2 * 4 * 3 and r.check("passthrough").figures["tensors_compared"] > 0
+
+
+def test_format_of_reads_the_exclusions_of_either_form(nvfp4_only):
+    """export.format_of on ModelOpt's two configs of one format: the exclusions are
+    `exclude_modules` in hf_quant_config.json, `ignore` in config.json; either excludes the same
+    modules, and every other module is the one quant_algo."""
+    out = nvfp4_only[0]
+    config = json.loads((out / "config.json").read_text())
+    forms = {"config.json": read_quantization(out, config),
+             "hf_quant_config.json": read_quantization(out, {k: v for k, v in config.items() if k != "quantization_config"})}
+    assert "ignore" in forms["config.json"] and "exclude_modules" in forms["hf_quant_config.json"]
+    modules = {"model.layers.1.mlp.experts": FORMATS["nvfp4"], "model.layers.2.mlp.experts.3.down_proj": FORMATS["nvfp4"],
+               "model.layers.0.mlp.experts": None,  # the dense first layer: model.layers.0*
+               "model.layers.1.self_attn.q_proj": None, "model.layers.2.mlp.gate": None, "lm_head": None}
+    for name, q in forms.items():
+        assert {m: format_of(q, m) for m in modules} == modules, name
 
 
 def test_quant_algo_of_another_format(edited):
@@ -138,16 +156,3 @@ def test_mixtral_expert_layers_are_what_the_tensors_say(tmp_path):
         f"model.layers.{i}.block_sparse_moe.experts" for i in (0, 1)}
     r = verify(tmp_path / "out", against=src, sample=1)
     assert r.ok and {n["layer"] for n in r.numerics} == {0, 1}, r.format_summary()
-
-
-def test_format_of_reads_either_exclusion_list():
-    """A single-format config excludes modules under `exclude_modules` (hf_quant_config.json) or
-    `ignore` (config.json's quantization_config, as ModelOpt writes it): both are honoured."""
-    from inkling_quant.export import format_of
-    from inkling_quant.formats import NVFP4
-
-    experts, attn = "model.layers.1.mlp.experts", "model.layers.1.self_attn.q_proj"
-    for key in ("exclude_modules", "ignore"):
-        q = {"quant_algo": "NVFP4", "group_size": 16, key: ["*self_attn*", "lm_head"]}
-        assert isinstance(format_of(q, experts), NVFP4)
-        assert format_of(q, attn) is None and format_of(q, "lm_head") is None, key

@@ -13,8 +13,8 @@ The check a CI job runs after `inkling-quant convert`. Checks (docs/ci.md has th
   values[F]    no NaN/Inf in shard F; scales finite and positive; e8m0 exponents not 0xFF
   gate_up      (ModelOpt's per-expert form) gate and up of each NVFP4 expert share weight_scale_2
   checksums    checksums.sha256 matches the bytes (hashed in the same single read as `values`);
-               required for Inkling 2 checkpoints; for other families (transformers and ModelOpt
-               write none) skipped without the file unless --require-checksums
+               required for Inkling 2 checkpoints under the original names; otherwise (transformers
+               and ModelOpt write none) skipped without the file unless --require-checksums
   source       (--against) the source opens and has the same config
   passthrough  (--against) BF16/FP32 pass-through tensors are byte-identical to the source
   numerics[L]  (--against) sampled experts of layer L through the dequant-GEMM kernels against
@@ -74,8 +74,8 @@ def verify(ckpt: str | Path, against: str | Path | None = None, *, scheme: str |
            sample: int = DEFAULT_SAMPLE, device: str = "cpu", write_checksums: bool = False,
            progress: bool = False, require_checksums: bool = False) -> VerifyReport:
     """Verify checkpoint `ckpt` (and, with `against`, its numerics against the BF16 source).
-    `require_checksums`: a missing checksums.sha256 fails for every family (by default only for
-    the Inkling 2 layout, whose writers always record one).
+    `require_checksums`: a missing checksums.sha256 fails for every checkpoint (by default only
+    for Inkling 2 under its original names, whose writers always record one).
     Never raises for a defect of the checkpoint: the report says what failed (`report.ok`,
     `report.exit_code`, `report.failures()`; `report.raise_for_failure()` to turn it into an
     exception). Raises UsageError for bad arguments (unknown scheme, no CUDA, negative sample)."""
@@ -131,7 +131,7 @@ def _run_checks(run: Recorder, o: _Options) -> None:
                               o.progress)                                         # values[F], read
     values.check_gate_up(run, inv, scales)                                        # gate_up
     integrity.check_checksums(run, o.root, digests, o.write_checksums,
-                              o.require_checksums or not conf.generic)            # checksums
+                              o.require_checksums or integrity.required(inv))     # checksums
     experts.check_numerics(run, inv, o.sample, o.device)                          # numerics[layer L]
     run.report.rows = summary_rows(tally, run.report.numerics, passthrough.check if passthrough else None)
     if o.write_checksums:
@@ -167,8 +167,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write-checksums", action="store_true",
                    help=f"write {CHECKSUMS} for the checkpoint if every other check passes")
     p.add_argument("--require-checksums", action="store_true",
-                   help=f"fail when {CHECKSUMS} is missing (always so for the Inkling 2 layout; other families' "
-                   "checkpoints, as transformers and ModelOpt write them, have none and skip the check)")
+                   help=f"fail when {CHECKSUMS} is missing (always so for Inkling 2 under its original names; "
+                   "checkpoints as transformers and ModelOpt write them have none and skip the check)")
 
 
 def run(args) -> int:

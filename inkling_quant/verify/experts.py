@@ -10,8 +10,9 @@ experts are, asked of the format for that storage:
   stacked      transformers' fused `gate_up_proj` / `down_proj`, unquantized only
 with the shapes from config.json (E experts of width I over hidden size H). Everything else
 passes through: for an Inkling 2 config its strict spec (inkling2.checkpoint_tensors without
-the experts; in ModelOpt's form under transformers' names with lm_head cut to the unpadded
-vocabulary, inkling2.modelopt_tensor, `Expected.source_of` mapping them back); for other
+the experts) under the checkpoint's naming (layout.INKLING_NAMINGS: the original names, or
+transformers' with lm_head cut to the unpadded vocabulary, inkling2.transformers_spec), and
+--against under the source's naming (`Expected.source_of` maps one to the other); for other
 families the source's other tensors (--against), else any float tensor the layout places
 outside the routed experts that is not named as a scale.
 
@@ -35,9 +36,9 @@ from ..errors import CheckpointError, FormatError, InklingQuantError
 from ..export import format_of, read_quantization
 from ..formats import FORMATS, SCALE_SUFFIXES, Format
 from ..formats.stacked import projection_specs, unstack_expert
-from ..inkling2 import RELEASE_EXPERT_FORMAT, TEXT_PREFIX, Inkling2Config, checkpoint_tensors, modelopt_tensor
+from ..inkling2 import RELEASE_EXPERT_FORMAT, Inkling2Config, checkpoint_tensors, transformers_spec
 from ..io.safetensors import DTYPE_NAMES
-from ..layout import CANONICAL, Layout, detect, natural_key, oriented
+from ..layout import CANONICAL, INKLING_NAMINGS, Layout, detect, natural_key, oriented, original_names
 from ..tensors import TensorName, TensorSpec
 from .inventory import (CHECKED, DISAGREES, FAILED, SKIPPED, Conf, Expected, Files, Inventory, Shape, Source,
                         config_shape, listing, weight_only_vote)
@@ -46,7 +47,6 @@ from .report import Check, Recorder
 from .stream import torch_threads
 
 _PASS = FORMATS["passthrough"]
-_MODELOPT_PREFIX = "model.language_model."  # Inkling 2 in ModelOpt's form: transformers' names
 # a layer's routed-expert weights as the checkpoint names them -> (source shape, source dtype)
 Weights = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -85,7 +85,7 @@ def _check(c: Check, files: Files, conf: Conf, source: Source | None) -> Expecte
     src = source.layout if source is not None and source.ok else None
     lay = _expert_layers(c, conf, lay, src)
     if spec is not None:
-        tensors, source_of = _spec_tensors(spec, lay, conf, files, source, src)
+        tensors, source_of = _spec_tensors(spec, lay, conf, files, source)
     else:
         tensors, source_of = _others(files, source if src else None, lay), {}
     fmt_of, module_tensors = dict.fromkeys(tensors, _PASS.name), {}
@@ -124,17 +124,14 @@ def _layout(files: Files, conf: Conf) -> Layout:
     """The checkpoint's layout, detected from its names (a stacked storage's orientation settled)."""
     names = list(dict.fromkeys([*files.weight_map, *files.tensors]))
     lay = detect(names, conf.cfg, str(conf.root))
-    form = (lay.text_prefix, lay.experts.kind)
-    if conf.generic and form[1] == "interleaved":
+    if conf.generic and lay.experts.kind == "interleaved":
         raise CheckpointError(f"routed experts stored as Inkling's w13_weight/w2_weight under a config.json of "
                               f"model_type {conf.cfg.model_type!r}: not a layout of this family",
                               path=conf.root / "config.json")
-    if not conf.generic and form not in ((TEXT_PREFIX, "interleaved"), (_MODELOPT_PREFIX, "per_expert"),
-                                         (_MODELOPT_PREFIX, "stacked")):
-        raise CheckpointError(f"an Inkling 2 checkpoint keeps its routed experts interleaved under {TEXT_PREFIX!r} "
-                              f"(w13_weight, w2_weight), or under {_MODELOPT_PREFIX!r} as ModelOpt's per-expert "
-                              f"modules or transformers' stacked gate_up_proj/down_proj (layout.INKLING_NAMINGS); "
-                              f"found {lay.describe()}", path=conf.root)
+    if not conf.generic and (lay.text_prefix, lay.experts) not in INKLING_NAMINGS:
+        raise CheckpointError(f"an Inkling 2 config, but the tensors are laid out as no Inkling 2 checkpoint is "
+                              f"({lay.describe()}); expected one of: " + "; ".join(INKLING_NAMINGS.values()),
+                              path=conf.root)
     return oriented(lay, {n: tuple(w.entry.shape) for n, w in files.tensors.items()}, conf.cfg)
 
 
@@ -155,22 +152,26 @@ def _expert_layers(c: Check, conf: Conf, lay: Layout, src: Layout | None) -> Lay
     return replace(lay, expert_layers=tuple(sorted(want | set(lay.expert_layers))))
 
 
-def _spec_tensors(spec: list[TensorSpec], lay: Layout, conf: Conf, files: Files, source: Source | None,
-                  src: Layout | None) -> tuple[dict[str, Shape], dict[str, str]]:
-    """The strict spec's tensors as the checkpoint names them (under transformers' names, as
-    ModelOpt's form and the in-memory state dict do: inkling2.modelopt_tensor), and output name ->
-    source name where they differ (a source under the original names, `src`)."""
-    renamed = lay.text_prefix == _MODELOPT_PREFIX
-    original_source = src is None or src.text_prefix == TEXT_PREFIX
+def _spec_tensors(spec: list[TensorSpec], lay: Layout, conf: Conf, files: Files,
+                  source: Source | None) -> tuple[dict[str, Shape], dict[str, str]]:
+    """The strict spec's tensors as the checkpoint names them (layout.INKLING_NAMINGS), and output
+    name -> the source's name where the two namings differ (--against: the source's layout
+    decides its naming)."""
+    src = source.layout if source is not None else None
     tensors, source_of = {}, {}
     for s in spec:
-        out, rows = modelopt_tensor(conf.cfg, s.name) if renamed else (s.name, None)
-        src_name = s.name if original_source else out
-        tensors[out] = ((rows, *s.shape[1:]) if rows is not None else tuple(s.shape),
-                        _source_dtype(out, files, source, src_name, s.dtype))
-        if out != src_name:
-            source_of[out] = src_name
+        out = _named_as(conf.cfg, lay, s)
+        src_name = _named_as(conf.cfg, src, s).name if src is not None else out.name
+        tensors[out.name] = (tuple(out.shape), _source_dtype(out.name, files, source, src_name, s.dtype))
+        if out.name != src_name:
+            source_of[out.name] = src_name
     return tensors, source_of
+
+
+def _named_as(cfg: Inkling2Config, lay: Layout, spec: TensorSpec) -> TensorSpec:
+    """A tensor of the original layout as a checkpoint of layout `lay` holds it: as it is under
+    the original names, else as transformers' model holds it (renamed, lm_head unpadded)."""
+    return spec if original_names(cfg, lay.text_prefix) else transformers_spec(cfg, spec)
 
 
 def _others(files: Files, source: Source | None, lay: Layout) -> dict[str, Shape]:

@@ -8,6 +8,7 @@ from pathlib import Path
 from ..errors import InklingQuantError
 from ..io.checkpoint import safe_child
 from ..io.output import CHECKSUMS, OutputLock, read_checksums, write_checksums
+from ..layout import original_names
 from .inventory import Inventory
 from .report import ERROR, FAIL, Check, Recorder
 
@@ -38,6 +39,17 @@ def _listed(root: Path) -> dict[str, str]:
 def _checksummable(p: Path) -> bool:
     return p.is_file() and not p.is_symlink() and not p.name.startswith(".") and p.name != CHECKSUMS \
         and not p.name.endswith(".partial")
+
+
+def required(inv: Inventory) -> bool:
+    """Whether a missing checksums.sha256 fails without --require-checksums: for an Inkling 2
+    checkpoint under its original names (the release and convert's Inkling form record one).
+    Under transformers' or ModelOpt's names, as for other families, the tools that write such
+    checkpoints record none."""
+    conf, lay = inv.conf, inv.expected.layout
+    if conf.generic:
+        return False
+    return original_names(conf.cfg, lay.text_prefix) if lay is not None else not conf.modelopt_hf
 
 
 def check_checksums(run: Recorder, root: Path, digests: dict[str, str], writing: bool, required: bool) -> None:

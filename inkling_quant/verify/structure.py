@@ -176,8 +176,6 @@ def _source_layout(c: Check, root: Path, conf: Conf, tensors: dict[str, Located]
         c.error(e.path or root, f"source: {e.message}")
         return None
     c.figures["layout"] = lay.describe()
-    if not conf.generic:  # Inkling 2: interleaved experts, no orientation to settle
-        return lay
     return oriented(lay, {n: tuple(w.entry.shape) for n, w in tensors.items()}, conf.cfg)
 
 
