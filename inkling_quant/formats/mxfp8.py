@@ -140,18 +140,6 @@ class MXFP8(Format):
         """``fp32(weight) * 2^(weight_scale - 127)`` per 32-block, cast to ``dtype`` (ModelOpt
         ``MXFP8QTensor.dequantize``); on CPU the compiled kernel (_jit.mxfp8_dequantize), into
         `out` when given."""
-        return self._dequantize(tensors, out)[0].to(dtype)
-
-    def all_finite(self, tensors: Mapping[str, torch.Tensor]) -> bool:
-        w, e8 = tensors["weight"], tensors["weight_scale"]
-        if w.device.type != "cpu" or e8.shape[-1] * BLOCK_SIZE != w.shape[-1]:
-            return self._dequantize(tensors)[1] == 0  # (a mismatch raises there)
-        return _jit.mxfp8_all_finite(w.contiguous().view(torch.uint8).reshape(-1).numpy(),
-                                     e8.contiguous().view(torch.uint8).reshape(-1).numpy(), _E4M3_TO_F32)
-
-    def _dequantize(self, tensors: Mapping[str, torch.Tensor],
-                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-        """(fp32 values, how many are not finite)."""
         w, e8 = tensors["weight"], tensors["weight_scale"].view(torch.uint8)
         if w.dtype == torch.uint8:
             w = w.view(torch.float8_e4m3fn)
@@ -160,21 +148,23 @@ class MXFP8(Format):
             raise FormatError(f"mxfp8 dequantize: weight {tuple(w.shape)} and weight_scale "
                               f"{tuple(e8.shape)} do not match")
         if w.device.type != "cpu":
-            deq = (w.float().view(*w.shape[:-1], -1, BLOCK_SIZE)
-                   * torch.exp2(e8.float() - 127).unsqueeze(-1)).reshape(w.shape)
-            return deq, int((~torch.isfinite(deq)).sum())
+            deq = w.float().view(*w.shape[:-1], -1, BLOCK_SIZE) * torch.exp2(e8.float() - 127).unsqueeze(-1)
+            return deq.reshape(w.shape).to(dtype)
         if out is None or out.dtype != torch.float32 or out.numel() != w.numel():
             out = torch.empty(w.shape, dtype=torch.float32)
         out = out.reshape(w.shape)
         q, sc, o = w.contiguous().view(torch.uint8).reshape(-1).numpy(), e8.contiguous().reshape(-1).numpy(), \
             out.reshape(-1).numpy()
-        bad = []  # per chunk (list.append is atomic)
+        _run_chunks(lambda b0, b1: _jit.mxfp8_dequantize(q[b0 * 32: b1 * 32], sc[b0:b1], _E4M3_TO_F32,
+                                                         o[b0 * 32: b1 * 32]), sc.size, _MX_CHUNK_BLOCKS)
+        return out.to(dtype)
 
-        def chunk(b0: int, b1: int) -> None:
-            bad.append(_jit.mxfp8_dequantize(q[b0 * 32: b1 * 32], sc[b0:b1], _E4M3_TO_F32, o[b0 * 32: b1 * 32]))
-
-        _run_chunks(chunk, sc.size, _MX_CHUNK_BLOCKS)
-        return out, sum(bad)
+    def all_finite(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        w, e8 = tensors["weight"], tensors["weight_scale"]
+        if w.device.type != "cpu" or e8.shape[-1] * BLOCK_SIZE != w.shape[-1]:
+            return super().all_finite(tensors)  # (a shape mismatch raises there)
+        return _jit.mxfp8_all_finite(w.contiguous().view(torch.uint8).reshape(-1).numpy(),
+                                     e8.contiguous().view(torch.uint8).reshape(-1).numpy(), _E4M3_TO_F32)
 
     def layer_config(self, weight_only: bool = False) -> dict:
         return {"quant_algo": "MXFP8", "group_size": BLOCK_SIZE}
