@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import (ROOT, cpu_s as _cpu_s, ensure_lc_venv, helper, lc_env, mb as _mb,  # noqa: E402
+from benchlib import (ROOT, args_or_child, cpu_s as _cpu_s, ensure_lc_venv, helper, lc_env, mb as _mb,  # noqa: E402
                       ours_env, run_measured, sync_disk)
 
 # llm-compressor `ignore`: module names matched with re.match; this one matches (and so ignores)
@@ -356,10 +356,8 @@ def main(argv=None) -> int:
                    "machine disturbs single runs)")
     p.add_argument("--keep", action="store_true", help="keep the input and outputs")
     p.add_argument("--json", metavar="OUT", help="write all results as JSON")
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.child:
-        child(json.loads(args.child))
+    args = args_or_child(p, argv, child)
+    if args is None:
         return 0
 
     workers = [int(w) for w in args.workers.split(",")]

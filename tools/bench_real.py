@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import (ROOT, cpu_s, ensure_lc_venv, helper, lc_env, mb, ours_env, run_measured,  # noqa: E402
+from benchlib import (ROOT, args_or_child, cpu_s, ensure_lc_venv, helper, lc_env, mb, ours_env, run_measured,  # noqa: E402
                       sync_disk)
 
 ME = Path(__file__).resolve()
@@ -353,8 +353,7 @@ def parse_args(argv):
     p.add_argument("--skip-peer", action="store_true", help="no llm-compressor (no venv)")
     p.add_argument("--skip-modelopt", action="store_true", help="no ModelOpt loop")
     p.add_argument("--json", metavar="OUT", help="write every run, the ratios and the targets as JSON")
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    return args_or_child(p, argv, child)
 
 
 def _pair(s: str) -> tuple[int, int]:
@@ -404,8 +403,7 @@ def run_inputs(args, work: Path, env: dict, lc_py: str | None) -> tuple[list[dic
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.child:
-        child(json.loads(args.child))
+    if args is None:  # ran as a measured child
         return 0
     work = Path(args.work_dir)
     if work.exists():

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, helper, ours_env, run_measured, sync_disk  # noqa: E402
+from benchlib import ROOT, args_or_child, helper, ours_env, run_measured, sync_disk  # noqa: E402
 
 BC = Path(__file__).resolve().parent / "bench_convert.py"  # its children: synth, ours
 TARGET_S = 15 * 60  # issue 17: 594 B on one 16-core node under 15 minutes
@@ -275,10 +275,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-measure", action="store_true", help="no conversions here: project from --from-json "
                    "(bench_real's sweep for the linear fit)")
     p.add_argument("--json", metavar="OUT", help="write all results as JSON")
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.child:
-        child(json.loads(args.child))
+    args = args_or_child(p, argv, child)
+    if args is None:
         return 0
     if args.skip_measure and not args.from_json:
         p.error("--skip-measure needs --from-json")

@@ -7,6 +7,7 @@ RSS at exec, so a lean parent is what makes the per-process peaks true.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -143,3 +144,14 @@ def ensure_lc_venv(venv: Path) -> Path:
     subprocess.run(pip + [f"llmcompressor=={LC_VERSION}"], check=True)
     subprocess.run(probe, check=True)
     return py
+
+
+def args_or_child(p: argparse.ArgumentParser, argv, child) -> argparse.Namespace | None:
+    """`p`'s arguments; or, when this script was started as a measured child of itself
+    (`--child SPEC`, see `helper`), run `child(spec)` and return None."""
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        child(json.loads(args.child))
+        return None
+    return args
