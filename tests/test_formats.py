@@ -398,6 +398,92 @@ def test_mxfp8_dequantize_matches_modelopt(mo):
         assert torch.equal(ours, formula)
 
 
+def random_mxfp8(rows=96, cols=4096 + 32 * 37, seed=9, e8_range=(0, 200)):
+    """Stored MXFP8 tensors of every e4m3 byte but NaN under random e8m0 scales, 0 (a subnormal
+    factor, 2^-127) included: what another producer's release may hold."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 255, (rows, cols), generator=g, dtype=torch.int32)
+    q = torch.where((q & 0x7F) == 0x7F, q - 1, q).to(U8)
+    e8 = torch.randint(*e8_range, (rows, cols // 32), generator=g, dtype=torch.int32).to(U8)
+    e8[0, :4] = 0
+    return {"weight": q.view(torch.float8_e4m3fn), "weight_scale": e8}
+
+
+def release_cases():
+    """MXFP8 stored tensors: ModelOpt-style quantized weights (multi-chunk and partial-chunk
+    shapes among them) and random bytes and scales."""
+    ws = [outliers(), zero_blocks(), subnormal(), underflow(), ties(), gaussian(333, 3072, seed=5),
+          outliers(512, 3072, seed=7)]
+    return [MXFP8().quantize(w) for w in ws] + [random_mxfp8()]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_nvfp4_requantize_from_mxfp8_matches_modelopt(mo, threads):
+    """NVFP4 of an MXFP8 release's weight, read from its bytes (the fused kernel), equals ModelOpt's
+    NVFP4 of the dequantized weight, and our own quantize of it, bit for bit."""
+    torch.set_num_threads(threads)
+    for stored in release_cases():
+        deq = MXFP8().dequantize(stored, torch.float32)
+        ours = NVFP4().requantize(stored, MXFP8(), input_amax=3.5)
+        assert_nvfp4_equal(ours, *mo_nvfp4(mo, deq))
+        plain = NVFP4().quantize(deq, input_amax=3.5)
+        assert all(torch.equal(_bits(ours[k]), _bits(plain[k])) for k in plain) and set(ours) == set(plain)
+
+
+def test_requantize_on_other_devices_and_zeros_takes_the_plain_path():
+    """The base path (dequantize, then quantize) gives the same bits, zeros included (where
+    ModelOpt writes NaN scales, both write the finite all-zero encoding)."""
+    from inkling_quant.formats.base import Format
+    for stored in (random_mxfp8(rows=4, cols=256), MXFP8().quantize(torch.zeros(8, 64, dtype=BF))):
+        fused = NVFP4().requantize(stored, MXFP8())
+        plain = Format.requantize(NVFP4(), stored, MXFP8())
+        assert all(torch.equal(_bits(fused[k]), _bits(plain[k])) for k in plain) and set(fused) == set(plain)
+
+
+def test_mxfp8_amax_before_reading_finds_the_maximum_wherever_it_is():
+    """The global amax NVFP4.requantize starts from reads only the blocks of the largest
+    exponents; it must still be the exact maximum when a block of a smaller exponent holds it,
+    and give up to a full read when no few blocks do (all zeros)."""
+    from inkling_quant.formats.mxfp8 import amax_before_reading
+    lower_wins = random_mxfp8(rows=4, cols=256, e8_range=(100, 120))
+    lower_wins["weight_scale"][0, 0] = 130                        # the largest exponent...
+    lower_wins["weight"].view(U8)[0, :32] = 0x08                  # ...holds 2^-6 x 2^3 only
+    lower_wins["weight_scale"][1, 2] = 129                        # the next one holds 448 x 2^2
+    lower_wins["weight"].view(U8)[1, 64 + 5] = 0x7E
+    many_levels = {"weight": torch.full((4, 256), 0x08, dtype=U8).view(torch.float8_e4m3fn),
+                   "weight_scale": torch.full((4, 8), 100, dtype=U8)}  # past 4 exponents: read all
+    many_levels["weight_scale"][0, :5] = torch.tensor([140, 139, 138, 137, 136], dtype=U8)
+    many_levels["weight"].view(U8)[3, 7] = 0x7E
+    many_levels["weight_scale"][3, 0] = 135
+    for stored in release_cases() + [lower_wins, many_levels, MXFP8().quantize(torch.zeros(8, 64, dtype=BF)),
+                                     random_mxfp8(seed=11)]:
+        want = MXFP8().dequantize(stored, torch.float32).abs().amax()
+        assert torch.equal(torch.tensor(amax_before_reading(stored)), want)
+    assert float(MXFP8().amax(lower_wins)) == 448.0 * 4 and float(MXFP8().amax(many_levels)) == 448.0 * 2 ** 8
+    hidden_nan = MXFP8().quantize(outliers())                     # a NaN byte in a block not read
+    hidden_nan["weight"].view(U8)[40, 200] = 0x7F
+    assert np.isfinite(amax_before_reading(hidden_nan))
+    with pytest.raises(FormatError, match="contains NaN or Inf"):  # the kernel reads every block
+        NVFP4().requantize(hidden_nan, MXFP8())
+
+
+def test_mxfp8_amax_and_all_finite_from_the_bytes():
+    for stored in release_cases():
+        deq = MXFP8().dequantize(stored, torch.float32)
+        assert torch.equal(MXFP8().amax(stored), deq.abs().amax())
+        assert MXFP8().all_finite(stored)
+    nan_byte = random_mxfp8(rows=4, cols=256)
+    nan_byte["weight"].view(U8)[2, 77] = 0xFF                     # -NaN
+    inf_scale = random_mxfp8(rows=4, cols=256)
+    inf_scale["weight_scale"][3, 1] = 255                         # a factor of 2^128: Inf
+    overflow = random_mxfp8(rows=4, cols=256, e8_range=(250, 254))  # 448 * 2^127 is Inf in fp32
+    for bad in (nan_byte, inf_scale, overflow):
+        assert not MXFP8().all_finite(bad)
+        assert not torch.isfinite(MXFP8().dequantize(bad)).all()
+        with pytest.raises(FormatError, match="'experts.w13': contains NaN or Inf"):
+            NVFP4().requantize(bad, MXFP8(), name="experts.w13")
+
+
 def test_e8m0_integer_rule_on_every_bf16_and_fp16_amax(mo):
     """The kernel's integer ceil(log2(amax/448)) (mxfp8._e8m0_doc) equals ModelOpt's torch.log2
     form for every finite bf16 and fp16 block amax (all 32640 / 31744 patterns): one block per

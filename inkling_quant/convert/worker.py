@@ -269,43 +269,33 @@ def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, co
                    progress) -> dict[str, torch.Tensor]:
     """Expert e's slab of a stacked unit in the unit's format, as `Format.quantize` returns it:
     a float slab quantized as stored; an MXFP8-release slab copied bit-exact when the format is
-    kept, else dequantized exactly (e4m3 x 2^k is exact in fp32) and quantized."""
+    kept, else requantized (`Format.requantize`: exactly what its dequantized weight gives)."""
     src, slab = u.sources[0], t[0]
     nbytes = sum(x.numel() * x.element_size() for x in t)
     if u.transposed:  # an [in, out] slab: quantized as [out, in], blocks along `in`
         slab = slab.t()
-    q = None
-    if u.source_format is not None:  # the MXFP8 release: weight + e8m0 scale
-        stored = {"weight": slab, "weight_scale": t[1]}
-        if u.source_format == u.format:
-            _check_stored(FORMATS[u.format], stored, path, src.name, e)
-            q = stored  # kept: copied bit-exact
-        else:  # into the step's reused buffer: a fresh 85 MB each expert would page-fault afresh
-            slab = FORMATS[u.source_format].dequantize(stored, torch.float32, out=_scratch(slab.numel()))
-    elif u.format == "passthrough":
-        _check_finite(slab, path, src.name)
-    if q is None:
-        fmt = FORMATS[u.format]
-        x = slab if device == "cpu" else slab.to(device)
+    fmt = FORMATS[u.format]
+    stored = None if u.source_format is None else {"weight": slab, "weight_scale": t[1]}  # the MXFP8 release
+    if stored is not None and u.source_format == u.format:
+        _check_stored(fmt, stored, path, src.name, e)
+        q = stored  # kept: copied bit-exact
+    else:
+        if u.format == "passthrough":
+            _check_finite(slab, path, src.name)
         try:
-            q = {k: v.cpu() for k, v in fmt.quantize(x, global_amax=fmt.fused_global_amax([x]),
-                                                      input_amax=u.input_amax[0]).items()}
+            if stored is not None:
+                q = fmt.requantize({k: v.to(device) for k, v in stored.items()}, FORMATS[u.source_format],
+                                   input_amax=u.input_amax[0])
+            else:
+                x = slab if device == "cpu" else slab.to(device)
+                q = fmt.quantize(x, global_amax=fmt.fused_global_amax([x]), input_amax=u.input_amax[0])
         except FormatError as err:
             raise FormatError(f"tensor {src.name!r}, expert {e}: {err.message}", path=path, tensor=src.name) from None
+        q = {k: v.cpu() for k, v in q.items()}
     _count(counts, u.format)
     if progress is not None:
         progress(nbytes)
     return q
-
-
-_SCRATCH = threading.local()  # the converting thread's reused fp32 buffer
-
-
-def _scratch(numel: int) -> torch.Tensor:
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None:
-        buf = _SCRATCH.buf = TensorBuffer()
-    return torch.frombuffer(buf.view(numel * 4), dtype=torch.float32)
 
 
 def _per_expert_unit(u: Unit, sources: ShardReaders, device: str, counts: dict[str, int], progress) -> _Step:

@@ -63,28 +63,35 @@ def _pool(n: int) -> ThreadPoolExecutor:
         return _POOL
 
 
-def _run_chunks(fn: Callable[[int, int], object], n_items: int, chunk: int) -> None:
-    """fn(lo, hi) over [0, n_items) in chunks of `chunk`, on torch.get_num_threads() threads."""
-    ranges = [(lo, min(n_items, lo + chunk)) for lo in range(0, n_items, chunk)]
-    nt = min(max(1, torch.get_num_threads()), len(ranges))
-    if nt <= 1:
-        for lo, hi in ranges:
-            fn(lo, hi)
-        return
+def _run_chunks(fn: Callable[[int, int], object], n_items: int, unit: int, units_per_call: int = 16) -> None:
+    """fn(lo, hi) over [0, n_items) in ranges of `units_per_call` x `unit` items, on
+    torch.get_num_threads() threads, the caller's among them. Each thread takes the next range
+    when it finishes one, so one slowed down by the pipeline's other stages (or other work on
+    the machine) takes fewer instead of holding up the rest; a range is many kernel chunks, so
+    the call overhead is paid rarely. The first error is raised once every thread has stopped."""
+    step = unit * units_per_call
+    ranges = iter([(lo, min(n_items, lo + step)) for lo in range(0, n_items, step)])
+    nt = min(max(1, torch.get_num_threads()), -(-n_items // step))
+    lock, errors = threading.Lock(), []
 
-    def work(k: int) -> None:
-        for lo, hi in ranges[k::nt]:
-            fn(lo, hi)
+    def work() -> None:
+        while True:
+            with lock:
+                r = None if errors else next(ranges, None)
+            if r is None:
+                return
+            try:
+                fn(*r)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                with lock:
+                    errors.append(e)
 
-    futs = [_pool(nt).submit(work, k) for k in range(nt)]
-    err = None
-    for f in futs:  # wait for all, then raise the first error
-        try:
-            f.result()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            err = err or e
-    if err is not None:
-        raise err
+    futs = [_pool(nt - 1).submit(work) for _ in range(nt - 1)] if nt > 1 else []
+    work()
+    for f in futs:
+        f.result()
+    if errors:
+        raise errors[0]
 
 
 def _buf(key: str, shape: tuple[int, ...], dtype) -> np.ndarray:

@@ -3,10 +3,11 @@ on disk). Each evaluates ModelOpt's formulas in ModelOpt's fp32 operation order,
 are bit-identical to its quantizers (tests/test_formats.py). Private to formats/: nvfp4.py and
 mxfp8.py document the rules and their sources; this module only evaluates them, fast.
 
-A kernel works on one chunk of whole blocks: the source as unsigned bit patterns (bf16 as
-uint16, `shift` 16 turning one into the fp32 pattern of the same value; fp32 as uint32, shift 0)
-and the caller's scratch arrays (per thread, reused: fresh ones would page-fault on every chunk).
-It runs as flat loops over whole arrays, indexed by the loop variable only, so that LLVM
+A kernel works on a range of whole blocks, in chunks the size of the caller's scratch arrays
+(per thread, reused: fresh ones would page-fault on every chunk; sized to stay in the L2 cache),
+one call per thread so that numba's call overhead is paid once. It reads the source as unsigned
+bit patterns (bf16 as uint16, `shift` 16 turning one into the fp32 pattern of the same value; fp32 as uint32, shift 0).
+Each chunk runs as flat loops over whole arrays, indexed by the loop variable only, so that LLVM
 vectorizes each (a computed index costs numba's negative-index check, which blocks that; so does
 Python's zero-division check, hence error_model "numpy"). It returns OK or a status its caller
 turns into a FormatError naming the tensor."""
@@ -64,46 +65,117 @@ def e4m3_bytes(a, out):
 def e2m1_code(y):
     """ModelOpt's `_cast_fp4` of one float32: bounds strictly below |y| (searchsorted) plus one on
     the odd bounds 0.75, 1.75, 3.5 (its tie fix): round half to even onto {0, .5, 1, 1.5, 2, 3, 4, 6},
-    saturating at 6; bit 3 the sign of y (-0.0 gives 0)."""
+    saturating at 6; bit 3 the sign of y (-0.0 gives 0). In uint32 lanes, which vectorize best."""
     a = abs(y)
     c = ((a > np.float32(0.25)) + (a >= np.float32(0.75)) + (a > np.float32(1.25)) + (a >= np.float32(1.75))
          + (a > np.float32(2.5)) + (a >= np.float32(3.5)) + (a > np.float32(5.0)))
-    return np.uint8(c + 8 * (y < 0))
+    return np.uint32(c) + np.uint32(8) * np.uint32(y < 0)
 
 
 @_jit
-def nvfp4_blocks(src, shift, mask, s2, e4m3_values, packed, scale, tmp, top, pbs, d, dd, u):
+def nvfp4_blocks(src, shift, mask, s2, e4m3_values, packed, scale, tmp, top, pbs, d, dd, codes, u):
+    """_nvfp4_chunk over src in chunks of top.size blocks (the scratch's size)."""
+    M = top.size
+    for b0 in range(0, scale.size, M):
+        m = min(M, scale.size - b0)
+        a, n = b0 * 16, m * 16
+        status = _nvfp4_chunk(src[a: a + n], shift, mask, s2, e4m3_values, packed[a // 2: (a + n) // 2],
+                              scale[b0: b0 + m], tmp[:n], top[:m], pbs[:m], d[:m], dd[:n], codes[:n], u[:n])
+        if status != OK:
+            return status
+    return OK
+
+
+@_jit
+def _nvfp4_chunk(src, shift, mask, s2, e4m3_values, packed, scale, tmp, top, pbs, d, dd, codes, u):
     """The blocks of 16 in src: scale[b] = e4m3(clamp(amax / (6 * s2), 2^-9, 448)) (amax 0 -> 1),
     packed[8b + j] = code(x[2j] / d) | code(x[2j+1] / d) << 4 with d = fp32(scale) * s2.
-    Scratch: tmp like src; top, pbs (uint32) and d (float32) one per block; dd (float32) one per
-    output byte; u (uint32) one per source element."""
+    Scratch: tmp like src; top, pbs (uint32) and d (float32) one per block; dd (float32), u and
+    codes (uint32) one per element."""
     block_top(src, shift, mask, tmp, top)
     if top.max() >= _INF_BITS:
         return NONFINITE
-    amax, p = top.view(np.float32), pbs.view(np.float32)
-    denom = np.float32(6.0) * s2
-    for b in range(scale.size):
-        q = amax[b] / denom
-        p[b] = min(max(np.float32(1.0) if q == 0 else q, np.float32(2.0 ** -9)), E4M3_MAX)
-    e4m3_bytes(pbs, scale)
-    for b in range(scale.size):
-        d[b] = e4m3_values[scale[b]] * s2
-    if d.min() == 0:
-        return SCALE_UNDERFLOW
-    for i in range(packed.size):
-        dd[i] = d[i >> 3]
     if shift:  # bf16: widened into u; fp32 sources are read as they are
         fp32_bits(src, shift, u)
         x = u.view(np.float32)
     else:
         x = src.view(np.float32)
+    return nvfp4_encode(x, top, s2, e4m3_values, packed, scale, pbs, d, dd, codes)
+
+
+@_jit
+def nvfp4_from_mxfp8(q, e8, s2, e4m3_values, packed, scale, tmp, top, pbs, d, dd, codes, x):
+    """_nvfp4_from_mxfp8_chunk over q in chunks of top.size blocks of 16 (even: whole 32-blocks)."""
+    M = top.size
+    for b0 in range(0, scale.size, M):
+        m = min(M, scale.size - b0)
+        a, n = b0 * 16, m * 16
+        status = _nvfp4_from_mxfp8_chunk(q[a: a + n], e8[a // 32: (a + n) // 32], s2, e4m3_values,
+                                         packed[a // 2: (a + n) // 2], scale[b0: b0 + m], tmp[:n], top[:m],
+                                         pbs[:m], d[:m], dd[:n], codes[:n], x[:n])
+        if status != OK:
+            return status
+    return OK
+
+
+@_jit
+def _nvfp4_from_mxfp8_chunk(q, e8, s2, e4m3_values, packed, scale, tmp, top, pbs, d, dd, codes, x):
+    """nvfp4_blocks of the fp32 weight that MXFP8 bytes q (e4m3) and e8 (e8m0, one per 32 of q)
+    hold, reading the bytes once: each block's maximum from its largest byte, each value decoded
+    as mxfp8_dequantize does. Scratch: tmp like q; x (float32) one per element; the rest as in
+    nvfp4_blocks."""
+    top8 = byte_block_max(q, tmp, top.size)
+    f = pbs[: e8.size]  # pbs is free until nvfp4_encode fills it
+    e8m0_factor_bits(e8, f)
+    factor, amax = f.view(np.float32), top.view(np.float32)
+    for b in range(top.size):
+        amax[b] = e4m3_values[top8[b]] * factor[b >> 1]
+    if top.max() >= _INF_BITS:  # a NaN byte, or Inf/NaN from an infinite factor (as uint32)
+        return NONFINITE
+    for i in range(x.size):
+        x[i] = e4m3_values[q[i]] * factor[i >> 5]
+    return nvfp4_encode(x, top, s2, e4m3_values, packed, scale, pbs, d, dd, codes)
+
+
+@_jit
+def nvfp4_encode(x, top, s2, e4m3_values, packed, scale, pbs, d, dd, codes):
+    """The rest of nvfp4_blocks, from the blocks' maxima (top: fp32 patterns, finite) and the
+    values x (float32). codes: uint32 scratch, one per element (a code per element first, then
+    packed in pairs: faster than coding the pairs directly, and fastest in uint32 lanes)."""
+    amax, p = top.view(np.float32), pbs.view(np.float32)
+    denom = np.float32(6.0) * s2
+    for b in range(scale.size):
+        r = amax[b] / denom
+        p[b] = min(max(np.float32(1.0) if r == 0 else r, np.float32(2.0 ** -9)), E4M3_MAX)
+    e4m3_bytes(pbs, scale)
+    for b in range(scale.size):
+        d[b] = e4m3_values[scale[b]] * s2
+    if d.min() == 0:
+        return SCALE_UNDERFLOW
+    for i in range(dd.size):
+        dd[i] = d[i >> 4]
+    for i in range(x.size):
+        codes[i] = e2m1_code(x[i] / dd[i])
     for i in range(packed.size):
-        packed[i] = e2m1_code(x[2 * i] / dd[i]) | (e2m1_code(x[2 * i + 1] / dd[i]) << 4)
+        packed[i] = np.uint8(codes[2 * i] | (codes[2 * i + 1] << 4))
     return OK
 
 
 @_jit
 def mxfp8_blocks(src, shift, mask, given, scale, q, tmp, top, u, f):
+    """_mxfp8_chunk over src in chunks of top.size blocks (the scratch's size)."""
+    M = top.size
+    for b0 in range(0, scale.size, M):
+        m = min(M, scale.size - b0)
+        a, n = b0 * 32, m * 32
+        if _mxfp8_chunk(src[a: a + n], shift, mask, given, scale[b0: b0 + m], q[a: a + n], tmp[:n], top[:m],
+                        u[:n], f[:n]) != OK:
+            return NONFINITE
+    return OK
+
+
+@_jit
+def _mxfp8_chunk(src, shift, mask, given, scale, q, tmp, top, u, f):
     """The blocks of 32 in src: scale[b] = E = ceil(log2(amax / 448)) + 127 by the integer rule
     (exact for bf16/fp16 sources: mxfp8._e8m0_from_bits), or as given when `given`; q = e4m3
     bytes of x * 2^(127 - E), clamped to +-448 (a no-op for bf16/fp16, ModelOpt's clamp for fp32).
@@ -140,26 +212,84 @@ def mxfp8_blocks(src, shift, mask, given, scale, q, tmp, top, u, f):
 
 
 @_jit
-def mxfp8_dequantize(q, scale, e4m3_values, out):
-    """out = fp32(e4m3 q) * 2^(E - 127) per block of 32, a float32 product as ModelOpt's
-    `MXFP8QTensor.dequantize` (E = 255 gives an infinite factor, as torch.exp2(128) does)."""
-    for b in range(scale.size):
-        f = np.float32(math.ldexp(1.0, np.int64(scale[b]) - 127))
-        for k in range(32):
-            i = np.uint64(b * 32 + k)
-            out[i] = e4m3_values[q[i]] * f
+def e8m0_factor_bits(e8, out):
+    """out[b] = the fp32 pattern of 2^(e8[b] - 127): the exponent field itself, 2^-127 (a
+    subnormal) for 0 and Inf for 255, as torch.exp2 gives in fp32."""
+    for b in range(e8.size):
+        e = np.uint32(e8[b])
+        out[b] = (e << 23) if e else np.uint32(0x400000)
 
 
 @_jit
-def mxfp8_all_finite(q, scale, e4m3_values):
-    """Whether mxfp8_dequantize would give finite values only, without writing them: per block
-    the largest magnitude byte (e4m3 bytes order as their magnitudes; 0x7F is NaN) times the
-    block's factor."""
-    for b in range(scale.size):
-        top = np.uint8(0)
-        for k in range(32):
-            top = max(top, q[np.uint64(b * 32 + k)] & np.uint8(0x7F))
-        f = np.float32(math.ldexp(1.0, np.int64(scale[b]) - 127))
-        if top == 0x7F or not abs(e4m3_values[top] * f) < np.inf:
-            return False
-    return True
+def byte_block_max(q, tmp, nblk):
+    """The largest magnitude (sign bit cleared) of each of nblk blocks of e4m3 bytes q, in
+    tmp[:nblk]: e4m3 bytes order as their magnitudes, 0x7F (NaN) last. A pairwise max tree."""
+    for i in range(q.size):
+        tmp[i] = q[i] & np.uint8(0x7F)
+    n = q.size
+    while n > nblk:
+        n //= 2
+        for i in range(n):
+            tmp[i] = max(tmp[2 * i], tmp[2 * i + 1])
+    return tmp[:nblk]
+
+
+@_jit
+def mxfp8_dequantize(q, e8, e4m3_values, f, out):
+    """out = fp32(e4m3 q) * 2^(E - 127) per block of 32, a float32 product as ModelOpt's
+    `MXFP8QTensor.dequantize`. Scratch: f (uint32), the blocks of a chunk."""
+    M = f.size
+    for b0 in range(0, e8.size, M):
+        m = min(M, e8.size - b0)
+        e8m0_factor_bits(e8[b0: b0 + m], f[:m])
+        factor, o, qq = f[:m].view(np.float32), out[b0 * 32: (b0 + m) * 32], q[b0 * 32: (b0 + m) * 32]
+        for i in range(o.size):
+            o[i] = e4m3_values[qq[i]] * factor[i >> 5]
+
+
+@_jit
+def mxfp8_amax_bits(q, e8, e4m3_values, tmp, top):
+    """The fp32 pattern of max |mxfp8_dequantize(q, e8)|, exact, without writing the values: per
+    block its largest magnitude byte times its factor (a positive factor keeps the bytes'
+    order). At or above the Inf pattern where a dequantized value is NaN or Inf (compared as
+    uint32, a NaN of either sign is). Scratch: tmp (uint8) and top (uint32), a chunk's bytes and
+    blocks."""
+    M, amax = top.size, np.uint32(0)
+    for b0 in range(0, e8.size, M):
+        m = min(M, e8.size - b0)
+        top8 = byte_block_max(q[b0 * 32: (b0 + m) * 32], tmp[: m * 32], m)
+        bits = top[:m]
+        e8m0_factor_bits(e8[b0: b0 + m], bits)
+        v = bits.view(np.float32)
+        for b in range(m):
+            v[b] = e4m3_values[top8[b]] * v[b]
+        amax = max(amax, bits.max())
+    return amax
+
+
+
+@_jit
+def mxfp8_amax_by_scale(q, e8, e4m3_values, levels):
+    """max |mxfp8_dequantize(q, e8)|, exact, reading only the blocks whose exponent can hold it:
+    those of the largest exponent E first, then of E - 1 and so on while a block there could
+    still beat the maximum found (a block's values are at most 448 x its factor). A block of
+    ModelOpt's rule holds a value above 224 x its factor, so only the largest exponent's blocks
+    are read. Returns -1 after `levels` exponents (the caller then reads every block). A NaN or
+    Inf in a block read is returned as it is; a NaN byte in a block not read is not seen (for a
+    caller that reads every value afterwards anyway)."""
+    emax = np.int64(e8.max()) if e8.size else np.int64(0)
+    best = np.float32(0.0)
+    for e in range(emax, max(emax - levels, -1), -1):
+        f = np.float32(math.ldexp(1.0, e - 127))  # as e8m0_factor_bits: 2^-127 for 0, Inf for 255
+        for b in range(e8.size):
+            if e8[b] == e:
+                top = np.uint8(0)
+                for k in range(32):
+                    top = max(top, q[np.uint64(b * 32 + k)] & np.uint8(0x7F))
+                v = e4m3_values[top] * f
+                if not v < np.inf:
+                    return v
+                best = max(best, v)
+        if e == 0 or best >= E4M3_MAX * np.float32(math.ldexp(1.0, e - 1 - 127)):
+            return best
+    return np.float32(-1.0)

@@ -67,16 +67,26 @@ class Format:
         `name` (optional) is the tensor's name, quoted in FormatError messages."""
         raise NotImplementedError
 
-    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-        """The weight the stored tensors hold, in `dtype`. `out`: a float32 tensor of the weight's
-        size to put an fp32 result in (memory the caller reuses); a format may ignore it."""
+    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the stored tensors hold, in `dtype`."""
         raise NotImplementedError
+
+    def amax(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """max |dequantize(tensors)| as a float32 0-d tensor, exact; NaN or Inf where the
+        dequantized weight holds one."""
+        return self.dequantize(tensors, torch.float32).abs().amax()
 
     def all_finite(self, tensors: Mapping[str, torch.Tensor]) -> bool:
         """Whether stored tensors of this format dequantize to finite values only (a NaN code or
         scale shows there): what a quantized tensor copied as it is must still be."""
-        return bool(torch.isfinite(self.dequantize(tensors, torch.float32)).all())
+        return bool(torch.isfinite(self.amax(tensors)))
+
+    def requantize(self, tensors: Mapping[str, torch.Tensor], source: "Format", *,
+                   input_amax: float | None = None, name: str = "") -> dict[str, torch.Tensor]:
+        """This format's tensors for the weight `tensors` store in `source`'s format: bit for bit
+        ``quantize(source.dequantize(tensors, float32))`` (exact for the formats here: each
+        stored value is an fp32 number). A format may read the stored bytes directly instead."""
+        return self.quantize(source.dequantize(tensors, torch.float32), input_amax=input_amax, name=name)
 
     def layer_config(self, weight_only: bool = False) -> dict | None:
         """The `quantized_layers` entry of ModelOpt's MIXED_PRECISION config, None if unquantized."""
@@ -131,5 +141,5 @@ class Passthrough(Format):
     def quantize(self, weight, *, global_amax=None, input_amax=None, name=""):
         return {"weight": weight}
 
-    def dequantize(self, tensors, dtype=torch.float32, out=None):
+    def dequantize(self, tensors, dtype=torch.float32):
         return tensors["weight"].to(dtype)

@@ -21,6 +21,7 @@ torch's fp32 -> float8_e4m3fn cast, the one ModelOpt uses (tests/test_formats.py
 """
 from __future__ import annotations
 
+import threading
 from typing import Mapping
 
 import numpy as np
@@ -72,9 +73,9 @@ def _mxfp8_cpu(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     q_np, scale_np = q.view(torch.uint8).numpy(), scale.numpy()
 
     def chunk(b0: int, b1: int) -> None:
-        m, n, M = b1 - b0, (b1 - b0) * BLOCK_SIZE, _MX_CHUNK_BLOCKS  # scratch of a whole chunk, reused
-        scratch = (_buf("mx:tmp", (M * 32,), src.dtype)[:n], _buf("mx:top", (M,), np.uint32)[:m],
-                   _buf("mx:u", (M * 32,), np.uint32)[:n], _buf("mx:f", (M * 32,), np.float32)[:n])
+        M = _MX_CHUNK_BLOCKS  # the kernel's chunk: its scratch stays in the L2 cache
+        scratch = (_buf("mx:tmp", (M * 32,), src.dtype), _buf("mx:top", (M,), np.uint32),
+                   _buf("mx:u", (M * 32,), np.uint32), _buf("mx:f", (M * 32,), np.float32))
         if _jit.mxfp8_blocks(src[b0 * 32: b1 * 32], shift, mask, given, scale_np[b0:b1], q_np[b0 * 32: b1 * 32],
                              *scratch) == _jit.NONFINITE:
             raise _nonfinite(name)
@@ -94,6 +95,36 @@ def _mxfp8_torch(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor
     factor = torch.exp2(127 - e8.float())
     y = (blocks * factor.unsqueeze(-1)).clamp(min=-E4M3_MAX, max=E4M3_MAX)
     return y.to(torch.float8_e4m3fn).reshape(-1), e8
+
+
+def _stored(tensors: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight as float8_e4m3fn, weight_scale as uint8) of stored MXFP8 tensors, checked to match."""
+    w, e8 = tensors["weight"], tensors["weight_scale"].view(torch.uint8)
+    if w.dtype == torch.uint8:
+        w = w.view(torch.float8_e4m3fn)
+    if e8.shape[-1] * BLOCK_SIZE != w.shape[-1] or e8.shape[:-1] != w.shape[:-1]:
+        raise FormatError(f"mxfp8: weight {tuple(w.shape)} and weight_scale {tuple(e8.shape)} do not match")
+    return w, e8
+
+
+def stored_bytes(tensors: Mapping[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    """(e4m3 bytes, e8m0 bytes, the weight's shape) of stored MXFP8 CPU tensors, flat, as the
+    compiled kernels read them."""
+    w, e8 = _stored(tensors)
+    return (w.contiguous().view(torch.uint8).reshape(-1).numpy(), e8.contiguous().reshape(-1).numpy(),
+            tuple(w.shape))
+
+
+def amax_before_reading(tensors: Mapping[str, torch.Tensor]) -> np.float32:
+    """max |dequantized weight| of stored MXFP8 CPU tensors, exact where they are finite, read from
+    the few blocks whose exponent can hold it (_jit.mxfp8_amax_by_scale; every block when
+    those are not few). A NaN byte in a block not read is not seen: for a caller that reads every
+    value next anyway (NVFP4.requantize, whose kernel checks each block)."""
+    q, e8, _ = stored_bytes(tensors)
+    g = _jit.mxfp8_amax_by_scale(q, e8, _E4M3_TO_F32, 4)
+    if g < 0:  # the maximum could be in many blocks: read them all
+        g = np.float32(MXFP8().amax(tensors).item())
+    return g
 
 
 class MXFP8(Format):
@@ -135,36 +166,40 @@ class MXFP8(Format):
         return {"weight": q.reshape(shape),
                 "weight_scale": e8.reshape(*shape[:-1], shape[-1] // BLOCK_SIZE)}
 
-    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``fp32(weight) * 2^(weight_scale - 127)`` per 32-block, cast to ``dtype`` (ModelOpt
-        ``MXFP8QTensor.dequantize``); on CPU the compiled kernel (_jit.mxfp8_dequantize), into
-        `out` when given."""
-        w, e8 = tensors["weight"], tensors["weight_scale"].view(torch.uint8)
-        if w.dtype == torch.uint8:
-            w = w.view(torch.float8_e4m3fn)
-        k = w.shape[-1]
-        if e8.shape[-1] * BLOCK_SIZE != k or e8.shape[:-1] != w.shape[:-1]:
-            raise FormatError(f"mxfp8 dequantize: weight {tuple(w.shape)} and weight_scale "
-                              f"{tuple(e8.shape)} do not match")
+        ``MXFP8QTensor.dequantize``); on CPU the compiled kernel (_jit.mxfp8_dequantize)."""
+        w, e8 = _stored(tensors)
         if w.device.type != "cpu":
             deq = w.float().view(*w.shape[:-1], -1, BLOCK_SIZE) * torch.exp2(e8.float() - 127).unsqueeze(-1)
             return deq.reshape(w.shape).to(dtype)
-        if out is None or out.dtype != torch.float32 or out.numel() != w.numel():
-            out = torch.empty(w.shape, dtype=torch.float32)
-        out = out.reshape(w.shape)
-        q, sc, o = w.contiguous().view(torch.uint8).reshape(-1).numpy(), e8.contiguous().reshape(-1).numpy(), \
-            out.reshape(-1).numpy()
-        _run_chunks(lambda b0, b1: _jit.mxfp8_dequantize(q[b0 * 32: b1 * 32], sc[b0:b1], _E4M3_TO_F32,
-                                                         o[b0 * 32: b1 * 32]), sc.size, _MX_CHUNK_BLOCKS)
+        q, sc, _ = stored_bytes(tensors)
+        out = torch.empty(w.shape, dtype=torch.float32)
+        o = out.reshape(-1).numpy()
+
+        def chunk(b0: int, b1: int) -> None:
+            _jit.mxfp8_dequantize(q[b0 * 32: b1 * 32], sc[b0:b1], _E4M3_TO_F32,
+                                  _buf("mx:factor", (_MX_CHUNK_BLOCKS,), np.uint32), o[b0 * 32: b1 * 32])
+
+        _run_chunks(chunk, sc.size, _MX_CHUNK_BLOCKS)
         return out.to(dtype)
 
-    def all_finite(self, tensors: Mapping[str, torch.Tensor]) -> bool:
-        w, e8 = tensors["weight"], tensors["weight_scale"]
-        if w.device.type != "cpu" or e8.shape[-1] * BLOCK_SIZE != w.shape[-1]:
-            return super().all_finite(tensors)  # (a shape mismatch raises there)
-        return _jit.mxfp8_all_finite(w.contiguous().view(torch.uint8).reshape(-1).numpy(),
-                                     e8.contiguous().view(torch.uint8).reshape(-1).numpy(), _E4M3_TO_F32)
+    def amax(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """On CPU from the bytes alone (_jit.mxfp8_amax_bits), the values never written."""
+        if tensors["weight"].device.type != "cpu":
+            return super().amax(tensors)
+        q, sc, _ = stored_bytes(tensors)
+        parts, lock = [0], threading.Lock()
+
+        def chunk(b0: int, b1: int) -> None:
+            top = _jit.mxfp8_amax_bits(q[b0 * 32: b1 * 32], sc[b0:b1], _E4M3_TO_F32,
+                                       _buf("mx:tmp8", (_MX_CHUNK_BLOCKS * 32,), np.uint8),
+                                       _buf("mx:top", (_MX_CHUNK_BLOCKS,), np.uint32))
+            with lock:
+                parts.append(int(top))
+
+        _run_chunks(chunk, sc.size, _MX_CHUNK_BLOCKS)
+        return torch.from_numpy(np.array(max(parts), dtype=np.uint32).view(np.float32))
 
     def layer_config(self, weight_only: bool = False) -> dict:
         return {"quant_algo": "MXFP8", "group_size": BLOCK_SIZE}

@@ -39,6 +39,7 @@ from . import _jit
 from ._cpu import (_BITS, _E4M3_TO_F32, _buf, _check_dtype, _check_shape, _nonfinite, _np, _run_chunks,
                    _source_bits, _where, fp32_preimage)
 from .base import Format, OutSpec
+from .mxfp8 import MXFP8, amax_before_reading, stored_bytes
 
 __all__ = [
     "NVFP4", "amax", "pack_e2m1", "unpack_e2m1", "E2M1_VALUES", "E2M1_BOUNDS", "E2M1_MAX",
@@ -100,11 +101,12 @@ def amax(w: torch.Tensor, name: str = "") -> torch.Tensor:
     lock = threading.Lock()
 
     def chunk(lo: int, hi: int) -> None:
-        b = _buf("amax", (_AMAX_CHUNK,), flat.dtype)[: hi - lo]
-        np.bitwise_and(flat[lo:hi], mask, out=b)
-        m = int(b.max())
-        with lock:
-            parts.append(m)
+        for a in range(lo, hi, _AMAX_CHUNK):
+            b = _buf("amax", (_AMAX_CHUNK,), flat.dtype)[: min(hi, a + _AMAX_CHUNK) - a]
+            np.bitwise_and(flat[a: a + b.size], mask, out=b)
+            m = int(b.max())
+            with lock:
+                parts.append(m)
 
     _run_chunks(chunk, n, _AMAX_CHUNK)
     m = max(parts)
@@ -148,21 +150,39 @@ _NV_CHUNK_BLOCKS = 4096      # 64 Ki elements per chunk: its scratch stays in th
 
 
 def _nvfp4_cpu(w: torch.Tensor, s2: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed uint8 [numel/2], scale uint8 [numel/16]) for a contiguous CPU weight: the compiled
-    kernel (_jit.nvfp4_blocks) on chunks of whole blocks, on torch.get_num_threads() threads."""
+    """(packed uint8 [numel/2], scale uint8 [numel/16]) for a contiguous CPU weight."""
     src, shift, mask = _source_bits(w)
-    nblk = src.size // BLOCK_SIZE
+
+    def blocks(b0: int, b1: int, s2f, out, scratch) -> int:
+        return _jit.nvfp4_blocks(src[b0 * 16: b1 * 16], shift, mask, s2f, _E4M3_TO_F32, *out,
+                                 _buf("nv:tmp", (_NV_CHUNK_BLOCKS * 16,), src.dtype), *scratch,
+                                 _buf("nv:u", (_NV_CHUNK_BLOCKS * 16,), np.uint32))
+    return _nvfp4_chunks(blocks, src.size // BLOCK_SIZE, s2, name)
+
+
+def _nvfp4_from_mxfp8(q: np.ndarray, e8: np.ndarray, s2: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same for the weight stored MXFP8 bytes hold (e4m3 q, e8m0 e8), read once, never
+    dequantized whole (_jit.nvfp4_from_mxfp8)."""
+    def blocks(b0: int, b1: int, s2f, out, scratch) -> int:  # b0, b1 even: whole 32-blocks
+        return _jit.nvfp4_from_mxfp8(q[b0 * 16: b1 * 16], e8[b0 // 2: b1 // 2], s2f, _E4M3_TO_F32, *out,
+                                     _buf("nv:tmp8", (_NV_CHUNK_BLOCKS * 16,), np.uint8), *scratch,
+                                     _buf("nv:x", (_NV_CHUNK_BLOCKS * 16,), np.float32))
+    return _nvfp4_chunks(blocks, q.size // BLOCK_SIZE, s2, name)
+
+
+def _nvfp4_chunks(blocks, nblk: int, s2: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A compiled kernel over the blocks, a range per thread (_run_chunks):
+    blocks(b0, b1, s2, (packed, scale) of those blocks, per-thread scratch) -> a _jit status."""
     packed = torch.empty(nblk * 8, dtype=torch.uint8)
     scale = torch.empty(nblk, dtype=torch.uint8)
     packed_np, scale_np, s2f = packed.numpy(), scale.numpy(), np.float32(float(s2))
 
     def chunk(b0: int, b1: int) -> None:
-        m, n, M = b1 - b0, (b1 - b0) * BLOCK_SIZE, _NV_CHUNK_BLOCKS  # scratch of a whole chunk, reused
-        scratch = (_buf("nv:tmp", (M * 16,), src.dtype)[:n], _buf("nv:top", (M,), np.uint32)[:m],
-                   _buf("nv:pbs", (M,), np.uint32)[:m], _buf("nv:d", (M,), np.float32)[:m],
-                   _buf("nv:dd", (M * 8,), np.float32)[: n // 2], _buf("nv:u", (M * 16,), np.uint32)[:n])
-        status = _jit.nvfp4_blocks(src[b0 * 16: b1 * 16], shift, mask, s2f, _E4M3_TO_F32, packed_np[b0 * 8: b1 * 8],
-                                   scale_np[b0:b1], *scratch)
+        M = _NV_CHUNK_BLOCKS  # the kernel's chunk: its scratch stays in the L2 cache
+        scratch = (_buf("nv:top", (M,), np.uint32), _buf("nv:pbs", (M,), np.uint32),
+                   _buf("nv:d", (M,), np.float32), _buf("nv:dd", (M * 16,), np.float32),
+                   _buf("nv:codes", (M * 16,), np.uint32))
+        status = blocks(b0, b1, s2f, (packed_np[b0 * 8: b1 * 8], scale_np[b0:b1]), scratch)
         if status == _jit.NONFINITE:
             raise _nonfinite(name)
         if status == _jit.SCALE_UNDERFLOW:  # only from an absurdly small caller-given global_amax
@@ -199,6 +219,27 @@ def _nvfp4_torch(w: torch.Tensor, s2: torch.Tensor, name: str) -> tuple[torch.Te
     y = blocks / (scale.to(torch.float32) * s2d).unsqueeze(-1)
     codes = _e2m1_codes_torch(y.reshape(-1))
     return pack_e2m1(codes), scale.view(torch.uint8)
+
+
+def _global_scale(g: np.float32, name: str) -> torch.Tensor:
+    """weight_scale_2 of a global amax (fp32 divide, as ModelOpt). An amax of 0 takes 1: ModelOpt
+    divides 0 by 0 there and writes NaN scales; we write a finite, valid encoding of an all-zero
+    tensor instead (codes 0, block scales 1.0, weight_scale_2 = 1/2688)."""
+    s2 = torch.tensor((g if g != 0 else np.float32(1.0)) / np.float32(GLOBAL_DIV), dtype=torch.float32)
+    if float(s2) == 0.0:
+        raise FormatError(f"{_where(name)}global_amax {float(g):g} is too small (weight_scale_2 "
+                          f"underflows to 0)", tensor=name or None)
+    return s2
+
+
+def _tensors(shape, packed, scale, s2, input_amax, name) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors (suffix -> tensor) of a weight of `shape`, on its device."""
+    out = {"weight": packed.reshape(*shape[:-1], shape[-1] // 2),
+           "weight_scale": scale.view(torch.float8_e4m3fn).reshape(*shape[:-1], shape[-1] // BLOCK_SIZE),
+           "weight_scale_2": s2.to(packed.device)}
+    if input_amax is not None:
+        out["input_scale"] = nvfp4_input_scale(input_amax, name).to(packed.device)
+    return out
 
 
 # ============================================================================ the format
@@ -249,32 +290,28 @@ class NVFP4(Format):
             g = np.float32(amax(w, name).item())
         else:
             g = _as_amax(global_amax, "global_amax", name)
-        if g == 0:
-            # ModelOpt divides 0 by 0 here and writes NaN scales; we write a finite, valid encoding
-            # of an all-zero tensor instead (codes 0, block scales 1.0, weight_scale_2 = 1/2688).
-            if global_amax is not None and float(amax(w, name)) != 0.0:
+            if g == 0 and float(amax(w, name)) != 0.0:
                 raise FormatError(f"{_where(name)}global_amax is 0 but the tensor is not all zero", tensor=name or None)
-            g = np.float32(1.0)
-        s2 = torch.tensor(g / np.float32(GLOBAL_DIV), dtype=torch.float32)  # fp32 divide, as ModelOpt
-        if float(s2) == 0.0:
-            raise FormatError(f"{_where(name)}global_amax {float(g):g} is too small (weight_scale_2 "
-                              f"underflows to 0)", tensor=name or None)
-        if w.device.type == "cpu":
-            packed, scale = _nvfp4_cpu(w, s2, name)
-        else:
-            packed, scale = _nvfp4_torch(w, s2, name)
-        shape = tuple(w.shape)
-        out = {
-            "weight": packed.reshape(*shape[:-1], shape[-1] // 2),
-            "weight_scale": scale.view(torch.float8_e4m3fn).reshape(*shape[:-1], shape[-1] // BLOCK_SIZE),
-            "weight_scale_2": s2.to(w.device),
-        }
-        if input_amax is not None:
-            out["input_scale"] = nvfp4_input_scale(input_amax, name).to(w.device)
-        return out
+        s2 = _global_scale(g, name)
+        packed, scale = _nvfp4_cpu(w, s2, name) if w.device.type == "cpu" else _nvfp4_torch(w, s2, name)
+        return _tensors(tuple(w.shape), packed, scale, s2, input_amax, name)
 
-    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+    def requantize(self, tensors, source, *, input_amax=None, name=""):
+        """From MXFP8 on CPU, the bytes are read once: the global amax from the blocks of the
+        largest exponents (`mxfp8.amax_before_reading`, exact), then each chunk decoded and
+        quantized while it is in the cache, no fp32 copy of the weight made. Bit-identical to
+        quantizing the dequantized weight (tests/test_formats.py)."""
+        if not isinstance(source, MXFP8) or tensors["weight"].device.type != "cpu":
+            return super().requantize(tensors, source, input_amax=input_amax, name=name)
+        q, e8, shape = stored_bytes(tensors)
+        g = amax_before_reading(tensors)
+        if not np.isfinite(g):
+            raise _nonfinite(name)
+        s2 = _global_scale(g, name)
+        packed, scale = _nvfp4_from_mxfp8(q, e8, s2, name)
+        return _tensors(shape, packed, scale, s2, input_amax, name)
+
+    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``e2m1(weight) * (fp32(weight_scale) * weight_scale_2)`` per 16-block, in fp32, then cast
         to ``dtype`` (ModelOpt ``NVFP4QTensor.dequantize``)."""
         packed = tensors["weight"]
