@@ -5,9 +5,9 @@ mxfp8.py document the rules and their sources; this module only evaluates them, 
 
 A kernel works on a range of whole blocks, in chunks the size of the caller's scratch arrays
 (per thread, reused: fresh ones would page-fault on every chunk; sized to stay in the L2 cache),
-one call per thread so that numba's call overhead is paid once. It reads the source as unsigned
-bit patterns (bf16 as uint16, `shift` 16 turning one into the fp32 pattern of the same value; fp32 as uint32, shift 0).
-Each chunk runs as flat loops over whole arrays, indexed by the loop variable only, so that LLVM
+so that numba's call overhead is paid once per range, not per chunk. It reads the source as
+unsigned bit patterns (bf16 as uint16, `shift` 16 turning one into the fp32 pattern of the same
+value; fp32 as uint32, shift 0). Each chunk runs as flat loops over whole arrays, indexed by the loop variable only, so that LLVM
 vectorizes each (a computed index costs numba's negative-index check, which blocks that; so does
 Python's zero-division check, hence error_model "numpy"). It returns OK or a status its caller
 turns into a FormatError naming the tensor."""

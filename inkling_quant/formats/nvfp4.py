@@ -101,12 +101,13 @@ def amax(w: torch.Tensor, name: str = "") -> torch.Tensor:
     lock = threading.Lock()
 
     def chunk(lo: int, hi: int) -> None:
+        m = 0
         for a in range(lo, hi, _AMAX_CHUNK):
             b = _buf("amax", (_AMAX_CHUNK,), flat.dtype)[: min(hi, a + _AMAX_CHUNK) - a]
             np.bitwise_and(flat[a: a + b.size], mask, out=b)
-            m = int(b.max())
-            with lock:
-                parts.append(m)
+            m = max(m, int(b.max()))
+        with lock:
+            parts.append(m)
 
     _run_chunks(chunk, n, _AMAX_CHUNK)
     m = max(parts)
@@ -171,7 +172,7 @@ def _nvfp4_from_mxfp8(q: np.ndarray, e8: np.ndarray, s2: torch.Tensor, name: str
 
 
 def _nvfp4_chunks(blocks, nblk: int, s2: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A compiled kernel over the blocks, a range per thread (_run_chunks):
+    """A compiled kernel over the blocks, in ranges the threads take in turn (_run_chunks):
     blocks(b0, b1, s2, (packed, scale) of those blocks, per-thread scratch) -> a _jit status."""
     packed = torch.empty(nblk * 8, dtype=torch.uint8)
     scale = torch.empty(nblk, dtype=torch.uint8)
