@@ -7,7 +7,8 @@ Speed: quantizes the same bf16 tensor (default one routed-expert gate/up project
 for bit, and prints MB/s of bf16 input (best of --repeat runs; the machine is shared, so the best
 run is the one least disturbed). "MB per CPU-second" divides by the process's CPU time instead:
 with T threads on T otherwise idle cores, wall MB/s approaches T times it. Also times ``amax``
-(the extra pass the converter makes for the gate/up shared global scale).
+(the extra pass the converter makes for the gate/up shared global scale), and NVFP4 from the
+MXFP8 release (`NVFP4.requantize`) against dequantize + quantize.
 
     python tools/bench_formats.py                      # 2 threads, both formats
     python tools/bench_formats.py --threads 1 --rows 1024
@@ -111,8 +112,26 @@ def speed(args) -> None:
             if not same:
                 rows.append(name)
         print(line)
+    if {"nvfp4", "mxfp8"} <= set(args.formats.split(",")):
+        requantize_speed(w, mb, args.repeat)
     if rows:
         raise SystemExit(f"NOT bit-exact with ModelOpt: {rows}")
+
+
+def requantize_speed(w: torch.Tensor, mb: float, repeat: int) -> None:
+    """NVFP4 of the weight an MXFP8 release stores: read from its bytes (`NVFP4.requantize`, the
+    converter's path) against dequantizing to fp32 and quantizing that; MB/s of the bf16 weight."""
+    nv, mx = FORMATS["nvfp4"], FORMATS["mxfp8"]
+    stored = mx.quantize(w)
+    fused, plain = nv.requantize(stored, mx), nv.quantize(mx.dequantize(stored))
+    same = all(torch.equal(fused[k].reshape(-1).view(torch.uint8), plain[k].reshape(-1).view(torch.uint8))
+               for k in plain) and set(fused) == set(plain)
+    t_fused = best_of(lambda: nv.requantize(stored, mx), repeat)
+    t_plain = best_of(lambda: nv.quantize(mx.dequantize(stored)), repeat)
+    print(f"{'mxfp8->nvfp4':<8} ours {mb / t_fused:9.1f} MB/s   dequantize + quantize {mb / t_plain:8.1f} MB/s"
+          f"   x{t_plain / t_fused:5.1f}   bit-identical: {same}")
+    if not same:
+        raise SystemExit("NVFP4.requantize differs from quantizing the dequantized weight")
 
 
 def errors(args) -> None:
