@@ -444,7 +444,7 @@ def test_mxfp8_amax_before_reading_finds_the_maximum_wherever_it_is():
     """The global amax NVFP4.requantize starts from reads only the blocks of the largest
     exponents; it must still be the exact maximum when a block of a smaller exponent holds it,
     and give up to a full read when no few blocks do (all zeros)."""
-    from inkling_quant.formats.mxfp8 import amax_before_reading
+    from inkling_quant.formats.mxfp8 import amax_before_reading, stored_bytes
     lower_wins = random_mxfp8(rows=4, cols=256, e8_range=(100, 120))
     lower_wins["weight_scale"][0, 0] = 130                        # the largest exponent...
     lower_wins["weight"].view(U8)[0, :32] = 0x08                  # ...holds 2^-6 x 2^3 only
@@ -458,11 +458,11 @@ def test_mxfp8_amax_before_reading_finds_the_maximum_wherever_it_is():
     for stored in release_cases() + [lower_wins, many_levels, MXFP8().quantize(torch.zeros(8, 64, dtype=BF)),
                                      random_mxfp8(seed=11)]:
         want = MXFP8().dequantize(stored, torch.float32).abs().amax()
-        assert torch.equal(torch.tensor(amax_before_reading(stored)), want)
+        assert torch.equal(torch.tensor(amax_before_reading(*stored_bytes(stored)[:2])), want)
     assert float(MXFP8().amax(lower_wins)) == 448.0 * 4 and float(MXFP8().amax(many_levels)) == 448.0 * 2 ** 8
     hidden_nan = MXFP8().quantize(outliers())                     # a NaN byte in a block not read
     hidden_nan["weight"].view(U8)[40, 200] = 0x7F
-    assert np.isfinite(amax_before_reading(hidden_nan))
+    assert np.isfinite(amax_before_reading(*stored_bytes(hidden_nan)[:2]))
     with pytest.raises(FormatError, match="contains NaN or Inf"):  # the kernel reads every block
         NVFP4().requantize(hidden_nan, MXFP8())
 

@@ -7,10 +7,10 @@ A kernel works on a range of whole blocks, in chunks the size of the caller's sc
 (per thread, reused: fresh ones would page-fault on every chunk; sized to stay in the L2 cache),
 so that numba's call overhead is paid once per range, not per chunk. It reads the source as
 unsigned bit patterns (bf16 as uint16, `shift` 16 turning one into the fp32 pattern of the same
-value; fp32 as uint32, shift 0). Each chunk runs as flat loops over whole arrays, indexed by the loop variable only, so that LLVM
-vectorizes each (a computed index costs numba's negative-index check, which blocks that; so does
-Python's zero-division check, hence error_model "numpy"). It returns OK or a status its caller
-turns into a FormatError naming the tensor."""
+value; fp32 as uint32, shift 0). Each chunk runs as flat loops over whole arrays, indexed by the
+loop variable only, so that LLVM vectorizes each (a computed index costs numba's negative-index
+check, which blocks that; so does Python's zero-division check, hence error_model "numpy"). It
+returns OK or a status its caller turns into a FormatError naming the tensor."""
 from __future__ import annotations
 
 import math
@@ -265,7 +265,6 @@ def mxfp8_amax_bits(q, e8, e4m3_values, tmp, top):
             v[b] = e4m3_values[top8[b]] * v[b]
         amax = max(amax, bits.max())
     return amax
-
 
 
 @_jit

@@ -115,16 +115,29 @@ def stored_bytes(tensors: Mapping[str, torch.Tensor]) -> tuple[np.ndarray, np.nd
             tuple(w.shape))
 
 
-def amax_before_reading(tensors: Mapping[str, torch.Tensor]) -> np.float32:
-    """max |dequantized weight| of stored MXFP8 CPU tensors, exact where they are finite, read from
-    the few blocks whose exponent can hold it (_jit.mxfp8_amax_by_scale; every block when
-    those are not few). A NaN byte in a block not read is not seen: for a caller that reads every
-    value next anyway (NVFP4.requantize, whose kernel checks each block)."""
-    q, e8, _ = stored_bytes(tensors)
+def _amax_of_bytes(q: np.ndarray, e8: np.ndarray) -> np.float32:
+    """max |dequantized weight| of stored bytes (`stored_bytes`), every block read
+    (_jit.mxfp8_amax_bits, the values never written); NaN or Inf where one is held."""
+    parts, lock = [0], threading.Lock()
+
+    def chunk(b0: int, b1: int) -> None:
+        top = _jit.mxfp8_amax_bits(q[b0 * 32: b1 * 32], e8[b0:b1], _E4M3_TO_F32,
+                                   _buf("mx:tmp8", (_MX_CHUNK_BLOCKS * 32,), np.uint8),
+                                   _buf("mx:top", (_MX_CHUNK_BLOCKS,), np.uint32))
+        with lock:
+            parts.append(int(top))
+
+    _run_chunks(chunk, e8.size, _MX_CHUNK_BLOCKS)
+    return np.array(max(parts), dtype=np.uint32).view(np.float32)[()]
+
+
+def amax_before_reading(q: np.ndarray, e8: np.ndarray) -> np.float32:
+    """max |dequantized weight| of stored bytes (`stored_bytes`), exact where they are finite,
+    read from the few blocks whose exponent can hold it (_jit.mxfp8_amax_by_scale; every block
+    when those are not few). A NaN byte in a block not read is not seen: for a caller that reads
+    every value next anyway (NVFP4.requantize, whose kernel checks each block)."""
     g = _jit.mxfp8_amax_by_scale(q, e8, _E4M3_TO_F32, 4)
-    if g < 0:  # the maximum could be in many blocks: read them all
-        g = np.float32(MXFP8().amax(tensors).item())
-    return g
+    return _amax_of_bytes(q, e8) if g < 0 else g  # < 0: the maximum could be in many blocks
 
 
 class MXFP8(Format):
@@ -185,21 +198,11 @@ class MXFP8(Format):
         return out.to(dtype)
 
     def amax(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """On CPU from the bytes alone (_jit.mxfp8_amax_bits), the values never written."""
+        """On CPU from the bytes alone (`_amax_of_bytes`), the values never written."""
         if tensors["weight"].device.type != "cpu":
             return super().amax(tensors)
-        q, sc, _ = stored_bytes(tensors)
-        parts, lock = [0], threading.Lock()
-
-        def chunk(b0: int, b1: int) -> None:
-            top = _jit.mxfp8_amax_bits(q[b0 * 32: b1 * 32], sc[b0:b1], _E4M3_TO_F32,
-                                       _buf("mx:tmp8", (_MX_CHUNK_BLOCKS * 32,), np.uint8),
-                                       _buf("mx:top", (_MX_CHUNK_BLOCKS,), np.uint32))
-            with lock:
-                parts.append(int(top))
-
-        _run_chunks(chunk, sc.size, _MX_CHUNK_BLOCKS)
-        return torch.from_numpy(np.array(max(parts), dtype=np.uint32).view(np.float32))
+        q, e8, _ = stored_bytes(tensors)
+        return torch.tensor(_amax_of_bytes(q, e8), dtype=torch.float32)
 
     def layer_config(self, weight_only: bool = False) -> dict:
         return {"quant_algo": "MXFP8", "group_size": BLOCK_SIZE}

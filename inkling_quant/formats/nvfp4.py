@@ -305,7 +305,7 @@ class NVFP4(Format):
         if not isinstance(source, MXFP8) or tensors["weight"].device.type != "cpu":
             return super().requantize(tensors, source, input_amax=input_amax, name=name)
         q, e8, shape = stored_bytes(tensors)
-        g = amax_before_reading(tensors)
+        g = amax_before_reading(q, e8)
         if not np.isfinite(g):
             raise _nonfinite(name)
         s2 = _global_scale(g, name)
