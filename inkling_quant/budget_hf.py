@@ -138,6 +138,9 @@ def _text(d: dict, source: str) -> tuple[HFText, list[str]]:
     o, mt, notes = t.obj, moe.model_type, []
     heads = t.int("num_attention_heads")
     kv = heads if o.get("num_key_value_heads") is None else t.int("num_key_value_heads", hi=heads)
+    if o.get("head_dim") is None and moe.hidden_size % heads:
+        raise ConfigError(f"{t.where}num_attention_heads {heads} does not divide hidden_size {moe.hidden_size} and "
+                          f"there is no head_dim: the attention's width is not in the config", path=source)
     head_dim = moe.hidden_size // heads if o.get("head_dim") is None else t.int("head_dim")
     if o.get("moe_layer_freq", 1) != 1:
         raise ConfigError(f"{t.where}moe_layer_freq {_short(o['moe_layer_freq'])}: MoE layers other than "
@@ -251,13 +254,10 @@ def _tie(d: dict, t: ConfigFields, source: str) -> bool:
 
 
 def _dtype(d: dict, t: ConfigFields, source: str) -> str:
-    for obj, where in ((t.obj, t.where), (d, "")):
+    for fields in (t, ConfigFields(d, "", source)):
         for key in ("dtype", "torch_dtype"):
-            if obj.get(key) is not None:
-                if obj[key] not in DTYPES:
-                    raise ConfigError(f"{where}{key} {_short(obj[key])} is not one of {', '.join(DTYPES)}",
-                                      path=source)
-                return obj[key]
+            if fields.obj.get(key) is not None:
+                return fields.choice(key, DTYPES, "bfloat16")
     return "bfloat16"
 
 

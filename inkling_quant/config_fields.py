@@ -38,3 +38,20 @@ class ConfigFields:
         if not isinstance(v, bool):
             raise ConfigError(f"{self.where}{key} must be true or false, got {_short(v)}", path=self.source)
         return v
+
+    def layer_list(self, key: str) -> list[int]:
+        """A list of layer indices (`mlp_only_layers`, `moe_layers`); one past the model's depth
+        names no layer (transformers does not check either)."""
+        v = self.obj.get(key) or []
+        if not isinstance(v, list) or not all(type(i) is int and 0 <= i < MAX_LAYERS for i in v):
+            raise ConfigError(f"{self.where}{key} must be a list of layer indices, got {_short(v)}", path=self.source)
+        return v
+
+    def choice(self, key: str, choices, default: str) -> str:
+        """A string that must be one of `choices` (a dtype name, say)."""
+        v = self.obj.get(key)
+        if v is None:
+            return default
+        if not isinstance(v, str) or v not in choices:
+            raise ConfigError(f"{self.where}{key} {_short(v)} is not one of {', '.join(choices)}", path=self.source)
+        return v

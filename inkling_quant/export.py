@@ -102,6 +102,15 @@ def read_quantization(root: Path, config: dict) -> dict | None:
         or q.get("quant_method")
     if algo is not None and not isinstance(algo, str):
         raise ConfigError(f"{where}.quant_algo must be a string, got {short_repr(algo)}", path=file)
+    for key in ("exclude_modules", "ignore"):
+        v = q.get(key)
+        if v is not None and not (isinstance(v, list) and all(isinstance(p, str) for p in v)):
+            raise ConfigError(f"{where}.{key} must be a list of module names or patterns, got {short_repr(v)}",
+                              path=file)
+    layers = q.get("quantized_layers")
+    if layers is not None and not (isinstance(layers, dict) and all(isinstance(e, dict) for e in layers.values())):
+        raise ConfigError(f"{where}.quantized_layers must map module names to objects, got {short_repr(layers)}",
+                          path=file)
     return {**q, "quant_algo": algo}
 
 

@@ -105,13 +105,11 @@ def _dense_layers(t: ConfigFields, n: int) -> frozenset[int] | None:
         k = t.int("first_k_dense_replace", lo=0, hi=n)
         return frozenset(range(k))
     if "mlp_only_layers" in o or "decoder_sparse_step" in o:  # Qwen2/3-MoE: modeling_qwen3_moe.py
-        only = o.get("mlp_only_layers") or []
-        if not isinstance(only, list) or not all(type(i) is int for i in only):
-            raise ConfigError(f"{t.where}mlp_only_layers must be a list of layer indices", path=t.source)
+        only = t.layer_list("mlp_only_layers")
         step = t.int("decoder_sparse_step", 1)
         return frozenset(i for i in range(n) if i in only or (i + 1) % step)
-    if "moe_layers" in o and isinstance(o["moe_layers"], list):  # Llama 4
-        return frozenset(range(n)) - frozenset(o["moe_layers"])
+    if "moe_layers" in o and o["moe_layers"] is not None:  # Llama 4
+        return frozenset(range(n)) - frozenset(t.layer_list("moe_layers"))
     if "interleave_moe_layer_step" in o:
         step = t.int("interleave_moe_layer_step")
         return frozenset(i for i in range(n) if (i + 1) % step)
@@ -294,6 +292,12 @@ def detect(names: list[str], cfg: "MoEConfig | Inkling2Config | None" = None, so
                               f"stacked 'layers.N.mlp.experts.gate_up_proj', Inkling 'mlp.experts.w13_weight'); "
                               f"found {what}", path=source)
     (kind, block), layers = next(iter(kinds.items()))
+    if cfg is not None and not isinstance(cfg, Inkling2Config) and (kind == "interleaved"
+                                                                     or prefix == inkling2.TEXT_PREFIX):
+        raise ConfigError(f"the tensors are Inkling 2's under its original names ({prefix}layers.N..., routed "
+                          f"experts mlp.experts.w13_weight/w2_weight), but config.json describes a "
+                          f"{cfg.model_type!r} model: the config and the tensors must agree (Inkling 2's "
+                          f"config.json nests text_config with model_type 'inkling2')", path=source)
     storage = ExpertStorage(kind, block)
     if kind == "per_expert":
         proj = next((p for p in PER_EXPERT_NAMES if names_seen <= set(p)), None)
@@ -358,6 +362,12 @@ def _inkling_specs(cfg: Inkling2Config, lay: Layout) -> Iterator[TensorSpec]:
                               f"({lay.describe()}); expected one of: " + "; ".join(INKLING_NAMINGS.values()))
     for s in inkling2.checkpoint_tensors(cfg, include_experts=False):
         yield s if original_names(cfg, lay.text_prefix) else inkling2.transformers_spec(cfg, s)
+
+
+def expert_tensor_count(lay: Layout, moe: MoEConfig) -> int:
+    """How many weights `expert_specs` lists, counted without listing them: what bounds the work a
+    config's expert count may ask for by what a checkpoint holds (verify)."""
+    return (3 * moe.num_experts if lay.experts.kind == "per_expert" else 2) * len(lay.expert_layers)
 
 
 def expert_specs(lay: Layout, moe: MoEConfig) -> Iterator[TensorSpec]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import tomllib
 from dataclasses import dataclass
 from fractions import Fraction
@@ -22,6 +23,8 @@ from .tensors import TensorName
 
 
 QUANTIZABLE_PARTS = ("expert",)  # what a rule may quantize: routed experts (everything else passes through)
+ALL_LAYERS = 1 << 62              # `layers: "all"`: past any model's depth
+MAX_LAYER_DIGITS = 9              # a layer index of a scheme file: up to 999,999,999
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,12 @@ class Rule:
     stop: Fraction | int   # one past the last layer, likewise
     format: str
     absolute: bool = False
+
+    def layers_text(self) -> str:
+        """An absolute rule's `layers` as a scheme file spells it."""
+        if self.stop >= ALL_LAYERS:
+            return "all"
+        return f"{self.start}" if self.stop == self.start + 1 else f"{self.start}-{self.stop - 1}"
 
     def layers(self, n_layers: int) -> range:
         if self.absolute:
@@ -52,6 +61,19 @@ class Scheme:
 
     def format_for(self, cfg, t: TensorName) -> Format:
         return FORMATS[self.format_name(cfg, t)]
+
+    @property
+    def builtin(self) -> bool:
+        return SCHEMES.get(self.name) is self
+
+    def record(self) -> str | dict:
+        """What an output records of the scheme that made it: a built-in's name, or a user scheme's
+        name, description and rules (`from_record` reads them back), so that the output verifies
+        without the file."""
+        if self.builtin:
+            return self.name
+        return {"name": self.name, "description": self.description,
+                "rules": [{"part": r.part, "layers": r.layers_text(), "format": r.format} for r in self.rules]}
 
     def table(self, cfg) -> list[dict]:
         rows = [{"part": r.part, "layers": _span(r.layers(cfg.num_hidden_layers)), "format": r.format,
@@ -81,7 +103,18 @@ def get_scheme(name: str) -> Scheme:
         return SCHEMES[name]
     if name.endswith((".json", ".toml")):
         return load_scheme(name)
-    raise UsageError(f"unknown scheme {name!r}; known: {', '.join(SCHEMES)}, or a scheme file (.json or .toml)")
+    raise UsageError(f"unknown scheme {_short(name)}; known: {', '.join(SCHEMES)}, or a scheme file (.json or .toml)")
+
+
+def from_record(record, where: str) -> Scheme:
+    """The scheme an output recorded (`Scheme.record`): a built-in's name, or a user scheme's
+    rules, checked as a scheme file's are (a defect is a UsageError naming `where`)."""
+    if isinstance(record, str) and record in SCHEMES:
+        return SCHEMES[record]
+    if not isinstance(record, dict):
+        raise UsageError(f"the recorded scheme {_short(record)} is neither a built-in scheme "
+                         f"({', '.join(SCHEMES)}) nor a scheme's rules", path=where)
+    return _scheme(record, where, "recorded scheme")
 
 
 def load_scheme(path: str | Path) -> Scheme:
@@ -89,46 +122,66 @@ def load_scheme(path: str | Path) -> Scheme:
     "format": "nvfp4"}, ...]}` in JSON, or the same as TOML (`[[rules]]` tables). `layers` is
     "all", "A-B" (inclusive) or "A"; the first rule naming a tensor decides its format, and
     tensors no rule names pass through. Every defect is a UsageError naming the file and rule."""
-    from .io.checkpoint import read_json
+    from .io.checkpoint import read_json, read_text
 
     p = Path(path)
     if not p.is_file():
         raise UsageError("scheme file not found", path=str(p))
     if p.suffix == ".toml":
         try:
-            d = tomllib.loads(p.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise UsageError(f"not valid TOML: {e}", path=str(p)) from None
+            d = tomllib.loads(read_text(p, "scheme file", UsageError))
+        except (tomllib.TOMLDecodeError, RecursionError, ValueError) as e:
+            why = "nested too deeply" if isinstance(e, RecursionError) else e
+            raise UsageError(f"not valid TOML: {why}", path=str(p)) from None
     else:
         d = read_json(p, "scheme file", UsageError)
+    if isinstance(d, dict) and not d.get("name"):
+        d = {**d, "name": p.name}
+    return _scheme(d, str(p), "a scheme file")
+
+
+def _scheme(d, path: str, what: str) -> Scheme:
     if not isinstance(d, dict) or not isinstance(d.get("rules"), list) or not d["rules"]:
-        raise UsageError("a scheme file holds a non-empty list `rules` of {part, layers, format}", path=str(p))
+        raise UsageError(f"{what} holds a non-empty list `rules` of {{part, layers, format}}", path=path)
     unknown = sorted(set(d) - {"rules", "description", "name"})
     if unknown:
-        raise UsageError(f"unknown key(s) {', '.join(unknown)} (expected rules, description, name)", path=str(p))
-    rules = tuple(_rule(r, i, str(p)) for i, r in enumerate(d["rules"]))
-    return Scheme(str(d.get("name") or p.name), str(d.get("description") or f"rules from {p.name}"), rules)
+        raise UsageError(f"unknown key(s) {_short(', '.join(map(str, unknown)))} (expected rules, description, "
+                         f"name)", path=path)
+    for key in ("name", "description"):
+        if not isinstance(d.get(key, ""), str):
+            raise UsageError(f"`{key}` is a string, got {_short(d[key])}", path=path)
+    rules = tuple(_rule(r, i, path) for i, r in enumerate(d["rules"]))
+    name = d.get("name") or Path(path).name
+    if name in SCHEMES:  # a user's rules never pass for a built-in scheme's
+        name = f"{name} ({Path(path).name})"
+    return Scheme(name, d.get("description") or f"rules from {Path(path).name}", rules)
 
 
 def _rule(r, i: int, path: str) -> Rule:
     where = f"rules[{i}]"
     if not isinstance(r, dict) or set(r) != {"part", "layers", "format"}:
         raise UsageError(f"{where} must have exactly the keys part, layers, format; got {_short(r)}", path=path)
-    if r["part"] not in QUANTIZABLE_PARTS:
+    if not isinstance(r["part"], str) or r["part"] not in QUANTIZABLE_PARTS:
         raise UsageError(f"{where}.part {_short(r['part'])}: schemes quantize {', '.join(QUANTIZABLE_PARTS)} "
                          f"(routed experts) only; everything else passes through", path=path)
-    if r["format"] not in FORMATS:
+    if not isinstance(r["format"], str) or r["format"] not in FORMATS:
         raise UsageError(f"{where}.format {_short(r['format'])} is not one of {', '.join(FORMATS)}", path=path)
     layers = r["layers"]
     if layers == "all":
-        return Rule(r["part"], 0, 1 << 62, r["format"], absolute=True)
-    lo, sep, hi = str(layers).partition("-") if isinstance(layers, (str, int)) and not isinstance(layers, bool) \
-        else ("", "", "")
-    if not (lo.isdigit() and (hi.isdigit() if sep else True)) or (sep and int(hi) < int(lo)):
+        return Rule(r["part"], 0, ALL_LAYERS, r["format"], absolute=True)
+    m = _LAYERS.fullmatch(layers) if isinstance(layers, str) else None
+    if isinstance(layers, int) and not isinstance(layers, bool) and 0 <= layers < 10 ** MAX_LAYER_DIGITS:
+        start, stop = layers, layers + 1
+    elif m is not None and (m["hi"] is None or int(m["hi"]) >= int(m["lo"])):
+        start = int(m["lo"])
+        stop = (int(m["hi"]) if m["hi"] is not None else start) + 1
+    else:
         raise UsageError(f"{where}.layers {_short(layers)}: expected \"all\", a layer \"A\" or a range \"A-B\" "
-                         f"(inclusive, A <= B)", path=path)
-    start = int(lo)
-    return Rule(r["part"], start, (int(hi) if sep else start) + 1, r["format"], absolute=True)
+                         f"(inclusive, A <= B; layer numbers of up to {MAX_LAYER_DIGITS} ASCII digits)", path=path)
+    return Rule(r["part"], start, stop, r["format"], absolute=True)
+
+
+_LAYERS = re.compile(rf"(?P<lo>[0-9]{{1,{MAX_LAYER_DIGITS}}})(?:-(?P<hi>[0-9]{{1,{MAX_LAYER_DIGITS}}}))?")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -39,9 +39,9 @@ from ..schemes import get_scheme
 from .calibration import load_activation_amax, load_calibration
 from .planner import (FLOAT_SOURCES, OUTPUT_FORMATS, Options, Prepared, ShardJob, SrcTensor, Unit, list_source,
                       load_config, output_format, plan, validate_source)
-from .runner import (MANIFEST, MANIFEST_GLOB, confirm_complete, fingerprint, manifest_path, manifests, part_jobs,
-                     previous_output, recorded_checksums, refuse_symlinks, remove_temps, run_jobs, start_output,
-                     writing)
+from .runner import (FINGERPRINT_KEY, MANIFEST, MANIFEST_GLOB, confirm_complete, confirm_finalized, fingerprint, finished,
+                     manifest_path, manifests, part_jobs, previous_output, recorded_checksums, refuse_symlinks,
+                     remove_temps, run_jobs, start_output, writing)
 from .worker import SHARD_METADATA, ShardResult, convert_shard
 
 __all__ = ["FLOAT_SOURCES", "MANIFEST", "MANIFEST_GLOB", "MODELOPT_FORMAT_VERSION", "SHARD_METADATA", "Options",
@@ -62,8 +62,8 @@ def prepare(src: str, opts: Options) -> Prepared:
     opts = dataclasses.replace(opts, output_format=output_format(cfg, layout, opts.output_format))
     calibrated = {} if opts.weight_only else load_calibration(opts.activation_scales, tensors, layout, src)
     jobs = plan(cfg, layout, tensors, scheme, opts, calibrated, str(src))
-    return Prepared(root, repo, revision, cfg, layout, jobs, other_files, fingerprint(jobs, opts, stat),
-                    opts.output_format)
+    return Prepared(root, repo, revision, cfg, layout, jobs, other_files, fingerprint(jobs, opts, scheme, stat),
+                    fingerprint(jobs, opts, scheme, {}), opts.output_format, scheme)
 
 
 def convert(src: str, out: str | Path, opts: Options, *, resume: bool = False, overwrite: bool = False,
@@ -80,7 +80,7 @@ def convert(src: str, out: str | Path, opts: Options, *, resume: bool = False, o
     check_paths(out, [prep.root, opts.activation_scales], reports=reports)
     manifest = manifest_path(out, part)
     with writing(out, part):  # the output lock, and signals that stop the run cleanly
-        if previous_output(out, manifest, part, resume, overwrite):  # --resume on a finished OUT
+        if previous_output(out, part, resume, overwrite):  # a finished OUT: confirmed, never reopened
             confirm_complete(out, prep)
             return {**_report(src, out, opts, prep.jobs, [], t0), "already_complete": True}
         done = start_output(out, prep, jobs, manifest, resume)
@@ -108,6 +108,9 @@ def finalize(src: str, out: str | Path, opts: Options, *, prep: Prepared | None 
         raise UsageError("no such output directory: run the --part conversions first", path=out)
     with OutputLock(out):
         refuse_symlinks(out)
+        if finished(out):  # finalized before: say so, and check it is still what was finalized
+            return {"output": str(out), "shards": len(prep.jobs), "already_finalized": True,
+                    "files_checked": confirm_finalized(out, prep)}
         return _finalize_io(out, prep, opts)
 
 
@@ -133,7 +136,8 @@ def _finalize(out: Path, prep: Prepared, opts: Options) -> dict:
         copy_file_atomic(p, out / p.name)
     _write_checksums(out, sums, written + [p.name for p in prep.other_files])
     weight_map = {name: j.file for j in prep.jobs for name, _, _ in j.specs}
-    write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": sum(j.out_bytes for j in prep.jobs)},
+    write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": sum(j.out_bytes for j in prep.jobs),
+                                                      FINGERPRINT_KEY: prep.conversion},
                                          "weight_map": weight_map})
     for m in manifests(out):
         m.unlink()
@@ -174,7 +178,7 @@ def _write_configs(out: Path, prep: Prepared, opts: Options) -> list[str]:
         write_json_atomic(out / CONFIG_NAME, {**prep.cfg.raw, "quantization_config": modelopt_quantization_config(
             modelopt_hf_quant_config(q)["quantization"])})
         return [HF_QUANT_CONFIG, CONFIG_NAME]
-    converter = {"name": "inkling-quant", "version": __version__, "scheme": opts.scheme,
+    converter = {"name": "inkling-quant", "version": __version__, "scheme": prep.scheme.record(),
                  "weight_only": opts.weight_only}
     write_json_atomic(out / HF_QUANT_CONFIG, hf_quant_config(q, converter))
     write_json_atomic(out / CONFIG_NAME, config_with_quantization(prep.cfg.raw, q))
@@ -264,7 +268,12 @@ def run(args) -> int:
             raise UsageError("--finalize runs once, after all --part runs: drop --part")
         report = finalize(args.src, args.out, opts, reports=(args.json,))
         write_report(args.json, json.dumps(report, indent=2) + "\n")
-        if not quiet:
+        if quiet:
+            pass
+        elif report.get("already_finalized"):
+            print(f"{report['output']}: already finalized ({report['shards']} shards of this conversion; "
+                  f"{report['files_checked']} files match checksums.sha256); nothing to do")
+        else:
             print(f"finalized {report['output']}: {report['shards']} shards")
         return 0
     if args.part and args.overwrite:
@@ -287,7 +296,8 @@ def _part(text: str) -> tuple[int, int]:
     return i, n
 
 
-def print_summary(r: dict, file=sys.stdout) -> None:
+def print_summary(r: dict, file=None) -> None:
+    file = file or sys.stdout  # looked up now, not at import: a redirected stdout is honoured
     if r.get("already_complete"):
         print(f"{r['output']}: already complete ({r['shards']} shards of this conversion); nothing to do", file=file)
         return

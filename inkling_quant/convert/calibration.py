@@ -19,19 +19,26 @@ from .planner import SrcTensor
 
 def load_activation_amax(path: str | None) -> dict[str, float]:
     """module -> activation amax from a calibration file (JSON {module: amax} or safetensors
-    {module + '.input_amax': one-element float tensor})."""
+    {module + '.input_amax': one-element float tensor}) or a quantized checkpoint."""
+    return _load(path)[0]
+
+
+def _load(path: str | None) -> tuple[dict[str, float], dict[str, int]]:
+    """(module -> amax, stacked module -> how many experts its values stood for: a quantized
+    checkpoint's stacked `.input_amax` [E])."""
     if not path:
-        return {}
+        return {}, {}
     p = Path(path)
+    experts: dict[str, int] = {}
     if p.is_dir():
-        out = _amax_from_checkpoint(p)
+        out = _amax_from_checkpoint(p, experts)
     else:
         out = _amax_from_safetensors(p) if p.suffix == ".safetensors" else _amax_from_json(p)
     for k, v in out.items():
         if not (v > 0 and v < float("inf")):
             raise CheckpointError(f"module {k[:200]!r}: activation amax must be finite and positive, got {v}",
                                   path=path)
-    return out
+    return out, experts
 
 
 def _amax_from_safetensors(p: Path) -> dict[str, float]:
@@ -51,11 +58,12 @@ def _amax_from_safetensors(p: Path) -> dict[str, float]:
     return out
 
 
-def _amax_from_checkpoint(root: Path) -> dict[str, float]:
+def _amax_from_checkpoint(root: Path, experts: dict[str, int]) -> dict[str, float]:
     """module -> amax from a quantized checkpoint's own activation scales, taken verbatim (the
     format's exact inverse, so the scale is written back bit for bit): ModelOpt's per-module
     `<module>.input_scale` and the Inkling form's `<stacked>.input_amax` [E] (the largest of its
-    experts: vLLM takes the max). `load_calibration` maps the modules onto the source's."""
+    experts: vLLM takes the max; E recorded in `experts`). `load_calibration` maps the modules
+    onto the source's."""
     scaled = next(f for f in FORMATS.values() if f.static_activation_scale)
     out: dict[str, float] = {}
     ckpt = Checkpoint.open(root)
@@ -68,6 +76,8 @@ def _amax_from_checkpoint(root: Path) -> dict[str, float]:
                     values = [scaled.activation_amax(v) for v in _floats(readers.get(shard), name, e)]
                 elif name.endswith(".input_amax"):
                     module, values = name[: -len(".input_amax")], _floats(readers.get(shard), name, e)
+                    if len(e.shape) == 1:
+                        experts[module] = e.shape[0]
                 else:
                     continue
                 out[module] = max(out.get(module, 0.0), *values)
@@ -112,16 +122,23 @@ def load_calibration(path: str | None, tensors: list[SrcTensor], layout: Layout,
     `<experts>.<e>.<proj>` modules, a stacked source's stacked tensors (vLLM reads one input
     scale per layer and projection there: the largest of the experts' calibrated values). Every
     module the file names must map onto one of the source's."""
-    calibrated = load_activation_amax(path)
-    modules = {key for t in tensors if (key := layout.activation_key(layout.classify(t.name))) is not None}
+    calibrated, counted = _load(path)
+    # activation module -> the experts it holds (a stacked tensor: its E; a per-expert module: 1)
+    modules = {key: (t.shape[0] if layout.experts.kind != "per_expert" else 1)
+               for t in tensors if (key := layout.activation_key(layout.classify(t.name))) is not None}
     out: dict[str, float] = {}
     unknown = []
     for k, v in calibrated.items():
-        key = k if k in modules else _stacked_key(layout, k)
-        if key in modules:
-            out[key] = max(out.get(key, 0.0), v)
-        else:
+        key, expert = (k, None) if k in modules else _stacked_key(layout, k)
+        if key not in modules:
             unknown.append(k)
+            continue
+        n = modules[key]
+        if (expert is not None and expert >= n) or counted.get(k, n) != n:
+            what = f"expert {expert}" if expert is not None else f"{counted[k]} experts"
+            raise CheckpointError(f"module {printable(k[:200])!r} names {what}; {src} has {n} in {key!r}: calibration "
+                                  f"for another model?", path=path)
+        out[key] = max(out.get(key, 0.0), v)
     if unknown:
         unknown.sort()
         raise CheckpointError(f"{len(unknown)} of {len(calibrated)} module name(s) match "
@@ -131,16 +148,19 @@ def load_calibration(path: str | None, tensors: list[SrcTensor], layout: Layout,
 
 
 _PER_EXPERT_MODULE = re.compile(
-    r"(?P<experts>.+\.experts)\.\d+\.(?P<proj>" + "|".join(n for names in PER_EXPERT_NAMES for n in names) + ")")
+    r"(?P<experts>.+\.experts)\.(?P<expert>\d{1,9})\.(?P<proj>" + "|".join(n for names in PER_EXPERT_NAMES for n in names) + ")")
 
 
-def _stacked_key(layout: Layout, module: str) -> str | None:
-    """The stacked tensor of a stacked source that holds a per-expert module of ModelOpt's export
-    (`<experts>.<e>.gate_proj` -> `<experts>.gate_up_proj`; the Inkling layout's under
-    transformers' names -> `...mlp.experts.w13_weight`)."""
-    if layout.experts.kind == "interleaved":
-        return stacked_of_expert_module(module)
+def _stacked_key(layout: Layout, module: str) -> tuple[str | None, int | None]:
+    """(the stacked tensor of a stacked source that holds a per-expert module of ModelOpt's
+    export, that module's expert): `<experts>.<e>.gate_proj` -> `<experts>.gate_up_proj`; the
+    Inkling layout's under transformers' names -> `...mlp.experts.w13_weight`. (None, None) for
+    any other name."""
     m = _PER_EXPERT_MODULE.fullmatch(module)
-    if layout.experts.kind != "stacked" or m is None:
-        return None
-    return f"{m['experts']}.{'down_proj' if m['proj'] in ('down_proj', 'w2') else 'gate_up_proj'}"
+    if layout.experts.kind == "per_expert" or m is None:
+        return None, None
+    if layout.experts.kind == "interleaved":
+        key = stacked_of_expert_module(module)
+    else:
+        key = f"{m['experts']}.{'down_proj' if m['proj'] in ('down_proj', 'w2') else 'gate_up_proj'}"
+    return key, int(m["expert"]) if key is not None else None

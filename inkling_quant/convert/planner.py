@@ -18,7 +18,8 @@ from ..inkling2 import RELEASE_EXPERT_FORMAT, Inkling2Config, Spec, modelopt_ten
 from ..io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child, shard_name
 from ..io.safetensors import DTYPE_NAMES, DTYPES
 from ..io.shards import plan_shards
-from ..layout import INKLING_NAMINGS, Layout, MoEConfig, detect, expected_tensors, model_config, oriented, original_names
+from ..layout import (INKLING_NAMINGS, Layout, MoEConfig, detect, expected_tensors, expert_tensor_count, model_config,
+                      oriented, original_names)
 from ..schemes import Scheme
 from ..tensors import TensorName
 
@@ -107,8 +108,10 @@ class Prepared:
     layout: Layout
     jobs: list[ShardJob]
     other_files: list[Path]
-    fingerprint: str
+    fingerprint: str  # what a resume or a part must share, the source files included (runner.fingerprint)
+    conversion: str   # the same without the source files: what a finished OUT records of the conversion
     output_format: str  # settled: the one asked for, else the source's own (`output_format`)
+    scheme: Scheme
 
 
 # --------------------------------------------------------------------------- the source
@@ -159,6 +162,10 @@ def validate_source(cfg: Inkling2Config | MoEConfig, listing: Listing, root: str
     them); for Inkling 2, nothing else."""
     entries = {name: (shard, dtype, tuple(shape)) for shard, e in listing.items() for name, (dtype, shape) in e.items()}
     layout = oriented(detect(list(entries), cfg, root), {n: e[2] for n, e in entries.items()}, cfg)
+    implied = expert_tensor_count(layout, MoEConfig.of(cfg))
+    if implied > 4 * len(entries) + 64:  # before listing them: the work stays bounded by the files
+        raise ConfigError(f"config.json implies {implied} routed-expert weights, the checkpoint holds {len(entries)} "
+                          f"tensors in all: they disagree (expert or layer counts?)", path=f"{root}/{CONFIG_NAME}")
     expected = expected_tensors(cfg, layout)
     if layout.experts.kind == "interleaved":
         _release_experts(layout, expected, entries)

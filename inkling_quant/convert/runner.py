@@ -20,16 +20,20 @@ import torch
 from tqdm import tqdm
 
 from .. import __version__, hub
-from ..errors import Interrupted, OutputError, UnsafePathError, UsageError, WorkerDied
+from ..errors import CheckpointError, Interrupted, OutputError, UnsafePathError, UsageError, WorkerDied
 from ..io.checkpoint import INDEX_NAME, RESUME_MANIFEST, read_json, safe_child, write_json_atomic
 from ..io.files import temps_of
-from ..io.output import OutputLock
+from ..io.output import CHECKSUMS, OutputLock, read_checksums
 from ..io.safetensors import DTYPES, sha256_file, shard_file_size
+from ..schemes import Scheme
 from .planner import Options, Prepared, ShardJob
 from .worker import SHARD_METADATA, ShardResult, convert_shard
 
 MANIFEST = RESUME_MANIFEST  # a part's: the same name with its part tag before ".json"
 MANIFEST_GLOB = MANIFEST.removesuffix(".json") + "*.json"
+# in a finished OUT's index metadata: what the conversion was (`fingerprint` without the source files'
+# sizes and times, so that the same conversion of a copied source, or of a hub repo, writes the same index)
+FINGERPRINT_KEY = "inkling_quant_conversion"
 
 
 # --------------------------------------------------------------------------- parts and manifests
@@ -50,11 +54,13 @@ def manifests(out: Path) -> list[Path]:
     return sorted(out.glob(MANIFEST_GLOB))
 
 
-def fingerprint(jobs: list[ShardJob], opts: Options, stat: dict) -> str:
+def fingerprint(jobs: list[ShardJob], opts: Options, scheme: Scheme, stat: dict) -> str:
     """What a resume or a part must share: version, options (not how many workers or how the bytes
-    are written), the plan (with every activation amax, which a calibration file or checkpoint
-    behind the same path could change) and the source files."""
+    are written), the scheme's rules (a scheme file's may change behind its path), the plan (with
+    every activation amax, which a calibration file or checkpoint behind the same path could
+    change) and the source files."""
     blob = json.dumps({"version": __version__, "opts": asdict(opts) | {"workers": None, "buffered_io": None},
+                       "scheme": scheme.record(),
                        "jobs": [[j.file, list(j.specs), [[u.input_amax, u.source_format] for u in j.units]]
                                 for j in jobs], "sources": stat}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -130,9 +136,10 @@ _STOP = _StopRequest()  # in worker processes no handler is installed: check() n
 
 @contextmanager
 def writing(out: Path, part: tuple[int, int] | None) -> Iterator[None]:
-    """Hold OUT's lock (one writer per part; taken before anything is removed: never under a live
-    writer) and turn SIGINT/SIGTERM into a stop at the next unit, a file-size limit into an error."""
-    lock = OutputLock(out, part_tag(part)).acquire()
+    """Hold OUT's lock (a whole run's, or a part's: parts of one split run side by side, nothing
+    else beside them; taken before anything is removed: never under a live writer) and turn
+    SIGINT/SIGTERM into a stop at the next unit, a file-size limit into an error."""
+    lock = OutputLock(out, part).acquire()
     _STOP.signame = None
     old_handlers = {s: signal.signal(s, _STOP.handler) for s in (signal.SIGINT, signal.SIGTERM)}
     old_xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # file-size limit: an error, not a kill
@@ -146,18 +153,25 @@ def writing(out: Path, part: tuple[int, int] | None) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- the output directory
-def previous_output(out: Path, manifest: Path, part: tuple[int, int] | None, resume: bool, overwrite: bool) -> bool:
-    """A non-empty OUT (parts share theirs): refused, removed (--overwrite) or kept (--resume).
-    True when --resume finds a finished conversion there (an index and no manifest)."""
-    if not (out.exists() and any(out.iterdir()) and not part):
+def finished(out: Path) -> bool:
+    """OUT holds a finalized conversion: its index and no manifest (finalize writes the index last
+    and removes the manifests after it; a kill between the two leaves both: not finished)."""
+    return (out / INDEX_NAME).exists() and not manifests(out)
+
+
+def previous_output(out: Path, part: tuple[int, int] | None, resume: bool, overwrite: bool) -> bool:
+    """A non-empty OUT: refused, removed (--overwrite) or kept (--resume; a part's OUT is shared).
+    True when a kept OUT holds a finished conversion: it is confirmed, never converted into again
+    (a requeued part must not reopen a finalized checkpoint)."""
+    if not (out.exists() and any(out.iterdir())):
         return False
-    if not resume:
+    if not (resume or part):
         if not overwrite:
             raise UsageError("exists and is not empty; pass --resume to continue an interrupted "
                              "conversion or --overwrite to replace it", path=out)
         shutil.rmtree(out)
         return False
-    return (out / INDEX_NAME).exists() and not manifest.exists()
+    return finished(out)
 
 
 def start_output(out: Path, prep: Prepared, jobs: list[ShardJob], manifest: Path, resume: bool) -> dict[str, str]:
@@ -165,6 +179,7 @@ def start_output(out: Path, prep: Prepared, jobs: list[ShardJob], manifest: Path
     part's unfinished shards and temporaries and any index, and write the manifest."""
     out.mkdir(parents=True, exist_ok=True)
     refuse_symlinks(out)
+    refuse_other_conversions(out, prep, manifest)
     done = _load_done(manifest, prep.fingerprint, out) if resume else {}
     for j in jobs:  # unfinished shards (and temporaries) of this part: redo them
         for p in temps_of(out / j.file) + ([out / j.file] if j.file not in done else []):
@@ -173,6 +188,15 @@ def start_output(out: Path, prep: Prepared, jobs: list[ShardJob], manifest: Path
     (out / INDEX_NAME).unlink(missing_ok=True)
     _write_manifest(manifest, prep.fingerprint, done)
     return done
+
+
+def refuse_other_conversions(out: Path, prep: Prepared, own: Path) -> None:
+    """Another part's manifest of another conversion (other source, scheme or options): its shards
+    and ours would mix in one OUT."""
+    for m in manifests(out):
+        if m != own and read_json(m, "part manifest").get("fingerprint") != prep.fingerprint:
+            raise UsageError(f"holds shards of another conversion (other source, scheme or options; recorded in "
+                             f"{m.name}); convert into another OUT, or remove it first", path=out)
 
 
 def remove_temps(out: Path, names) -> None:
@@ -194,17 +218,34 @@ def refuse_symlinks(out: Path) -> None:
 
 
 def confirm_complete(out: Path, prep: Prepared) -> None:
-    """`--resume` on a finished OUT: confirm it is this conversion's result (its index lists
-    exactly the planned tensors in the planned shards, with the planned sizes), so that a retried
-    job (a Slurm requeue) passes. Nothing is rewritten or re-hashed."""
+    """A finished OUT met again (`--resume`, a part, a second `--finalize`): confirm it is this
+    conversion's result (its index lists exactly the planned tensors in the planned shards, with
+    the planned sizes), so that a retried job (a Slurm requeue) passes. Nothing is rewritten."""
     refuse_symlinks(out)
     index = read_json(out / INDEX_NAME, "index")
     planned = {name: j.file for j in prep.jobs for name, _, _ in j.specs}
     sizes_ok = all((out / j.file).is_file() and (out / j.file).stat().st_size == _shard_file_size(j)
                    for j in prep.jobs)
-    if index.get("weight_map") != planned or not sizes_ok:
-        raise UsageError("holds a finished conversion with another source, scheme or options; "
-                         "use --overwrite to replace it", path=out)
+    meta = index.get("metadata")
+    same = isinstance(meta, dict) and meta.get(FINGERPRINT_KEY) == prep.conversion  # options the names don't show
+    if index.get("weight_map") != planned or not sizes_ok or not same:
+        raise UsageError("holds a finished conversion with another source, scheme or options; it is left as "
+                         "it is: convert into another OUT, or replace it with a whole run (--overwrite)", path=out)
+
+
+def confirm_finalized(out: Path, prep: Prepared) -> int:
+    """A second `--finalize`: the finished OUT is this conversion's, and every file its
+    checksums.sha256 lists still has those bytes. Returns how many files were checked."""
+    confirm_complete(out, prep)
+    sums = read_checksums(safe_child(out, CHECKSUMS, "checksums"))
+    missing = [j.file for j in prep.jobs if j.file not in sums]
+    if missing:
+        raise CheckpointError(f"{CHECKSUMS} does not list the shard {missing[0]}", path=out / CHECKSUMS)
+    for name, digest in sums.items():
+        if sha256_file(safe_child(out, name, "file")) != digest:
+            raise CheckpointError(f"finalized, but its sha256 differs from {CHECKSUMS}: changed since",
+                                  path=out / name)
+    return len(sums)
 
 
 def _shard_file_size(j: ShardJob) -> int:

@@ -1,7 +1,7 @@
 """Number formats, looked up by name: the single source of truth for every bit we write."""
 from __future__ import annotations
 
-from .base import Format, OutSpec, Passthrough
+from .base import MIN_INVERTIBLE_SCALE, Format, OutSpec, Passthrough, invertible
 from .mxfp8 import MXFP8
 from .nvfp4 import NVFP4
 from .stacked import (expert_slices, slab_slices, stack_experts, stacked_specs, unstack_expert, unstack_experts,
@@ -14,7 +14,8 @@ FORMATS: dict[str, Format] = {f.name: f for f in (NVFP4(), MXFP8(), Passthrough(
 SCALE_SUFFIXES: tuple[str, ...] = tuple(dict.fromkeys(s for f in FORMATS.values() for s in f.suffixes
                                                       if s != "weight"))
 #: every value rule a format may name (`Format.value_rule`): what verify checks the bytes for
-VALUE_RULES = {"positive": "finite and positive (a scale)", "e8m0": "e8m0 exponent in range (not 0xFF)"}
+VALUE_RULES = {"positive": "finite and positive, with a finite fp32 reciprocal (a scale)",
+               "e8m0": "e8m0 exponent in range (not 0xFF)"}
 
 
 def value_rules(suffix: str) -> set[str]:
@@ -42,6 +43,7 @@ def get_format(name: str) -> Format:
         raise KeyError(f"unknown format {name!r}; known: {sorted(FORMATS)}") from None
 
 
-__all__ = ["FORMATS", "Format", "OutSpec", "Passthrough", "NVFP4", "MXFP8", "SCALE_SUFFIXES", "VALUE_RULES",
+__all__ = ["FORMATS", "Format", "MIN_INVERTIBLE_SCALE", "OutSpec", "Passthrough", "NVFP4", "MXFP8", "SCALE_SUFFIXES",
+           "VALUE_RULES", "invertible",
            "detect", "format_for_quant_algo", "get_format", "value_rules",
            "stacked_specs", "expert_slices", "slab_slices", "write_expert", "stack_experts", "unstack_expert", "unstack_experts"]

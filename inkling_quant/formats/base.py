@@ -6,7 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+import numpy as np
 import torch
+
+# The smallest fp32 scale a serving engine can divide by: 1/x rounds to the largest finite fp32
+# below 2**128 * (1 - 2**-25); any smaller positive x (a deep subnormal) has an infinite reciprocal.
+MIN_INVERTIBLE_SCALE = float(np.nextafter(np.float32(1 / 3.4028235677973366e38), np.float32(1)))
+
+
+def invertible(x: float) -> bool:
+    """A scale that is finite, > 0 and has a finite fp32 reciprocal (engines compute 1/scale)."""
+    return MIN_INVERTIBLE_SCALE <= x < float("inf")
 
 
 @dataclass(frozen=True)
@@ -131,6 +141,13 @@ class Passthrough(Format):
     name = "passthrough"
     quant_algo = None
     source_dtypes = (torch.bfloat16, torch.float16, torch.float32)  # what a source may hold; kept as is
+
+    @staticmethod
+    def widens(source_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+        """Whether `dtype` holds every value of `source_dtype` exactly (BF16/FP16 -> FP32): another
+        writer's lossless widening of a pass-through tensor (ModelOpt 0.47 stores DeepSeek-V3's
+        e_score_correction_bias as FP32), accepted when every value is equal."""
+        return dtype == torch.float32 and source_dtype in (torch.bfloat16, torch.float16)
 
     def out_specs(self, shape, dtype, activation_scale=True):
         return {"weight": OutSpec(tuple(shape), dtype)}

@@ -38,7 +38,7 @@ from ..errors import FormatError
 from . import _jit
 from ._cpu import (_BITS, _E4M3_TO_F32, _buf, _check_dtype, _check_shape, _nonfinite, _np, _run_chunks,
                    _source_bits, _where, fp32_preimage)
-from .base import Format, OutSpec
+from .base import Format, OutSpec, invertible
 from .mxfp8 import MXFP8, amax_before_reading, stored_bytes
 
 __all__ = [
@@ -135,14 +135,15 @@ def nvfp4_global_scale(global_amax: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_input_scale(input_amax, name: str = "") -> torch.Tensor:
     """input_scale = amax / (6 * 448), fp32 0-d (ModelOpt ``get_activation_scaling_factor``).
-    The result must be finite and > 0 (ModelOpt asserts a positive activation scale): an amax
-    so small that the fp32 division underflows to 0 is refused, naming the module."""
+    The result must be finite and > 0 (ModelOpt asserts a positive activation scale) and have a
+    finite fp32 reciprocal (serving engines quantize activations by 1/input_scale): an amax so
+    small that the scale underflows to 0 or to a deep subnormal is refused, naming the module."""
     ia = _as_amax(input_amax, "input_amax", name)
     scale = np.float32(ia / np.float32(GLOBAL_DIV))
-    if not scale > 0:
+    if not invertible(float(scale)):
         raise FormatError(f"{_where(name)}input_amax {float(ia):g} gives input_scale {float(scale):g}: "
-                          f"an activation scale must be finite and > 0 (ModelOpt asserts a positive scale)",
-                          tensor=name or None)
+                          f"an activation scale must be finite and > 0, with a finite fp32 reciprocal (serving "
+                          f"engines divide by it; ModelOpt asserts a positive scale)", tensor=name or None)
     return torch.tensor(scale, dtype=torch.float32)
 
 

@@ -57,6 +57,23 @@ def _hub_blob(root: Path, target: Path) -> bool:
 def read_json(path: Path, what: str, error: type[Exception] = CheckpointError) -> dict:
     """A JSON object from an untrusted file, at most MAX_JSON_BYTES; any defect (not a regular
     file, not UTF-8, not JSON, a duplicate key, too deep, not an object) raises `error`."""
+    blob = _read_capped(path, what, error)
+    obj = parse_json_bytes(blob, path, what, error)
+    if not isinstance(obj, dict):
+        raise error(f"{what} must be a JSON object", path=path)
+    return obj
+
+
+def read_text(path: Path, what: str, error: type[Exception] = CheckpointError) -> str:
+    """An untrusted UTF-8 text file of at most MAX_JSON_BYTES (a scheme's TOML); defects raise `error`."""
+    try:
+        return _read_capped(path, what, error).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{what}: not UTF-8: {e}", path=path) from None
+
+
+def _read_capped(path: Path, what: str, error: type[Exception]) -> bytes:
+    """The bytes of a regular file of at most MAX_JSON_BYTES (never more read); defects raise `error`."""
     try:
         fd = open_regular(path)
     except FileNotFoundError:
@@ -78,11 +95,7 @@ def read_json(path: Path, what: str, error: type[Exception] = CheckpointError) -
         os.close(fd)
     if total > MAX_JSON_BYTES:
         raise error(f"{what} larger than {MAX_JSON_BYTES} bytes", path=path)
-    blob = b"".join(chunks)
-    obj = parse_json_bytes(blob, path, what, error)
-    if not isinstance(obj, dict):
-        raise error(f"{what} must be a JSON object", path=path)
-    return obj
+    return b"".join(chunks)
 
 
 def write_json_atomic(path: Path, obj) -> None:

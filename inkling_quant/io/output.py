@@ -140,45 +140,84 @@ def write_report(dest: str | None, text: str) -> None:
 
 
 class OutputLock:
-    """One writer per output directory (per --part): `.<OUT name>[tag].inkling-quant.lock` beside
-    OUT, holding host and pid, taken with O_EXCL. Beside, not inside: the staged commands (draft,
-    lora, synth) create OUT only at the end, and convert --overwrite removes OUT under it. A lock
-    whose process is gone (same host) is stale and taken over."""
+    """One writer per output directory: a lock file beside OUT, holding host and pid, taken with
+    O_EXCL. Beside, not inside: the staged commands (draft, lora, synth) create OUT only at the end,
+    and convert --overwrite removes OUT under it. A lock whose process is gone (same host) is stale
+    and taken over.
 
-    def __init__(self, out: str | Path, tag: str = ""):
+    `part=(i, n)` takes a part's lock instead (`convert --part I/N`): the parts of one split share
+    OUT (several machines on one file system), but no part runs beside a whole writer (a whole
+    conversion, --overwrite, --finalize, draft/lora/synth, verify --write-checksums), nor beside a
+    part of another split (another N). Each side creates its own file first and then looks for the
+    other's, so of two that start together at least one sees the other and gives way."""
+
+    SUFFIX = ".inkling-quant.lock"
+
+    def __init__(self, out: str | Path, part: tuple[int, int] | None = None):
         out = Path(out)
-        self.path = out.parent / f".{out.name}{tag}.inkling-quant.lock"
+        self.dir, self.name, self.part = out.parent, out.name, part
+        tag = f"-part-{part[0]}-of-{part[1]}" if part else ""
+        self.path = self.dir / f".{out.name}{tag}{self.SUFFIX}"
         self.held = False
 
     def acquire(self) -> "OutputLock":
-        me = f"{socket.gethostname()} {os.getpid()}\n"
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise OutputError(f"cannot create the output's directory: {e.strerror or e}",
-                              path=self.path.parent) from None
+            raise OutputError(f"cannot create the output's directory: {e.strerror or e}", path=self.dir) from None
+        self._create()
+        try:
+            self._refuse_others()
+        except BaseException:
+            self.release()
+            raise
+        return self
+
+    def _create(self) -> None:
+        me = f"{socket.gethostname()} {os.getpid()}\n"
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0), 0o644)
             except FileExistsError:
-                try:
-                    host, pid = self.path.read_text().split()
-                    pid = int(pid)
-                except (OSError, ValueError):
-                    host, pid = "?", -1
-                if host == socket.gethostname() and not _alive(pid):
-                    self.path.unlink(missing_ok=True)  # stale: its owner died (kill -9, reboot)
-                    continue
-                raise UsageError(f"another conversion, merge or extraction (pid {pid} on "
-                                 f"{host}) is writing this output; wait for it, or remove {self.path.name} if that "
-                                 f"process is gone", path=self.path.parent) from None
+                holder = _live_holder(self.path)
+                if holder is None:
+                    continue  # stale (its owner died: kill -9, reboot) and removed
+                raise UsageError(f"{self._what(self.part)} ({holder}) is writing this output; wait for it, or "
+                                 f"remove {self.path.name} if that process is gone", path=self.dir) from None
             except OSError as e:
                 raise OutputError(f"cannot take the output lock: {e.strerror or e}", path=self.path) from None
             with os.fdopen(fd, "w") as f:
                 f.write(me)
             self.held = True
-            return self
+            return
         raise UsageError("could not take the lock", path=self.path)
+
+    def _refuse_others(self) -> None:
+        """The other kind's live locks (and, for a part, parts of another split) refuse this one."""
+        for path, part in self._others():
+            if self.part is not None and part is not None and part[1] == self.part[1]:
+                continue  # a sibling part of the same split
+            holder = _live_holder(path)
+            if holder is not None:
+                raise UsageError(f"{self._what(part)} ({holder}) is writing this output; wait for it, or remove "
+                                 f"{path.name} if that process is gone", path=self.dir)
+
+    def _others(self) -> list[tuple[Path, tuple[int, int] | None]]:
+        parts = re.compile(rf"\.{re.escape(self.name)}-part-(\d+)-of-(\d+){re.escape(self.SUFFIX)}")
+        found: list[tuple[Path, tuple[int, int] | None]] = []
+        if self.part is not None:
+            found.append((self.dir / f".{self.name}{self.SUFFIX}", None))
+        for p in self.dir.iterdir():
+            m = parts.fullmatch(p.name)
+            if m and p != self.path:
+                found.append((p, (int(m[1]), int(m[2]))))
+        return found
+
+    @staticmethod
+    def _what(part: tuple[int, int] | None) -> str:
+        if part is None:
+            return "another conversion, merge or extraction"
+        return f"a convert --part {part[0]}/{part[1]} run"
 
     def release(self) -> None:
         if self.held:
@@ -190,6 +229,22 @@ class OutputLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _live_holder(path: Path) -> str | None:
+    """'pid P on HOST' of a lock file whose owner may be alive; None when there is no such file or
+    its owner is gone (same host: the stale file is removed). A lock of another host is live."""
+    try:
+        host, pid = path.read_text().split()
+        pid = int(pid)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        host, pid = "?", -1  # being written, or damaged: not ours to judge
+    if host == socket.gethostname() and not _alive(pid):
+        path.unlink(missing_ok=True)
+        return None
+    return f"pid {pid} on {host}"
 
 
 def _alive(pid: int) -> bool:

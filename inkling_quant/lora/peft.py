@@ -188,6 +188,11 @@ class AdapterConfig:
         if pattern is not None and not (isinstance(pattern, str) or (isinstance(pattern, list)
                                                                      and all(isinstance(x, str) for x in pattern))):
             raise ConfigError("'layers_pattern' must be a string or a list of strings", path=path)
+        for p in [pattern] if isinstance(pattern, str) else pattern or []:
+            try:
+                re.compile(_layer_pattern(p))
+            except (re.error, RecursionError, OverflowError) as e:
+                raise ConfigError(f"layers_pattern {p!r} is not a valid pattern: {e}", path=path) from None
         return cls(r=int(r), lora_alpha=alpha, use_rslora=bool(d.get("use_rslora", False)),
                    target_modules=list(targets) if isinstance(targets, list) else targets,
                    exclude_modules=list(excludes) if isinstance(excludes, list) else excludes,
@@ -227,7 +232,7 @@ class AdapterConfig:
             m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
         else:
             for p in [pats] if isinstance(pats, str) else pats:
-                m = _user_match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", module)
+                m = _user_match(_layer_pattern(p), module)
                 if m:
                     break
         if not m:
@@ -356,3 +361,8 @@ def quantized_refusal(where: str, part: str, fmt: str, path, rule: str) -> Confi
             path=path)
     return ConfigError(f"{where}: the checkpoint holds this projection quantized ({fmt}); LoRA merges into "
                        f"unquantized weights only", path=path)
+
+
+def _layer_pattern(p: str) -> str:
+    """PEFT's regex around a `layers_pattern` entry (tuners_utils.check_target_module_exists)."""
+    return rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\."

@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ..errors import InklingQuantError
+from ..errors import InklingQuantError, UsageError
 from ..export import MIXED_PRECISION, modelopt_quantization_config, quantization_problems
 from ..io.checkpoint import HF_QUANT_CONFIG as QUANT_CONFIG
 from ..inkling2 import experts_module, modelopt_experts_module
 from ..layout import model_config
-from ..schemes import SCHEMES
+from ..schemes import SCHEMES, from_record, get_scheme
 from ..tensors import TensorName
 from .inventory import UNQUANTIZED, Conf, converter_of, load_json
 from .report import ERROR, Check, Recorder, VerifyReport
@@ -44,20 +44,23 @@ def _parse(c: Check, root: Path, config: dict, scheme_arg: str | None) -> Conf:
     qpath = root / QUANT_CONFIG
     hf_quant = load_json(qpath, QUANT_CONFIG, c) if qpath.exists() else None
     converter = converter_of(hf_quant)
-    name = scheme_arg
-    if name is None and isinstance(converter, dict) and isinstance(converter.get("scheme"), str):
-        name = converter["scheme"]
-    given = name is not None
-    if name is None:
-        quantized = "quantization_config" in config or hf_quant is not None
-        name = "default" if quantized else UNQUANTIZED
-    scheme = SCHEMES.get(name)
-    if scheme is None:
-        c.fail(qpath, None, f"converter.scheme {name!r} is not a known scheme ({', '.join(SCHEMES)}); "
-               f"pass --scheme")
-    c.figures["scheme"] = name
-    if isinstance(converter, dict) and scheme_arg and converter.get("scheme") not in (None, scheme_arg):
-        c.figures["converter_scheme"] = converter.get("scheme")
+    recorded = converter.get("scheme") if isinstance(converter, dict) else None
+    given = scheme_arg is not None or recorded is not None
+    scheme = None
+    try:
+        if scheme_arg is not None:  # --scheme: a built-in or a scheme file
+            scheme = get_scheme(scheme_arg)
+        elif recorded is not None:  # what the converter recorded: a built-in's name or a user scheme's rules
+            scheme = from_record(recorded, str(qpath))
+        else:
+            quantized = "quantization_config" in config or hf_quant is not None
+            scheme = SCHEMES["default" if quantized else UNQUANTIZED]
+    except UsageError as e:
+        c.fail(qpath if scheme_arg is None else scheme_arg, None, f"{e.message}; pass --scheme")
+    if scheme is not None:
+        c.figures["scheme"] = scheme.name
+        if scheme_arg is not None and recorded is not None and recorded != scheme.record():
+            c.figures["converter_scheme"] = recorded if isinstance(recorded, str) else recorded.get("name")
     return Conf(root, config, cfg, hf_quant, scheme, given)
 
 

@@ -38,7 +38,8 @@ from ..formats import FORMATS, SCALE_SUFFIXES, Format
 from ..formats.stacked import projection_specs, unstack_expert
 from ..inkling2 import RELEASE_EXPERT_FORMAT, Inkling2Config, checkpoint_tensors, transformers_spec
 from ..io.safetensors import DTYPE_NAMES
-from ..layout import CANONICAL, INKLING_NAMINGS, Layout, detect, natural_key, oriented, original_names
+from ..layout import (CANONICAL, INKLING_NAMINGS, Layout, MoEConfig, detect, expert_tensor_count, natural_key, oriented,
+                      original_names)
 from ..tensors import TensorName, TensorSpec
 from .inventory import (CHECKED, DISAGREES, FAILED, SKIPPED, Conf, Expected, Files, Inventory, Shape, Source,
                         config_shape, listing, weight_only_vote)
@@ -84,6 +85,8 @@ def _check(c: Check, files: Files, conf: Conf, source: Source | None) -> Expecte
     lay = _layout(files, conf)
     src = source.layout if source is not None and source.ok else None
     lay = _expert_layers(c, conf, lay, src)
+    if not _bounded(c, files, conf, len(spec or ()) + expert_tensor_count(lay, MoEConfig.of(conf.cfg))):
+        return Expected(DISAGREES)
     if spec is not None:
         tensors, source_of = _spec_tensors(spec, lay, conf, files, source)
     else:
@@ -109,15 +112,24 @@ def _check(c: Check, files: Files, conf: Conf, source: Source | None) -> Expecte
 def _spec(c: Check, files: Files, conf: Conf) -> list[TensorSpec] | None:
     """An Inkling 2 config's strict spec but the routed experts; None (the reason in `c`) when the
     config implies far more tensors than the files hold."""
-    bound = 4 * (len(files.weight_map) or len(files.tensors)) + 64
     out = []
     for s in checkpoint_tensors(conf.cfg, include_experts=False):
-        if len(out) > bound:  # each spec tensor is at least one stored tensor: bound the work by the files
-            c.fail(conf.root / "config.json", None, f"config.json implies more than {bound} tensors, the "
-                   f"checkpoint holds {len(files.tensors)}: they disagree (layer counts?); not checked tensor by tensor")
+        if not _bounded(c, files, conf, len(out)):  # generated lazily: stop at the bound, not at the claim
             return None
         out.append(s)
     return out
+
+
+def _bounded(c: Check, files: Files, conf: Conf, implied: int) -> bool:
+    """Whether the `implied` tensors (each at least one stored tensor) can be what the files hold:
+    more than 4x their count is a config that disagrees with them (layer or expert counts?), and
+    is failed before anything is listed tensor by tensor, so the work stays bounded by the files."""
+    bound = 4 * (len(files.weight_map) or len(files.tensors)) + 64
+    if implied <= bound:
+        return True
+    c.fail(conf.root / "config.json", None, f"config.json implies more than {bound} tensors, the checkpoint holds "
+           f"{len(files.tensors)}: they disagree (layer or expert counts?); not checked tensor by tensor")
+    return False
 
 
 def _layout(files: Files, conf: Conf) -> Layout:
@@ -301,12 +313,7 @@ def _declared(conf: Conf, lay: Layout) -> Callable[[str, int], Format]:
     if q is None:
         return lambda module, layer: conf.format_for(TensorName(f"{module}.0", "expert", layer))
 
-    def of(module: str, layer: int) -> Format:
-        try:
-            return format_of(q, module) or _PASS
-        except (TypeError, AttributeError):  # exclude_modules of the wrong types
-            return _PASS
-    return of
+    return lambda module, layer: format_of(q, module) or _PASS  # read_quantization checked the types
 
 
 def _layer_format(c: Check, files: Files, conf: Conf, lay: Layout, layer: int, weights: Weights,
@@ -349,7 +356,8 @@ def compare(c: Check, files: Files, conf: Conf, expected: Expected, why: Callabl
                 unreadable.setdefault(shard, []).append(n)  # its header check failed
             else:
                 c.fail(listing(root), n, f"missing: {fmt} requires it ({DTYPE_NAMES[dtype]} {list(shape)})")
-        elif (tuple(got.entry.shape), got.entry.dtype) != (shape, dtype):
+        elif tuple(got.entry.shape) != shape or (got.entry.dtype != dtype and not (
+                fmt == _PASS.name and _PASS.widens(dtype, got.entry.dtype))):  # widened: passthrough compares values
             c.fail(root / got.shard, n, f"is {DTYPE_NAMES[got.entry.dtype]} {list(got.entry.shape)}, "
                    f"{fmt} prescribes {DTYPE_NAMES[dtype]} {list(shape)}")
     for n in sorted(set(files.tensors) - set(expected.tensors), key=natural_key):

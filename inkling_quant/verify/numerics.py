@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from ..formats import Format
+from ..formats import FORMATS, Format
 from ..io.checkpoint import safe_child
 from ..io.safetensors import DTYPE_NAMES, Header, ShardReader, TensorBuffer
 from .inventory import SKIPPED, Inventory, Located, listing
@@ -23,6 +23,7 @@ from .report import Check, Recorder
 from .stream import Seen
 
 ACT_ROWS = 32              # rows of the deterministic activations for the numerics check
+PASSTHROUGH = FORMATS["passthrough"]
 
 
 def sample_experts(layer: int, num_experts: int, sample: int) -> list[int]:
@@ -69,11 +70,15 @@ class Passthrough:
             return None
         got, has = tuple(e.shape), tuple(src.entry.shape)
         prefix = renamed is not None and got[1:] == has[1:] and got and 0 < got[0] <= has[0]  # lm_head: the first rows
-        if src.entry.dtype != e.dtype or not (got == has or prefix):
+        widened = got == has and PASSTHROUGH.widens(src.entry.dtype, e.dtype)
+        if not widened and (src.entry.dtype != e.dtype or not (got == has or prefix)):
             self.check.fail(seen.path, seen.name, f"is {DTYPE_NAMES[e.dtype]} {list(e.shape)}, the source"
                             f"{f' ({renamed})' if renamed else ''} has "
                             f"{DTYPE_NAMES[src.entry.dtype]} {list(src.entry.shape)}")
             return None
+        if widened:  # another writer's lossless widening: every value must be equal
+            self.check.figures.setdefault("widened", []).append(
+                f"{seen.name}: {DTYPE_NAMES[src.entry.dtype]} -> {DTYPE_NAMES[e.dtype]}")
         return _SameBytes(self, seen, src)
 
     def fd(self, shard: str) -> int:
@@ -98,22 +103,29 @@ class _SameBytes:
         if not self.same:
             return
         src, src_root = self.src, self.pt.inv.source.root
+        ratio = self.seen.entry.dtype.itemsize // src.entry.dtype.itemsize  # 2: a widened tensor's, else 1
+        size, at = len(piece) // ratio, offset // ratio
         fd = self.pt.fd(src.shard)
-        mv = self.pt.buf.view(len(piece))
+        mv = self.pt.buf.view(size)
         got = 0
-        while got < len(piece):
-            n = os.preadv(fd, [mv[got:]], src.entry.begin + offset + got)
+        while got < size:
+            n = os.preadv(fd, [mv[got:]], src.entry.begin + at + got)
             if n == 0:
                 raise CheckpointError(f"tensor {self.seen.name!r}: source file ended early", path=src_root / src.shard,
                                       tensor=self.seen.name)
             got += n
-        a = torch.frombuffer(piece, dtype=torch.uint8)
-        b = torch.frombuffer(mv, dtype=torch.uint8)
+        if ratio == 1:
+            a, b = torch.frombuffer(piece, dtype=torch.uint8), torch.frombuffer(mv, dtype=torch.uint8)
+        else:  # the widened values' bits against the source's, widened exactly
+            a = torch.frombuffer(piece, dtype=torch.int32)
+            b = torch.frombuffer(mv, dtype=src.entry.dtype).to(self.seen.entry.dtype).view(torch.int32)
         if torch.equal(a, b):
             return
-        first = int((a != b).nonzero()[0, 0]) + offset
+        first = int((a != b).nonzero()[0, 0])
+        where = f"byte {first + offset}" if ratio == 1 else f"element {first + offset // a.element_size()}"
         self.pt.check.fail(self.seen.path, self.seen.name, f"differs from the source ({src_root / src.shard}) at "
-                           f"byte {first} of the tensor: pass-through must be bit-exact")
+                           f"{where} of the tensor: pass-through must be bit-exact"
+                           + (" (or its exact widening)" if ratio > 1 else ""))
         self.same = False
 
     def done(self) -> None:

@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from ..formats import FORMATS, VALUE_RULES, value_rules
+from ..formats import FORMATS, MIN_INVERTIBLE_SCALE, VALUE_RULES, invertible, value_rules
 from ..io.checkpoint import INDEX_NAME
 from ..io.safetensors import TensorEntry
 from ..layout import CANONICAL
@@ -47,7 +47,7 @@ class _RuleSink:
             vals = piece.cast("f")  # scalars (global and input scales): no torch op per value
             positive = self.rule.key == "positive"
             for i, v in enumerate(vals):
-                if not math.isfinite(v) or (positive and v <= 0):
+                if not math.isfinite(v) or (positive and not invertible(v)):
                     self._fail(offset // item + i, f"{v}")
                     return
             return
@@ -87,8 +87,8 @@ def _value_rule(t: TensorName | None, entry: TensorEntry) -> Rule | None:
         if "positive" in rules:
             def bad_scale(b, dt=dt):
                 mn, mx = torch.aminmax(torch.frombuffer(b, dtype=dt))
-                return not (float(mn) > 0 and math.isfinite(float(mx)))
-            return Rule("positive", "finite and positive", bad_scale)
+                return not (invertible(float(mn)) and math.isfinite(float(mx)))
+            return Rule("positive", VALUE_RULES["positive"], bad_scale)
 
         def bad_float(b, dt=dt):
             mn, mx = torch.aminmax(torch.frombuffer(b, dtype=dt))
@@ -130,7 +130,7 @@ def _first_bad(x: torch.Tensor, rule: str) -> tuple[int, str]:
         f = x.reshape(-1).float()
         bad = ~torch.isfinite(f)
         if rule == "positive":
-            bad |= f <= 0
+            bad |= f < MIN_INVERTIBLE_SCALE
     idx = int(bad.nonzero()[0, 0]) if bool(bad.any()) else 0
     v = x.reshape(-1)[idx]
     shown = f"0x{int(v.view(torch.uint8)):02X}" if v.dtype in (torch.uint8, torch.float8_e4m3fn,
