@@ -88,11 +88,18 @@ def text_layers(model: torch.nn.Module) -> int:
     return model.config.get_text_config().num_hidden_layers
 
 
-def export(family: str, out: Path, source: Path, seed: int = 0, batches: int = 3, seq: int = 24) -> Path:
+def export(family: str, out: Path, source: Path, seed: int = 0, batches: int = 3, seq: int = 24,
+           reload: bool = False) -> Path:
     """Save the BF16 model of `family` to `source` (save_pretrained) and ModelOpt's quantized
-    export of it to `out`."""
+    export of it to `out`. `reload`: export the model as a user has it, loaded back from `source`
+    by from_pretrained (which keeps DeepSeek-V3's e_score_correction_bias in FP32)."""
+    import transformers as T
+
     model = build(family, seed)
     copy.deepcopy(model).save_pretrained(source)  # on a copy: save_pretrained rewrites config.dtype
+    if reload:
+        model = T.AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+        model.config.architectures = [type(model).__name__]
     g = torch.Generator().manual_seed(seed + 2)
     ids = [torch.randint(0, 90, (1, seq), generator=g) for _ in range(batches)]
     # routed experts only: `.experts.` (a shared_experts module is no match)

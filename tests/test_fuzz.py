@@ -512,6 +512,89 @@ def test_config_bool_and_float_numbers_refused():
             Inkling2Config.from_dict(d)
 
 
+# =========================================================================== scheme files
+_RULE = {"part": "expert", "layers": "0-3", "format": "nvfp4"}
+_SCHEME = {"description": "d", "rules": [_RULE, {**_RULE, "layers": "all", "format": "mxfp8"}]}
+_SCHEME_VALUES = st.one_of(JSON, st.sampled_from(
+    ["all", "0", "3-1", "1-", "-1", "٣", "²", "1" * 5000, "0-" + "9" * 10, " 1", "1 ", "nvfp4", "mxfp8", "passthrough",
+     "expert", "attention", 10**30, -1, 2**62, 1.0, True]))
+
+
+def _toml(obj) -> str:
+    """A scheme (or anything) as TOML text where it can be (strings, ints, tables, arrays of tables)."""
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v) if not isinstance(v, float) or math.isfinite(v) else ("nan" if v != v else
+                                                                                 ("inf" if v > 0 else "-inf"))
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return "{" + ", ".join(f"{json.dumps(k)} = {value(x)}" for k, x in v.items()) + "}" if isinstance(v, dict) \
+            else '""'
+    if not isinstance(obj, dict):
+        return f"x = {value(obj)}"
+    return "\n".join(f"{json.dumps(k)} = {value(v)}" for k, v in obj.items())
+
+
+def _check_scheme(s) -> None:
+    """An accepted scheme has rules with ranges inside the layer bound."""
+    from inkling_quant.schemes import ALL_LAYERS, FORMATS
+
+    assert s.rules and all(0 <= r.start < r.stop <= ALL_LAYERS and r.format in FORMATS for r in s.rules)
+    s.table(Inkling2Config.from_dict(_TINY))
+
+
+@fuzz(150)
+@given(d=mutated(_SCHEME, keys=("rules", "description", "name", "part", "layers", "format", "bogus"),
+                 values=_SCHEME_VALUES), toml=st.booleans())
+def test_scheme_files(tmp_path_factory, d, toml):
+    """Scheme files (JSON or TOML) with rules of the wrong shape, layers in every wrong spelling:
+    each loads or is refused with our error, naming the file."""
+    from inkling_quant.schemes import load_scheme
+
+    p = tmp_path_factory.getbasetemp() / ("scheme.toml" if toml else "scheme.json")
+    p.write_bytes(_toml(d).encode("utf-8", "surrogatepass") if toml else dumps(d))
+    kind, res = outcome(load_scheme, p)
+    if kind == "ok":
+        _check_scheme(res)
+    else:
+        assert str(p) in str(res)
+
+
+# =========================================================================== Hugging Face MoE configs
+_HF = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+       "num_key_value_heads": 2, "vocab_size": 96, "num_experts": 4, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 32, "intermediate_size": 96, "mlp_only_layers": [0], "decoder_sparse_step": 1,
+       "max_position_embeddings": 4096, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+_HF_KEYS = (*_HF, "head_dim", "moe_layers", "interleave_moe_layer_step", "first_k_dense_replace", "n_routed_experts",
+            "num_local_experts", "text_config", "dtype", "kv_lora_rank", "sliding_window", "n_shared_experts")
+_HF_VALUES = st.one_of(JSON, st.integers(-3, 200), st.sampled_from(
+    [[[1]], [0, 99], [True], ["x"], "bfloat16", "float8", 2**24, 0, 96, 7]))
+
+
+def _read_hf(d):
+    """What convert/inspect (layout.model_config) and plan (budget_hf.HFModel, then the plan) read."""
+    from inkling_quant.budget import plan
+    from inkling_quant.budget_hf import HFModel
+    from inkling_quant.layout import model_config
+
+    model_config(d, "config.json")
+    return plan(HFModel.from_dict(d, "config.json"), tp=1)
+
+
+@fuzz(200)
+@given(d=mutated(_HF, keys=_HF_KEYS, max_ops=4, values=_HF_VALUES))
+def test_hf_config_dicts(d):
+    """A Hugging Face MoE config.json with missing, mistyped or inconsistent keys: read by convert,
+    inspect and plan, or refused with a ConfigError (never a TypeError or ZeroDivisionError)."""
+    kind, res = outcome(_read_hf, d)
+    if kind == "ok":  # an accepted config gives a plan of positive, finite sizes
+        assert res.params.total > 0 and 0 < res.requested_bytes < 2**62
+
+
 # =========================================================================== activation scales
 @fuzz(100)
 @given(obj=JSON | st.dictionaries(st.text(max_size=10), st.floats() | st.integers(-10, 10**400) | JSON,
@@ -736,7 +819,19 @@ def _replay_hf_quant_config(p: Path, tmp: Path):
     return read_quantization(tmp, Inkling2Config.reference().raw)
 
 
+def _replay_scheme(p: Path):
+    from inkling_quant.schemes import load_scheme
+
+    return load_scheme(p)
+
+
+def _replay_hf_config(p: Path):
+    return _read_hf(read_json(p, "config.json", ConfigError))
+
+
 REPLAY = {
+    "scheme": lambda p, tmp: _replay_scheme(p),
+    "hf_config": lambda p, tmp: _replay_hf_config(p),
     "header": lambda p, tmp: _replay_header(p),
     "config": lambda p, tmp: Inkling2Config.load(p),
     "json": lambda p, tmp: read_json(p, "json file"),
