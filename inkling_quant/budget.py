@@ -41,7 +41,7 @@ from .moe_checks import Check, moe_checks
 from .placement import HEADS, HIDDEN, KV_HEADS, REPLICATED, VOCAB, Weights, add_experts, rank_bytes  # noqa: F401
 
 if TYPE_CHECKING:
-    from .inkling2 import Inkling2Config, ParamCounts
+    from .model.inkling2 import Inkling2Config, ParamCounts
 
 # inkling2, schemes and formats import torch (seconds): imported where they compute, so that
 # `inkling-quant plan --help` answers at once.
@@ -129,7 +129,7 @@ _TEXT_RULES = tuple((re.compile(p), part, split) for p, part, split in (
 
 def split_of(name: str) -> tuple[str, str]:
     """(part, split) of a non-expert tensor under its original name."""
-    from .inkling2 import TEXT_PREFIX, VISION_PREFIX
+    from .model.inkling2 import TEXT_PREFIX, VISION_PREFIX
 
     if name.startswith(VISION_PREFIX):
         return "vision", REPLICATED  # vLLM ViTs may shard by heads; replicated is the upper bound
@@ -159,8 +159,8 @@ def weight_bytes(cfg: Inkling2Config, scheme_name: str, tp: int, ep: bool = True
     rank's bytes at TP = tp (experts: EP = tp, or TP-sharded without EP)."""
     import torch
 
-    from .inkling2 import TEXT_PREFIX, checkpoint_tensors
-    from .tensors import TensorName
+    from .model.inkling2 import TEXT_PREFIX, checkpoint_tensors
+    from .model.tensors import TensorName
     from .schemes import get_scheme
 
     scheme, t, w = get_scheme(scheme_name), cfg.text, Weights()
@@ -337,7 +337,7 @@ def load_config(path: str | None) -> Inkling2Config | HFModel:
     from pathlib import Path
 
     from .errors import ConfigError
-    from .inkling2 import Inkling2Config
+    from .model.inkling2 import Inkling2Config
     from .io.checkpoint import CONFIG_NAME, read_json, safe_child
 
     if path is None:
@@ -357,7 +357,7 @@ def plan(cfg: Inkling2Config | HFModel, gpu: str = "gb200", tp: int = 4, *, ep: 
          include_draft: bool = True) -> Plan:
     """The plan at TP = tp on `gpu`. A standard HF config has no DSpark draft (include_draft is
     ignored for it)."""
-    from .inkling2 import param_counts
+    from .model.inkling2 import param_counts
 
     if gpu not in GPUS:
         raise UsageError(f"unknown --gpu {gpu!r}; known: {', '.join(GPUS)}")

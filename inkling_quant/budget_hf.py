@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from .config_fields import ConfigFields
+from .model.fields import ConfigFields
 from .errors import ConfigError, UsageError
 from .errors import short_repr as _short
-from .inkling2 import Inkling2Config
+from .model.inkling2 import Inkling2Config
 from .placement import HEADS, KV_HEADS, REPLICATED, TP_SPLIT, VOCAB, Weights, add_experts, rank_bytes
 
 # Keys that announce an attention or state kind the plan does not model (the first found is named).
@@ -130,7 +130,7 @@ def is_hf_moe(d) -> bool:
 
 # --------------------------------------------------------------------------- reading the config
 def _text(d: dict, source: str) -> tuple[HFText, list[str]]:
-    from .layout import MoEConfig
+    from .model.layout import MoEConfig
 
     _refuse_unmodelled(d, source)
     moe = MoEConfig.from_dict(d, source)
@@ -265,7 +265,7 @@ def _vision_from_headers(root: Path):
     """(name, shape, bytes) of every vision-tower and projector tensor in the checkpoint's shard
     headers, or None when the directory holds no weights."""
     from .io.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
-    from .layout import PROJECTOR_PREFIXES, VISION_PREFIXES
+    from .model.layout import PROJECTOR_PREFIXES, VISION_PREFIXES
 
     if not ((root / INDEX_NAME).exists() or (root / SINGLE_NAME).exists()):
         return None
@@ -351,7 +351,7 @@ def _attention(t: HFText, p: str):
 def param_counts(m: HFModel):
     """Parameters as transformers counts them (`model.parameters()`: e_score_correction_bias is a
     buffer; a tied lm_head counted once, as the embedding)."""
-    from .inkling2 import ParamCounts
+    from .model.inkling2 import ParamCounts
 
     t = m.text
     per_expert = 3 * t.hidden_size * t.moe_intermediate_size

@@ -13,7 +13,7 @@ from . import budget, draft
 from .convert import Options, convert, print_summary
 from .inspect_cmd import render as render_inspect
 from .inspect_cmd import summarize
-from .inkling2 import Inkling2Config
+from .model.inkling2 import Inkling2Config
 from .cli_common import int_range
 from .io.output import check_paths, write_report
 from .synth import SEED_MAX, write_checkpoint

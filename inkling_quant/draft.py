@@ -5,7 +5,7 @@
   inkling-quant draft strip SRC OUT     OUT = the target without `dspark.*` tensors and without
                                         `dspark_config`; shards without draft tensors hardlinked
 
-The draft is bundled with an Inkling 2 checkpoint as inkling_quant.dspark spells it: named as
+The draft is bundled with an Inkling 2 checkpoint as inkling_quant.model.dspark spells it: named as
 vLLM's DSpark drafter names it, under `dspark.`, its speculators-format config under
 `dspark_config`; extract writes that config and the names without `dspark.`. Both work on a BF16
 source and on a converted checkpoint (the converter passes the draft through unchanged). Bytes
@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 from tqdm import tqdm
 
-from . import dspark
+from .model import dspark
 from .errors import CheckpointError, ConfigError, InklingQuantError, UnknownTensorError, UsageError
 from .formats import FORMATS
 from .io.checkpoint import HF_QUANT_CONFIG, INDEX_NAME, Checkpoint, read_json, safe_child, shard_name, write_json_atomic
@@ -30,8 +30,8 @@ from .io.derive import carry_checksums, copy_other_files, rewrite_shard, source_
 from .io.output import CHECKSUMS, check_paths, link_or_copy, staged_output, write_checksums, write_report
 from .io.safetensors import DTYPE_NAMES, ShardWriter, TensorBuffer, TensorEntry
 from .io.shards import ShardReaders, plan_shards
-from .inkling2 import TEXT_PREFIX, Inkling2Config
-from .tensors import TensorSpec
+from .model.inkling2 import TEXT_PREFIX, Inkling2Config
+from .model.tensors import TensorSpec
 
 QUANT_CONFIG = HF_QUANT_CONFIG
 STRIPPED_KEY = "dspark_stripped"          # the note strip leaves in config.json

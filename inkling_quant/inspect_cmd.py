@@ -8,7 +8,7 @@ config.json), and checked against the format the quantization config declares fo
 `model.llm.layers.N.mlp.experts`; everything else passes through.
 
 Two kinds of checkpoint (layout.model_config): the published Inkling 2 layout under its original
-names (inkling_quant.inkling2, the bundled DSpark draft of inkling_quant.dspark; a config.json
+names (inkling_quant.model.inkling2, the bundled DSpark draft of inkling_quant.model.dspark; a config.json
 without text_config is refused with a ConfigError), and every other checkpoint (Inkling 2 under
 transformers' names too: a state_dict save, ModelOpt's export of it), as transformers saves it
 and as ModelOpt's exporter (or our convert) writes it. For those the layout is detected from the names
@@ -33,12 +33,13 @@ import torch
 from . import hub
 from .cli_common import human_bytes
 from .errors import ConfigError, InklingQuantError, printable
-from .export import format_of, read_quantization
+from .export.modelopt import format_of, read_quantization
 from .formats import FORMATS, SCALE_SUFFIXES
 from .formats import detect as detect_format
-from .formats.stacked import projection_specs
-from .inkling2 import Inkling2Config, classify, experts_module
-from .layout import CANONICAL, Layout, MoEConfig, detect, model_config, oriented, original_names, text_prefix
+from .export.inkling import projection_specs
+from .model.inkling2 import Inkling2Config, classify, experts_module
+from .model.layout import Layout, MoEConfig, detect, model_config, oriented, text_prefix
+from .model.naming import original_names
 from .io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child
 from .io.output import check_paths, write_report
 from .io.safetensors import TensorEntry
@@ -203,11 +204,11 @@ def _summarize_moe(root: Path, ckpt: Checkpoint, config: MoEConfig | Inkling2Con
         counts[layer].add(expert)
     for layer in lay.expert_layers:
         modules_held = sum(1 for k in modules if k[0] == layer)
-        want = 2 if lay.experts.kind == "stacked" else len(CANONICAL) * cfg.num_experts
+        want = lay.experts.weights_per_layer(cfg.num_experts)
         if modules_held != want:
             s.incomplete.append(f"{lay.experts_modules[layer]}: {modules_held} expert module(s), config.json "
                                 f"implies {want}")
-    n = {i: cfg.num_experts if lay.experts.kind == "stacked" else len(c) for i, c in counts.items()}
+    n = {i: cfg.num_experts if lay.experts.stacked else len(c) for i, c in counts.items()}
     _finish(s, parts, {i: (" + ".join(sorted(f)), n[i]) for i, f in per_layer.items()},
             isinstance(config, Inkling2Config) and config.draft is not None)
     return s
@@ -223,7 +224,7 @@ def _expert_shape(lay: Layout, cfg: MoEConfig, proj: str) -> tuple[int, ...]:
     [E, out, in] (or [E, in, out] where the checkpoint stores it so)."""
     H, I = cfg.hidden_size, cfg.expert_width
     out, inp = {"down": (H, I), "gate_up": (2 * I, H)}.get(proj, (I, H))
-    if lay.experts.kind != "stacked":
+    if not lay.experts.stacked:
         return out, inp
     return (cfg.num_experts, inp, out) if lay.experts.transposed else (cfg.num_experts, out, inp)
 
@@ -241,12 +242,12 @@ def _module_format(observed: dict[str, TensorEntry], shape: tuple[int, ...]) -> 
 
 
 def _detected(lay: Layout, cfg: MoEConfig) -> dict:
-    stacked = lay.experts.kind == "stacked"
+    stacked = lay.experts.stacked
     return {"model_type": str(cfg.raw.get("model_type") or cfg.model_type), "text_config": cfg.nested,
             "text_prefix": lay.text_prefix,
             "experts_module": f"{lay.text_prefix}layers.N.{lay.experts.block}.experts",
             "expert_storage": lay.experts.kind, "transposed": lay.experts.transposed if stacked else None,
-            "projections": ["gate_up_proj", "down_proj"] if stacked else list(lay.experts.names),
+            "projections": list(lay.experts.stored_names),
             "expert_layers": list(lay.expert_layers), "experts": cfg.num_experts,
             "vision_prefix": lay.vision_prefix, "projector_prefix": lay.projector_prefix, "lm_head": lay.lm_head}
 

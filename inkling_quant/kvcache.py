@@ -31,7 +31,7 @@ from .errors import UsageError
 
 if TYPE_CHECKING:
     from .budget_hf import HFText
-    from .inkling2 import TextConfig
+    from .model.inkling2 import TextConfig
 
 DEFAULT_BLOCK_SIZE = 16   # CacheConfig.block_size on CUDA
 DTYPE_BYTES = 2           # BF16: --kv-cache-dtype auto = the model dtype; the conv state asserts bf16

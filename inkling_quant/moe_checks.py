@@ -11,7 +11,7 @@ from .kvcache import cdiv
 
 if TYPE_CHECKING:
     from .budget_hf import HFModel
-    from .inkling2 import Inkling2Config
+    from .model.inkling2 import Inkling2Config
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ def add_experts(w: Weights, text, scheme, layers, tp: int, ep: bool, dtype) -> N
     (the format asked for its own size; `dtype`: what passthrough stores). Per rank: whole
     experts with EP (the fullest rank cdiv(E, EP): vLLM's expert map, Inkling's moe.py:440,
     fused_moe/expert_map_manager.py:67-69), else every expert's intermediate dim / TP."""
-    from .tensors import TensorName
+    from .model.tensors import TensorName
 
     full, rank = expert_shapes(text), expert_shapes(text, 1 if ep else tp)
     n = text.n_routed_experts

@@ -18,8 +18,8 @@ from .errors import UsageError
 from .errors import short_repr as _short
 from .formats import FORMATS, Format
 from .io.output import check_paths, write_report
-from .inkling2 import Inkling2Config
-from .tensors import TensorName
+from .model.inkling2 import Inkling2Config
+from .model.tensors import TensorName
 
 
 QUANTIZABLE_PARTS = ("expert",)  # what a rule may quantize: routed experts (everything else passes through)
@@ -209,7 +209,7 @@ def run(args) -> int:
 def _config(path: str):
     """The layer count's source: a config.json (or a checkpoint directory holding one)."""
     from .io.checkpoint import CONFIG_NAME, read_json, safe_child
-    from .layout import model_config
+    from .model.layout import model_config
     from .errors import ConfigError
 
     p = Path(path)

@@ -1,8 +1,8 @@
 """Write a synthetic Inkling-2-Small-shaped BF16 checkpoint from the layout spec.
 
-The published model's layout (inkling_quant.inkling2: the names, shapes and dtypes
+The published model's layout (inkling_quant.model.inkling2: the names, shapes and dtypes
 `Inkling2ForConditionalGeneration.save_pretrained` writes, stacked experts), plus a DSpark
-draft named as vLLM's drafter loads it (inkling_quant.dspark).
+draft named as vLLM's drafter loads it (inkling_quant.model.dspark).
 
 Presets: `tiny` keeps all 48 layers with toy dimensions (seconds to make, for tests and the
 demo); `bench` keeps the reference config's real expert and attention shapes with fewer layers
@@ -27,8 +27,8 @@ from .io.checkpoint import INDEX_NAME, copy_file_atomic, shard_name, write_json_
 from .io.output import check_paths, staged_output, write_report
 from .io.safetensors import ShardWriter
 from .io.shards import plan_shards
-from . import dspark, inkling2
-from .tensors import TensorSpec
+from .model import dspark, inkling2
+from .model.tensors import TensorSpec
 
 FILES = Path(__file__).parent / "configs" / "files"  # tokenizer, chat template, ... (tiny stand-ins)
 

@@ -11,11 +11,11 @@ PKG = Path(__file__).resolve().parents[1] / "inkling_quant"
 
 # bottom to top; a module's layer is that of the longest prefix listed; the rest are commands
 LAYERS = [
-    ("inkling_quant", "inkling_quant.errors", "inkling_quant.cli_common", "inkling_quant.tensors",
-     "inkling_quant.config_fields"),
+    ("inkling_quant", "inkling_quant.errors", "inkling_quant.cli_common"),
     ("inkling_quant.io", "inkling_quant.hub"),
+    ("inkling_quant.model",),
     ("inkling_quant.formats",),
-    ("inkling_quant.layout", "inkling_quant.inkling2", "inkling_quant.dspark", "inkling_quant.kernels"),
+    ("inkling_quant.kernels",),
     ("inkling_quant.schemes",),
     ("inkling_quant.export", "inkling_quant.kvcache", "inkling_quant.moe_checks"),
 ]
@@ -120,7 +120,7 @@ def test_the_checker_sees_imports():
     """The checker itself: it finds a relative, an absolute and a lazy import, and skips TYPE_CHECKING."""
     g = graph()
     assert "inkling_quant.formats" in g["inkling_quant.schemes"]
-    assert "inkling_quant.io.checkpoint" in g["inkling_quant.inkling2"]  # lazy, inside a function
+    assert "inkling_quant.io.checkpoint" in g["inkling_quant.model.inkling2"]  # lazy, inside a function
     assert "inkling_quant.budget" not in g["inkling_quant.kvcache"]    # under TYPE_CHECKING
-    assert layer_of("inkling_quant.io.output") < layer_of("inkling_quant.formats") < layer_of("inkling_quant.layout")
+    assert layer_of("inkling_quant.io.output") < layer_of("inkling_quant.model.layout") < layer_of("inkling_quant.formats")
     assert layer_of("inkling_quant.convert") == COMMANDS

@@ -13,7 +13,7 @@ from inkling_quant import plan_cmd
 from inkling_quant.budget import GB, GiB, plan, recipe_rows
 from inkling_quant.errors import ConfigError, UsageError
 from inkling_quant.formats import FORMATS
-from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors, param_counts
+from inkling_quant.model.inkling2 import Inkling2Config, checkpoint_tensors, param_counts
 from inkling_quant.kvcache import CONV, FULL, SLIDING, KVSpec, kv_layout, layer_specs
 from inkling_quant.moe_checks import moe_checks
 

@@ -18,8 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from inkling_quant.cli import main
-from inkling_quant.formats.stacked import projection_specs
-from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors, classify
+from inkling_quant.export.inkling import projection_specs
+from inkling_quant.model.inkling2 import Inkling2Config, checkpoint_tensors, classify
 from inkling_quant.io.checkpoint import Checkpoint
 from inkling_quant.io.safetensors import sha256_file
 from inkling_quant.schemes import get_scheme

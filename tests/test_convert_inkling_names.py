@@ -19,8 +19,8 @@ from inkling2_reference import inkling2, tiny_config
 from inkling_quant import inspect_cmd
 from inkling_quant.convert import Options, convert
 from inkling_quant.errors import CheckpointError, UsageError
-from inkling_quant.inkling2 import Inkling2Config
-from inkling_quant.layout import detect, expected_tensors
+from inkling_quant.model.inkling2 import Inkling2Config
+from inkling_quant.model.layout import detect, expected_tensors
 
 I = 64  # the expert width: MXFP8's 32-blocks divide it (the default scheme's last layer)
 

@@ -12,9 +12,10 @@ from safetensors.torch import load_file
 
 from inkling_quant.convert import Options, convert
 from inkling_quant.errors import CheckpointError, FormatError
-from inkling_quant.formats import FORMATS, unstack_expert
-from inkling_quant.formats.stacked import projection_specs
-from inkling_quant.inkling2 import Inkling2Config
+from inkling_quant.export.inkling import unstack_expert
+from inkling_quant.formats import FORMATS
+from inkling_quant.export.inkling import projection_specs
+from inkling_quant.model.inkling2 import Inkling2Config
 from inkling_quant.synth import write_checkpoint
 
 LAYERS, AMAX = 6, 4.0  # the default scheme: NVFP4 experts in layers 0-4, MXFP8 in layer 5

@@ -1,5 +1,5 @@
 """inkling-quant draft extract / strip on tiny synthetic checkpoints (the draft bundled as
-inkling_quant.dspark spells it; tests/test_draft_original.py holds the spec to vLLM)."""
+inkling_quant.model.dspark spells it; tests/test_draft_original.py holds the spec to vLLM)."""
 from __future__ import annotations
 
 import argparse
@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from inkling_quant import cli, draft, dspark
+from inkling_quant import cli, draft
+
+from inkling_quant.model import dspark
 from inkling_quant.errors import CheckpointError, ConfigError, InklingQuantError, UsageError
-from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors
+from inkling_quant.model.inkling2 import Inkling2Config, checkpoint_tensors
 from inkling_quant.io.checkpoint import INDEX_NAME, Checkpoint
 from inkling_quant.io.output import read_checksums
 from inkling_quant.io.safetensors import ShardReader, sha256_file

@@ -14,10 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from inkling_quant import draft, dspark
+from inkling_quant import draft
+
+from inkling_quant.model import dspark
 from inkling_quant.convert import Options, convert
 from inkling_quant.errors import CheckpointError
-from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors
+from inkling_quant.model.inkling2 import Inkling2Config, checkpoint_tensors
 from inkling_quant.synth import write_checkpoint
 
 LAYERS = 6

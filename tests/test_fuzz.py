@@ -42,7 +42,7 @@ from inkling_quant.convert import load_activation_amax
 from inkling_quant.errors import ConfigError, InklingQuantError, UnsafePathError
 from inkling_quant.io.checkpoint import INDEX_NAME, MAX_JSON_BYTES, Checkpoint, read_json, safe_child
 from inkling_quant.io.safetensors import DTYPES, MAX_HEADER_BYTES, ShardReader, ShardWriter, read_header
-from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors, classify, experts_module
+from inkling_quant.model.inkling2 import Inkling2Config, checkpoint_tensors, classify, experts_module
 from inkling_quant.synth import make_config
 
 CORPUS = Path(__file__).parent / "fuzz_corpus"
@@ -579,7 +579,7 @@ def _read_hf(d):
     """What convert/inspect (layout.model_config) and plan (budget_hf.HFModel, then the plan) read."""
     from inkling_quant.budget import plan
     from inkling_quant.budget_hf import HFModel
-    from inkling_quant.layout import model_config
+    from inkling_quant.model.layout import model_config
 
     model_config(d, "config.json")
     return plan(HFModel.from_dict(d, "config.json"), tp=1)
@@ -813,7 +813,7 @@ def _replay_draft_config(p: Path):
 
 
 def _replay_hf_quant_config(p: Path, tmp: Path):
-    from inkling_quant.export import read_quantization
+    from inkling_quant.export.modelopt import read_quantization
 
     shutil.copyfile(p, tmp / "hf_quant_config.json")
     return read_quantization(tmp, Inkling2Config.reference().raw)

@@ -1,4 +1,4 @@
-"""inkling_quant.inkling2 against transformers' own Inkling 2 (config, save_pretrained, parameters)."""
+"""inkling_quant.model.inkling2 against transformers' own Inkling 2 (config, save_pretrained, parameters)."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from inkling_quant.errors import ConfigError, UnknownTensorError
-from inkling_quant import dspark
-from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors, param_counts
+from inkling_quant.model import dspark
+from inkling_quant.model.inkling2 import Inkling2Config, checkpoint_tensors, param_counts
 from inkling_quant.io.checkpoint import Checkpoint
 
 ref = pytest.importorskip("inkling2_reference")
@@ -149,7 +149,7 @@ def test_names_map_both_ways_as_transformers_does():
     two value-changing entries (w13 interleave, unembed padding) by name."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    from inkling_quant.inkling2 import original_name, transformers_name
+    from inkling_quant.model.inkling2 import original_name, transformers_name
 
     model = ref.inkling2.Inkling2ForConditionalGeneration._from_config(ref.tiny_config(), dtype=torch.bfloat16)
     state = dict(model.state_dict())
@@ -171,7 +171,7 @@ def test_names_map_both_ways_as_transformers_does():
 
 
 def test_classify_every_tensor_of_the_layout():
-    from inkling_quant.inkling2 import classify
+    from inkling_quant.model.inkling2 import classify
 
     cfg = Inkling2Config.reference()
     parts = {}

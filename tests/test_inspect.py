@@ -15,13 +15,16 @@ import pytest
 import torch
 from legacy_checkpoint import write_legacy_checkpoint
 
-from inkling_quant import dspark, inspect_cmd
+from inkling_quant import inspect_cmd
+
+from inkling_quant.model import dspark
 from inkling_quant.cli import main
 from inkling_quant.errors import ConfigError
-from inkling_quant.export import EXCLUDE_MODULES_ORIGINAL, config_with_quantization, quantization
+from inkling_quant.export.inkling import EXCLUDE_MODULES_ORIGINAL, config_with_quantization
+from inkling_quant.export.modelopt import quantization
 from inkling_quant.formats import FORMATS
-from inkling_quant.formats.stacked import stack_experts
-from inkling_quant.inkling2 import Inkling2Config, experts_module
+from inkling_quant.export.inkling import stack_experts
+from inkling_quant.model.inkling2 import Inkling2Config, experts_module
 from inkling_quant.io import safetensors as st
 from inkling_quant.io.checkpoint import Checkpoint
 from inkling_quant.synth import make_config

@@ -9,8 +9,9 @@ from safetensors import safe_open
 
 from hf_moe_reference import save
 from inkling_quant.errors import CheckpointError, ConfigError
-from inkling_quant.inkling2 import Inkling2Config
-from inkling_quant.layout import MoEConfig, detect, stacked_orientation
+from inkling_quant.model.inkling2 import Inkling2Config
+from inkling_quant.model.layout import MoEConfig, detect
+from inkling_quant.model.storage import stacked_orientation
 
 # family -> (text prefix, storage kind, block, projection names, expert layers, vision, projector)
 EXPECTED = {

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from inkling_quant import lora
 from inkling_quant.convert import Options, convert
 from inkling_quant.errors import ConfigError
-from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors, transformers_name
+from inkling_quant.model.inkling2 import Inkling2Config, checkpoint_tensors, transformers_name
 from inkling_quant.synth import write_checkpoint
 
 from test_lora import ATTN, bits_equal, one_ulp_apart, tensors, write_adapter

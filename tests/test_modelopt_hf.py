@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from inkling_quant.convert import Options, convert
-from inkling_quant.formats import FORMATS, unstack_expert
+from inkling_quant.export.inkling import unstack_expert
+from inkling_quant.formats import FORMATS
 
 mo = pytest.importorskip("modelopt_reference")
 

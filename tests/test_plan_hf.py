@@ -17,7 +17,7 @@ from inkling_quant import cli
 from inkling_quant.budget import GiB, load_config, plan
 from inkling_quant.budget_hf import HFModel, is_hf_moe
 from inkling_quant.errors import ConfigError, UsageError
-from inkling_quant.inkling2 import Inkling2Config
+from inkling_quant.model.inkling2 import Inkling2Config
 from inkling_quant.kvcache import FULL, MLA, SLIDING
 
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "qwen3_vl_moe", "llama4")

@@ -52,7 +52,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from inkling_quant.cli import main
-from inkling_quant.inkling2 import Inkling2Config
+from inkling_quant.model.inkling2 import Inkling2Config
 from inkling_quant.synth import write_checkpoint
 
 AMAX = ["--default-activation-amax", "4", "--quiet"]

@@ -6,7 +6,7 @@ import pytest
 
 from inkling_quant.cli import main
 from inkling_quant.errors import UsageError
-from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors, classify
+from inkling_quant.model.inkling2 import Inkling2Config, checkpoint_tensors, classify
 from inkling_quant.schemes import SCHEMES, get_scheme
 from inkling_quant.synth import make_config
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from inkling_quant.errors import FormatError
-from inkling_quant.formats import (FORMATS, detect, expert_slices, stack_experts, stacked_specs, unstack_experts,
-                                   write_expert)
-from inkling_quant.formats.stacked import OUTER_SCALE_DENOMINATOR
+from inkling_quant.export.inkling import (OUTER_SCALE_DENOMINATOR, expert_slices, stack_experts, stacked_specs,
+                                          unstack_experts, write_expert)
+from inkling_quant.formats import FORMATS, detect
 
 BF = torch.bfloat16
 MODS = ("gate_proj", "up_proj", "down_proj")
@@ -347,7 +347,7 @@ def test_quantizing_the_interleaved_slab_equals_quantizing_gate_and_up_apart(fmt
     """What the converter does (quantize expert e's w13 slab as stored, rows interleaved, under
     the slab's amax) gives bit for bit the slices of quantizing gate and up apart under their
     fused amax and interleaving the results (expert_slices); likewise w2."""
-    from inkling_quant.formats import slab_slices
+    from inkling_quant.export.inkling import slab_slices
 
     fmt = FORMATS[fmt_name]
     g = torch.Generator().manual_seed(7)

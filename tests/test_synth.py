@@ -3,7 +3,7 @@ import json
 import torch
 from safetensors import safe_open
 
-from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors, classify
+from inkling_quant.model.inkling2 import Inkling2Config, checkpoint_tensors, classify
 from inkling_quant.io.checkpoint import Checkpoint
 from inkling_quant.synth import make_config, synth_tensor, write_checkpoint
 

@@ -19,7 +19,7 @@ from inkling_quant.cli import main
 from inkling_quant.convert import Options, convert
 from inkling_quant.errors import CheckpointError, prefixed
 from inkling_quant.formats import FORMATS
-from inkling_quant.formats.stacked import stack_experts
+from inkling_quant.export.inkling import stack_experts
 from inkling_quant.io.checkpoint import INDEX_NAME
 from inkling_quant.io.safetensors import ShardReader, ShardWriter, read_header, sha256_file
 from inkling_quant.verify import CHECKSUMS, check_config_files, sample_experts, verify

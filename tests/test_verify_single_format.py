@@ -22,10 +22,10 @@ from modelopt_reference import quantize_and_export
 from safetensors.torch import load_file, save_file
 
 from inkling_quant.convert import Options, convert
-from inkling_quant.export import format_of, read_quantization
+from inkling_quant.export.modelopt import format_of, read_quantization
 from inkling_quant.formats import FORMATS
 from inkling_quant.io.checkpoint import SINGLE_NAME
-from inkling_quant.layout import detect, model_config
+from inkling_quant.model.layout import detect, model_config
 from inkling_quant.verify import verify
 
 CONFIGS = (("config.json", "quantization_config", "ignore"), ("hf_quant_config.json", "quantization", "exclude_modules"))

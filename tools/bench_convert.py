@@ -162,8 +162,8 @@ def _child_modelopt(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     sys.path.insert(0, str(ROOT))
     from inkling_quant.formats import FORMATS
-    from inkling_quant.formats.stacked import projection_specs, slab_slices
-    from inkling_quant.inkling2 import Inkling2Config, classify
+    from inkling_quant.export.inkling import projection_specs, slab_slices
+    from inkling_quant.model.inkling2 import Inkling2Config, classify
     from inkling_quant.io.safetensors import ShardReader, ShardWriter, TensorBuffer
     from inkling_quant.schemes import get_scheme
 
@@ -221,7 +221,7 @@ def _child_unstack(spec: dict) -> dict:
     names them (`model.language_model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`): the
     same bytes of the same weights, one shard per source shard, everything else as it is."""
     sys.path.insert(0, str(ROOT))
-    from inkling_quant.inkling2 import classify, modelopt_experts_module
+    from inkling_quant.model.inkling2 import classify, modelopt_experts_module
     from inkling_quant.io.safetensors import ShardReader, ShardWriter, TensorBuffer
 
     src, out = Path(spec["src"]), Path(spec["out"])
@@ -323,7 +323,7 @@ def _child_synth(spec: dict) -> dict:
 
 def src_stats(src: Path) -> dict:
     sys.path.insert(0, str(ROOT))
-    from inkling_quant.inkling2 import classify
+    from inkling_quant.model.inkling2 import classify
     from inkling_quant.io.safetensors import read_header
 
     parts: dict[str, int] = {}  # layout part (expert, embed, draft, ...) -> tensor bytes

@@ -90,7 +90,7 @@ def _child_adapter(spec: dict) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    from inkling_quant.inkling2 import original_name
+    from inkling_quant.model.inkling2 import original_name
     from inkling_quant.io.checkpoint import Checkpoint
 
     shapes = {n: e.shape for h in Checkpoint.open(spec["ckpt"]).headers().values() for n, e in h.tensors.items()}

@@ -50,7 +50,7 @@ TARGET_S = 15 * 60  # issue 17: 594 B on one 16-core node under 15 minutes
 def bench_sizes(layers: int, experts: int) -> tuple[int, int]:
     """(total bf16 bytes, routed-expert bytes) of the bench preset at layers x experts."""
     sys.path.insert(0, str(ROOT))
-    from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors, classify
+    from inkling_quant.model.inkling2 import Inkling2Config, checkpoint_tensors, classify
     from inkling_quant.synth import make_config
 
     specs = list(checkpoint_tensors(Inkling2Config.from_dict(make_config("bench", layers, experts))))
@@ -73,8 +73,8 @@ def reference_model(scheme_name: str = "default") -> dict:
     routed-expert tensors (projection, shape, how many)."""
     sys.path.insert(0, str(ROOT))
     from inkling_quant.formats import FORMATS
-    from inkling_quant.formats.stacked import projection_specs
-    from inkling_quant.inkling2 import Inkling2Config, checkpoint_tensors, classify
+    from inkling_quant.export.inkling import projection_specs
+    from inkling_quant.model.inkling2 import Inkling2Config, checkpoint_tensors, classify
     from inkling_quant.schemes import get_scheme
 
     cfg = Inkling2Config.reference()

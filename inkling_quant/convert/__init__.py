@@ -1,5 +1,5 @@
 """Convert an Inkling 2 Small checkpoint in the published layout (BF16/FP16/FP32, or the MXFP8
-release) or a Hugging Face MoE checkpoint (inkling_quant.layout detects its layout): routed
+release) or a Hugging Face MoE checkpoint (inkling_quant.model.layout detects its layout): routed
 experts to NVFP4/MXFP8 per the scheme, everything else passed through bit-exact, as the Inkling
 stacked form or ModelOpt's MIXED_PRECISION Hugging Face export.
 
@@ -28,26 +28,23 @@ import torch
 from .. import __version__, hub
 from ..cli_common import int_range, parse_size, positive_float
 from ..errors import CheckpointError, OutputError, UsageError
-from ..export import PRODUCER_VERSION as MODELOPT_FORMAT_VERSION
-from ..export import (EXCLUDE_MODULES_ORIGINAL, config_with_quantization, hf_quant_config, modelopt_hf_quant_config,
-                      modelopt_quantization_config, quantization)
+from ..export import FORMS, form_for
 from ..formats import FORMATS
-from ..io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG, INDEX_NAME, copy_file_atomic, write_json_atomic
+from ..io.checkpoint import CONFIG_NAME, INDEX_NAME, copy_file_atomic, write_json_atomic
 from ..io.output import CHECKSUMS, OutputLock, check_paths, write_checksums, write_report
 from ..io.safetensors import fsync_files, sha256_file
 from ..schemes import get_scheme
 from .calibration import load_activation_amax, load_calibration
-from .planner import (FLOAT_SOURCES, OUTPUT_FORMATS, Options, Prepared, ShardJob, SrcTensor, Unit, list_source,
-                      load_config, output_format, plan, validate_source)
+from .planner import (FLOAT_SOURCES, Options, Prepared, ShardJob, SrcTensor, Unit, list_source, load_config, plan,
+                      validate_source)
 from .runner import (FINGERPRINT_KEY, MANIFEST, MANIFEST_GLOB, confirm_complete, confirm_finalized, fingerprint, finished,
                      manifest_path, manifests, part_jobs, previous_output, recorded_checksums, refuse_symlinks,
                      remove_temps, run_jobs, start_output, writing)
 from .worker import SHARD_METADATA, ShardResult, convert_shard
 
-__all__ = ["FLOAT_SOURCES", "MANIFEST", "MANIFEST_GLOB", "MODELOPT_FORMAT_VERSION", "SHARD_METADATA", "Options",
-           "Prepared", "ShardJob", "ShardResult", "SrcTensor", "Unit", "add_arguments", "convert", "convert_shard",
-           "finalize", "load_activation_amax", "plan", "prepare", "print_summary", "quant_config", "run",
-           "validate_source"]
+__all__ = ["FLOAT_SOURCES", "MANIFEST", "MANIFEST_GLOB", "SHARD_METADATA", "Options", "Prepared", "ShardJob",
+           "ShardResult", "SrcTensor", "Unit", "add_arguments", "convert", "convert_shard", "finalize",
+           "load_activation_amax", "plan", "prepare", "print_summary", "quantized_layers", "run", "validate_source"]
 
 
 # --------------------------------------------------------------------------- the pipeline
@@ -59,11 +56,12 @@ def prepare(src: str, opts: Options) -> Prepared:
     scheme = get_scheme(opts.scheme)
     listing, other_files, stat = list_source(root, repo, revision)
     tensors, layout = validate_source(cfg, listing, str(src))
-    opts = dataclasses.replace(opts, output_format=output_format(cfg, layout, opts.output_format))
+    form = form_for(cfg, layout, opts.output_format)
+    opts = dataclasses.replace(opts, output_format=form.name)
     calibrated = {} if opts.weight_only else load_calibration(opts.activation_scales, tensors, layout, src)
-    jobs = plan(cfg, layout, tensors, scheme, opts, calibrated, str(src))
+    jobs = plan(cfg, layout, tensors, scheme, form, opts, calibrated, str(src))
     return Prepared(root, repo, revision, cfg, layout, jobs, other_files, fingerprint(jobs, opts, scheme, stat),
-                    fingerprint(jobs, opts, scheme, {}), opts.output_format, scheme)
+                    fingerprint(jobs, opts, scheme, {}), form, scheme)
 
 
 def convert(src: str, out: str | Path, opts: Options, *, resume: bool = False, overwrite: bool = False,
@@ -124,7 +122,7 @@ def _finalize_io(out: Path, prep: Prepared, opts: Options) -> dict:
 
 
 def _finalize(out: Path, prep: Prepared, opts: Options) -> dict:
-    remove_temps(out, [CONFIG_NAME, HF_QUANT_CONFIG, CHECKSUMS, INDEX_NAME] + [p.name for p in prep.other_files])
+    remove_temps(out, [*prep.form.files, CHECKSUMS, INDEX_NAME] + [p.name for p in prep.other_files])
     sums = recorded_checksums(out, prep)
     fsync_files(out / j.file for j in prep.jobs)
     if len(manifests(out)) > 1:  # shards from other machines: check what they recorded
@@ -144,45 +142,25 @@ def _finalize(out: Path, prep: Prepared, opts: Options) -> dict:
     return {"output": str(out), "shards": len(prep.jobs), "finalized": True}
 
 
-def quant_config(prep: Prepared, weight_only: bool) -> dict:
-    """ModelOpt's MIXED_PRECISION config of the planned conversion (inkling_quant.export): every
-    quantized routed expert's module is its layer's experts module (`...mlp.experts`, ModelOpt's
-    key for an MoE layer; gate/up and down share the layer's format); pass-through tensors are no
-    module of it."""
-    def module(u: Unit) -> str | None:
-        if u.format == "passthrough":
-            return None
-        if u.unstacked:  # the module ModelOpt's per-expert modules go under
-            return u.experts_module
-        if u.stacked:  # the Inkling stacked form: the tensor's own module
-            return u.sources[0].name[: -len(f".{u.stacked}_weight")]
-        if u.storage == "per_expert":
-            return prep.layout.experts_modules[prep.layout.classify(u.sources[0].name).layer]
-        return None
-
-    return quantization(((m, FORMATS[u.format]) for j in prep.jobs for u in j.units if (m := module(u))),
-                        weight_only, EXCLUDE_MODULES_ORIGINAL)
+def quantized_layers(prep: Prepared) -> dict:
+    """experts module -> Format of every quantized unit of the planned conversion (the module the
+    output form lists it under: a layer's experts module, or Inkling's stacked tensor's module);
+    gate/up and down share the layer's format."""
+    return {m: FORMATS[u.format] for j in prep.jobs for u in j.units
+            if u.format != "passthrough" and (m := u.writing.quantized_module(u, prep.layout)) is not None}
 
 
 def _write_configs(out: Path, prep: Prepared, opts: Options) -> list[str]:
-    """hf_quant_config.json (with a `converter` entry naming who wrote it), then config.json with
-    `quantization_config`; a conversion that quantizes nothing (scheme `none`) writes config.json
-    as the source has it, as ModelOpt leaves an unquantized model. Returns the names written."""
-    q = quant_config(prep, opts.weight_only)
-    if not q["quantized_layers"]:
-        write_json_atomic(out / CONFIG_NAME, prep.cfg.raw)
-        return [CONFIG_NAME]
-    if prep.output_format == "modelopt-hf":  # exactly ModelOpt's two files, nothing of ours
-        q.pop("exclude_modules")
-        write_json_atomic(out / HF_QUANT_CONFIG, modelopt_hf_quant_config(q))
-        write_json_atomic(out / CONFIG_NAME, {**prep.cfg.raw, "quantization_config": modelopt_quantization_config(
-            modelopt_hf_quant_config(q)["quantization"])})
-        return [HF_QUANT_CONFIG, CONFIG_NAME]
+    """The output form's quantization config files (with who converted it where the form records
+    it); a conversion that quantizes nothing (scheme `none`) writes config.json as the source has
+    it, as ModelOpt leaves an unquantized model. Returns the names written."""
     converter = {"name": "inkling-quant", "version": __version__, "scheme": prep.scheme.record(),
                  "weight_only": opts.weight_only}
-    write_json_atomic(out / HF_QUANT_CONFIG, hf_quant_config(q, converter))
-    write_json_atomic(out / CONFIG_NAME, config_with_quantization(prep.cfg.raw, q))
-    return [CONFIG_NAME, HF_QUANT_CONFIG]
+    files = prep.form.config_files(prep.cfg, quantized_layers(prep), opts.weight_only, converter) \
+        or {CONFIG_NAME: prep.cfg.raw}
+    for name, obj in files.items():
+        write_json_atomic(out / name, obj)
+    return list(files)
 
 
 def _write_checksums(out: Path, shard_sums: dict[str, str], others: list[str]) -> None:
@@ -232,7 +210,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="output shard size (default 5GB)")
     p.add_argument("--buffered-io", action="store_true",
                    help="write shards through the page cache instead of O_DIRECT (docs/convert.md)")
-    p.add_argument("--output-format", choices=OUTPUT_FORMATS, default=None,
+    p.add_argument("--output-format", choices=tuple(FORMS), default=None,
                    help="Inkling 2 sources under the original names: 'inkling' (default: original names, stacked "
                         "experts, the release's form) or 'modelopt-hf' (exactly what ModelOpt's exporter writes: "
                         "transformers' names, per-expert tensors, its config); every other source (Inkling 2 under "

@@ -4,16 +4,14 @@ onto the source's activation modules (a per-expert source's expert modules, a st
 stacked tensors)."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from ..errors import CheckpointError, printable
 from ..formats import FORMATS
-from ..inkling2 import stacked_of_expert_module
 from ..io.checkpoint import Checkpoint, read_json
 from ..io.safetensors import DTYPE_NAMES, ShardReader
 from ..io.shards import ShardReaders
-from ..layout import PER_EXPERT_NAMES, Layout
+from ..model.layout import Layout
 from .planner import SrcTensor
 
 
@@ -124,12 +122,12 @@ def load_calibration(path: str | None, tensors: list[SrcTensor], layout: Layout,
     module the file names must map onto one of the source's."""
     calibrated, counted = _load(path)
     # activation module -> the experts it holds (a stacked tensor: its E; a per-expert module: 1)
-    modules = {key: (t.shape[0] if layout.experts.kind != "per_expert" else 1)
+    modules = {key: (t.shape[0] if layout.experts.stacked else 1)
                for t in tensors if (key := layout.activation_key(layout.classify(t.name))) is not None}
     out: dict[str, float] = {}
     unknown = []
     for k, v in calibrated.items():
-        key, expert = (k, None) if k in modules else _stacked_key(layout, k)
+        key, expert = (k, None) if k in modules else layout.stacked_tensor_of(k) or (None, None)
         if key not in modules:
             unknown.append(k)
             continue
@@ -145,22 +143,3 @@ def load_calibration(path: str | None, tensors: list[SrcTensor], layout: Layout,
                               f"no module of {src} (first: {printable(unknown[0][:200])!r}); calibration for "
                               f"another model or another naming?", path=path)
     return out
-
-
-_PER_EXPERT_MODULE = re.compile(
-    r"(?P<experts>.+\.experts)\.(?P<expert>\d{1,9})\.(?P<proj>" + "|".join(n for names in PER_EXPERT_NAMES for n in names) + ")")
-
-
-def _stacked_key(layout: Layout, module: str) -> tuple[str | None, int | None]:
-    """(the stacked tensor of a stacked source that holds a per-expert module of ModelOpt's
-    export, that module's expert): `<experts>.<e>.gate_proj` -> `<experts>.gate_up_proj`; the
-    Inkling layout's under transformers' names -> `...mlp.experts.w13_weight`. (None, None) for
-    any other name."""
-    m = _PER_EXPERT_MODULE.fullmatch(module)
-    if layout.experts.kind == "per_expert" or m is None:
-        return None, None
-    if layout.experts.kind == "interleaved":
-        key = stacked_of_expert_module(module)
-    else:
-        key = f"{m['experts']}.{'down_proj' if m['proj'] in ('down_proj', 'w2') else 'gate_up_proj'}"
-    return key, int(m["expert"]) if key is not None else None

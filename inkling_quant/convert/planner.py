@@ -1,5 +1,5 @@
 """Planning: everything decided before any byte is written. The source is listed, its layout
-detected (inkling_quant.layout) and checked in one loop against the tensors its config requires
+detected (inkling_quant.model.layout) and checked in one loop against the tensors its config requires
 (`layout.expected_tensors`: Inkling 2's strict spec under the checkpoint's naming, a Hugging
 Face MoE's routed experts), each NVFP4 expert gets its activation amax, tensors become units (a
 pass-through tensor, an expert's gate and up sharing one global scale, or a stacked expert
@@ -7,21 +7,22 @@ tensor converted expert by expert) and the units are packed into output shards."
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from .. import hub
 from ..errors import CheckpointError, ConfigError, FormatError, UsageError
+from ..export import INKLING, Copy, OutputForm, Writing
+from ..export.inkling import projection_specs
 from ..formats import FORMATS
-from ..formats.stacked import expert_module_specs, projection_specs
-from ..inkling2 import RELEASE_EXPERT_FORMAT, Inkling2Config, Spec, modelopt_tensor, transformers_name
 from ..io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child, shard_name
 from ..io.safetensors import DTYPE_NAMES, DTYPES
 from ..io.shards import plan_shards
-from ..layout import (INKLING_NAMINGS, Layout, MoEConfig, detect, expected_tensors, expert_tensor_count, model_config,
-                      oriented, original_names)
+from ..model.inkling2 import RELEASE_EXPERT_FORMAT, Inkling2Config, Spec
+from ..model.layout import Layout, MoEConfig, detect, expected_tensors, expert_tensor_count, model_config, oriented
+from ..model.storage import ExpertStorage
+from ..model.tensors import TensorName
 from ..schemes import Scheme
-from ..tensors import TensorName
 
 FLOAT_SOURCES = FORMATS["passthrough"].source_dtypes
 
@@ -41,32 +42,33 @@ class SrcTensor:
 class Unit:
     """What is converted as one: a pass-through tensor; an expert's gate and up (per-expert
     sources, one NVFP4 global scale for both) or one expert projection; or a stacked expert tensor
-    (all experts of a layer's gate/up or down, `stacked` names which: "w13" or "w2"; with the MXFP8
-    release's scale beside it), converted expert by expert. `input_amax` and `amax_origin` have
-    one entry per source tensor (one for a stacked unit)."""
+    (all experts of a layer's gate/up or down; with the MXFP8 release's scale beside it),
+    converted expert by expert. `input_amax` and `amax_origin` have one entry per source tensor
+    (one for a stacked unit). `storage` is the source's expert storage (None: a tensor copied as
+    it is), `writing` how the output form names and lays out what is written (export)."""
 
     sources: tuple[SrcTensor, ...]
     format: str
     input_amax: tuple[float | None, ...]
     amax_origin: tuple[str | None, ...] = ()  # "calibrated" or "default" (None: no activation scale)
-    stacked: str | None = None
-    # modelopt-hf output: the name the tensor is written under (transformers'), and for the
-    # unembedding the rows kept (transformers' lm_head drops the vocabulary padding)
-    out_name: str | None = None
-    rows: int | None = None
-    unstacked: bool = False  # a stacked unit written as ModelOpt's per-expert modules (modelopt-hf)
     source_format: str | None = None  # a quantized source's format (the MXFP8 release); None: float
-    # a stacked unit's storage: "interleaved" (Inkling's w13 [E, 2I, H], gate/up rows alternating)
-    # or "stacked" (transformers' gate_up_proj, gate then up; down_proj); "per_expert": 2-D experts
-    storage: str = "interleaved"
-    transposed: bool = False  # "stacked" stored [E, in, out] (the Hub's Qwen3-VL-MoE, Llama 4)
-    experts_module: str | None = None  # unstacked: the module ModelOpt's per-expert modules go under
+    storage: ExpertStorage | None = None
+    writing: Writing = Copy()
 
     @property
     def activation_scale(self) -> bool:
         """Whether its outputs carry an activation scale: decided once, by the planner, in setting
         input_amax (a W4A4 NVFP4 unit has one; weight-only and MXFP8 units none)."""
         return any(a is not None for a in self.input_amax)
+
+    @property
+    def stacked(self) -> bool:
+        """A stacked expert tensor, converted expert by expert."""
+        return self.storage is not None and self.storage.stacked
+
+    def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """Every output tensor (name, dtype name, shape), in write order (the form's writing)."""
+        return self.writing.specs(self)
 
 
 @dataclass(frozen=True)
@@ -77,11 +79,6 @@ class ShardJob:
     specs: tuple[tuple[str, str, tuple[int, ...]], ...]  # output (name, dtype name, shape) in order
     src_bytes: int
     out_bytes: int
-
-
-# a stacked unit's projection as formats.stacked names it, from the layout's canonical one
-STACKED_PROJECTIONS = {"gate_up": "w13", "down": "w2"}
-OUTPUT_FORMATS = ("inkling", "modelopt-hf")  # Hugging Face MoE sources: modelopt-hf only
 
 
 @dataclass
@@ -110,7 +107,7 @@ class Prepared:
     other_files: list[Path]
     fingerprint: str  # what a resume or a part must share, the source files included (runner.fingerprint)
     conversion: str   # the same without the source files: what a finished OUT records of the conversion
-    output_format: str  # settled: the one asked for, else the source's own (`output_format`)
+    form: OutputForm  # settled: the one asked for, else the source's own (export.form_for)
     scheme: Scheme
 
 
@@ -134,29 +131,9 @@ def load_config(root: Path) -> Inkling2Config | MoEConfig:
     return model_config(read_json(path, CONFIG_NAME, ConfigError), str(path))
 
 
-def output_format(cfg: Inkling2Config | MoEConfig, layout: Layout, requested: str | None) -> str:
-    """The output form: what was asked for, else the source's own (Inkling's stacked form for
-    Inkling 2 under its original names; ModelOpt's export, under the source's names, otherwise)."""
-    if requested is not None and requested not in OUTPUT_FORMATS:
-        raise UsageError(f"--output-format {requested!r}: known {', '.join(OUTPUT_FORMATS)}")
-    if original_names(cfg, layout.text_prefix):
-        return requested or "inkling"
-    if requested == "inkling" and isinstance(cfg, Inkling2Config):
-        # The original names would need lm_head's vocabulary padding rows, which transformers' model
-        # drops (Inkling2UnpadVocab): there is nothing to write them from.
-        raise UsageError("--output-format inkling writes the original names (model.llm.*); this source is under "
-                         "transformers' names (model.language_model.*, lm_head.weight without the vocabulary "
-                         "padding rows the original unembed holds): it is written as ModelOpt exports it "
-                         "(--output-format modelopt-hf)")
-    if requested == "inkling":
-        raise UsageError(f"--output-format inkling is the Inkling 2 layout's stacked form; a {cfg.model_type} "
-                         f"checkpoint is written as ModelOpt exports it (--output-format modelopt-hf)")
-    return "modelopt-hf"
-
-
 def validate_source(cfg: Inkling2Config | MoEConfig, listing: Listing, root: str) -> tuple[list[SrcTensor], Layout]:
     """The source's tensors and its detected layout (the stacked orientation settled): every
-    tensor placed (inkling_quant.layout); every tensor the config requires (`expected_tensors`:
+    tensor placed (inkling_quant.model.layout); every tensor the config requires (`expected_tensors`:
     for Inkling 2 all of them, under the checkpoint's naming; otherwise the routed experts)
     present with its shape; float (Inkling's interleaved experts also as the MXFP8 release stores
     them); for Inkling 2, nothing else."""
@@ -167,9 +144,9 @@ def validate_source(cfg: Inkling2Config | MoEConfig, listing: Listing, root: str
         raise ConfigError(f"config.json implies {implied} routed-expert weights, the checkpoint holds {len(entries)} "
                           f"tensors in all: they disagree (expert or layer counts?)", path=f"{root}/{CONFIG_NAME}")
     expected = expected_tensors(cfg, layout)
-    if layout.experts.kind == "interleaved":
+    if layout.original_names:  # the MXFP8 release's experts are read under the original names
         _release_experts(layout, expected, entries)
-    strict = isinstance(cfg, Inkling2Config)
+    strict = layout.naming is not None  # Inkling 2: every tensor listed by the config
     tensors, unexpected = [], []
     for name, (shard, dtype, shape) in entries.items():
         path, spec = f"{root}/{shard}", expected.get(name)
@@ -203,10 +180,9 @@ def _release_experts(layout: Layout, expected: dict[str, Spec], entries: dict) -
     for name, spec in list(expected.items()):
         rec = layout.classify(name)
         if rec.part == "expert" and name + "_scale" in entries:
-            proj = STACKED_PROJECTIONS[rec.projection]
-            prefix = name[: -len(f"{proj}_weight")]
-            for k, o in projection_specs(FORMATS[RELEASE_EXPERT_FORMAT], proj, spec.shape).items():
-                expected[prefix + k] = Spec(prefix + k, tuple(o.shape), o.dtype)
+            release = INKLING.stacked(None, layout, name, rec.projection, RELEASE_EXPERT_FORMAT)
+            for k, o in projection_specs(FORMATS[RELEASE_EXPERT_FORMAT], release.proj, spec.shape).items():
+                expected[release.prefix + k] = Spec(release.prefix + k, tuple(o.shape), o.dtype)
 
 
 def _check_unlisted(cfg: MoEConfig, rec: TensorName, path: str) -> None:
@@ -226,7 +202,7 @@ def _more(names: list[str]) -> str:
 
 
 def _unexpected(layout: Layout, names: list[str], missing: list[str]) -> str:
-    naming = INKLING_NAMINGS[(layout.text_prefix, replace(layout.experts, transposed=False))]
+    naming = layout.naming.description
     return (f"{len(names)} tensor(s) not a tensor of the Inkling 2 layout with this config, in {naming}: "
             f"{_more(names)}" + (f"; the layout's tensors missing from the checkpoint: {_more(missing)}" if missing
                                  else "") + " (docs/layout.md)")
@@ -243,17 +219,17 @@ def _missing(cfg: Inkling2Config | MoEConfig, layout: Layout, missing: list[str]
 
 
 # --------------------------------------------------------------------------- units and shards
-def plan(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTensor], scheme: Scheme, opts: Options,
-         calibrated: dict[str, float], root: str = ".") -> list[ShardJob]:
-    """Units packed into output shards. An NVFP4 expert's activation amax comes from `calibrated`
-    (--activation-scales), else --default-activation-amax. Every tensor is checked against its
-    format (block divisibility) here, before any byte is written. `opts.output_format` is settled
-    (`output_format`)."""
-    return _pack(_units(cfg, layout, tensors, scheme, opts, calibrated, root), opts)
+def plan(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTensor], scheme: Scheme, form: OutputForm,
+         opts: Options, calibrated: dict[str, float], root: str = ".") -> list[ShardJob]:
+    """Units packed into output shards, written in the output `form`. An NVFP4 expert's
+    activation amax comes from `calibrated` (--activation-scales), else --default-activation-amax.
+    Every tensor is checked against its format (block divisibility) here, before any byte is
+    written."""
+    return _pack(_units(cfg, layout, tensors, scheme, form, opts, calibrated, root), opts)
 
 
-def _units(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTensor], scheme: Scheme, opts: Options,
-           calibrated: dict[str, float], root: str) -> list[Unit]:
+def _units(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTensor], scheme: Scheme, form: OutputForm,
+           opts: Options, calibrated: dict[str, float], root: str) -> list[Unit]:
     """Each tensor's unit, format and activation amax, in source order; a format error names the
     tensor at once, missing activation amaxes are reported together at the end."""
     units: list[Unit] = []
@@ -266,17 +242,18 @@ def _units(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTen
         rec = layout.classify(t.name)
         fmt = scheme.format_name(cfg, rec)
         if rec.part != "expert":
-            rename = opts.output_format == "modelopt-hf" and original_names(cfg, layout.text_prefix)
-            units.append(_passthrough_unit(cfg, t, fmt, rename))
-        elif layout.experts.kind == "per_expert":
+            if fmt != "passthrough":  # the schemes quantize routed experts only
+                raise UsageError(f"convert quantizes routed experts only; the scheme gives {t.name!r} {fmt}",
+                                 tensor=t.name)
+            units.append(Unit((t,), fmt, (None,), (None,), writing=form.copy(cfg, layout, t.name)))
+        elif not layout.experts.stacked:
             group = _group(layout, t, rec, fmt, by_name)
             done.update(g.name for g in group)
-            units.append(_expert_unit(layout, group, fmt, opts, calibrated, root, missing_amax))
+            units.append(_expert_unit(layout, form, group, fmt, opts, calibrated, root, missing_amax))
         elif rec.suffix == "weight":  # a quantized source's scales go with their weight
-            proj = STACKED_PROJECTIONS[rec.projection]
             scale = by_name.get(t.name + "_scale") if DTYPES[t.dtype] not in FLOAT_SOURCES else None
-            units.append(_stacked_unit(t, scale, proj, fmt, opts, calibrated, root, missing_amax,
-                                       layout.experts.kind, layout.experts.transposed))
+            units.append(_stacked_unit(cfg, layout, form, t, scale, rec.projection, fmt, opts, calibrated, root,
+                                       missing_amax))
     if missing_amax:
         raise UsageError(
             f"NVFP4 (W4A4) needs an activation scale per expert projection; none for {missing_amax[0]!r}"
@@ -296,16 +273,13 @@ def _group(layout: Layout, t: SrcTensor, rec: TensorName, fmt: str, by_name: dic
     return [by_name[t.name.replace(f".{own}.", f".{p}.")] for p in (gate, up)]
 
 
-def _expert_unit(layout: Layout, group: list[SrcTensor], fmt: str, opts: Options, calibrated: dict[str, float],
-                 root: str, missing_amax: list[str]) -> Unit:
-    """An expert's projection(s) of a per-expert source, written under their own names with the
-    format's suffixes (what ModelOpt exports); gate and up read the same activations: one amax."""
+def _expert_unit(layout: Layout, form: OutputForm, group: list[SrcTensor], fmt: str, opts: Options,
+                 calibrated: dict[str, float], root: str, missing_amax: list[str]) -> Unit:
+    """An expert's projection(s) of a per-expert source (the form's writing: under their own names
+    with the format's suffixes, what ModelOpt exports); gate and up read the same activations:
+    one amax."""
     amax, origin = [], []
     for g in group:
-        try:
-            _out_names(g, fmt, activation_scale=False)  # the weight's own checks (block divisibility)
-        except FormatError as e:
-            raise FormatError(f"tensor {g.name!r}: {e}", path=f"{root}/{g.shard}", tensor=g.name) from None
         a, o = None, None
         if FORMATS[fmt].static_activation_scale and not opts.weight_only:
             a, o = _activation_amax(layout.activation_key(layout.classify(g.name)), fmt, opts, calibrated)
@@ -315,83 +289,40 @@ def _expert_unit(layout: Layout, group: list[SrcTensor], fmt: str, opts: Options
         origin.append(o)
     if len(group) == 2 and None not in amax:
         amax = [max(amax)] * 2
-    return Unit(tuple(group), fmt, tuple(amax), tuple(origin), storage="per_expert")
+    u = Unit(tuple(group), fmt, tuple(amax), tuple(origin), storage=layout.experts, writing=form.per_expert(layout))
+    for g in group:  # the weight's own checks (block divisibility), naming it
+        try:
+            Unit((g,), fmt, (None,), writing=u.writing).specs()
+        except FormatError as e:
+            raise FormatError(f"tensor {g.name!r}: {e}", path=f"{root}/{g.shard}", tensor=g.name) from None
+    return u
 
 
-def _stacked_unit(t: SrcTensor, scale: SrcTensor | None, proj: str, fmt: str, opts: Options,
-                  calibrated: dict[str, float], root: str, missing_amax: list[str],
-                  storage: str = "interleaved", transposed: bool = False) -> Unit:
+def _stacked_unit(cfg, layout: Layout, form: OutputForm, t: SrcTensor, scale: SrcTensor | None, projection: str,
+                  fmt: str, opts: Options, calibrated: dict[str, float], root: str, missing_amax: list[str]) -> Unit:
     """One stacked expert tensor (all experts of a layer's gate/up or down; with `scale`, stored
     in the MXFP8 release form), its activation amax keyed by its own name; its format checked
     against every expert's shape here. An MXFP8 source kept MXFP8 (or left as is) is copied
-    bit-exact; a transformers-stacked tensor the scheme leaves alone passes through as it is."""
+    bit-exact; a stacked tensor the scheme leaves alone is written as the form writes it (ModelOpt's
+    form: transformers' stacked tensor as it is)."""
     source_format = None if scale is None else RELEASE_EXPERT_FORMAT
     if source_format is not None and fmt == "passthrough":
         fmt = source_format  # nothing to quantize: the stored experts pass through
-    unstacked = opts.output_format == "modelopt-hf"
-    if fmt == "passthrough" and storage == "stacked":
-        return Unit((t,), fmt, (None,), (None,))
-    if unstacked and fmt == "passthrough":
-        raise UsageError(f"--output-format modelopt-hf writes quantized experts as ModelOpt exports them; the "
-                         f"scheme leaves {t.name!r} unquantized: use --output-format inkling", tensor=t.name)
+    writing = form.stacked(cfg, layout, t.name, projection, fmt)
+    if isinstance(writing, Copy):
+        return Unit((t,), fmt, (None,), (None,), writing=writing)
     a, o = None, None
     if FORMATS[fmt].static_activation_scale and not opts.weight_only:
         a, o = _activation_amax(t.name, fmt, opts, calibrated)
         if a is None:
             missing_amax.append(t.name)
-    module = None
-    if unstacked:  # ModelOpt's experts module: transformers' name for Inkling, the source's own otherwise
-        module = (transformers_name(t.name) if storage == "interleaved" else t.name).rsplit(".", 1)[0]
-    u = Unit((t,) if scale is None else (t, scale), fmt, (a,), (o,), stacked=proj, unstacked=unstacked,
-             source_format=source_format, storage=storage, transposed=transposed, experts_module=module)
+    u = Unit((t,) if scale is None else (t, scale), fmt, (a,), (o,), source_format=source_format,
+             storage=layout.experts, writing=writing)
     try:
-        _stacked_names(u)
+        u.specs()
     except FormatError as e:
         raise FormatError(f"tensor {t.name!r}: {e}", path=f"{root}/{t.shard}", tensor=t.name) from None
     return u
-
-
-def slab_shape(u: Unit) -> tuple[int, ...]:
-    """A stacked unit's tensor as [E, out, in] (a transposed one is stored [E, in, out])."""
-    shape = u.sources[0].shape
-    return (shape[0], shape[2], shape[1]) if u.transposed else shape
-
-
-def _stacked_names(u: Unit) -> list[tuple[str, str, tuple[int, ...]]]:
-    """The tensors written for a stacked unit: the Inkling stacked form (formats.stacked names
-    them under its module), or ModelOpt's per-expert modules
-    (`<experts module>.<e>.<gate_proj|up_proj|down_proj>.<suffix>`, expert by expert)."""
-    src, proj = u.sources[0], u.stacked
-    if not u.unstacked:
-        prefix = src.name[: -len(f"{proj}_weight")]
-        specs = projection_specs(FORMATS[u.format], proj, src.shape, dtype=DTYPES[src.dtype],
-                                 activation_scale=u.activation_scale)
-        return [(prefix + k, DTYPE_NAMES[o.dtype], tuple(o.shape)) for k, o in specs.items()]
-    return [spec for _, _, _, spec in expert_modules(u)]
-
-
-def expert_modules(u: Unit) -> list[tuple[int, str, str, tuple[str, str, tuple[int, ...]]]]:
-    """(expert, module, suffix, output spec) of every tensor ModelOpt exports for a stacked
-    unit, in write order: per expert, its modules, each module's tensors in the format's order."""
-    src = u.sources[0]
-    specs = expert_module_specs(FORMATS[u.format], u.stacked, slab_shape(u), dtype=DTYPES[src.dtype],
-                                activation_scale=u.activation_scale)
-    return [(e, m, k, (f"{u.experts_module}.{e}.{m}.{k}", DTYPE_NAMES[o.dtype], tuple(o.shape)))
-            for (e, m, k), o in specs.items()]
-
-
-def _passthrough_unit(cfg: Inkling2Config | MoEConfig, t: SrcTensor, fmt: str, rename: bool) -> Unit:
-    """A tensor copied bit-exact: under its own name, or (`rename`: an Inkling 2 source under its
-    original names, written as ModelOpt exports it) under transformers' name with the unembedding
-    cut to the rows transformers' lm_head keeps (core_model_loading.py Inkling2UnpadVocab). A
-    bundled DSpark draft, which transformers' model (and so ModelOpt's export) does not have,
-    keeps its own names: nothing of the source is dropped."""
-    if fmt != "passthrough":  # the schemes quantize routed experts only
-        raise UsageError(f"convert quantizes routed experts only; the scheme gives {t.name!r} {fmt}", tensor=t.name)
-    if not rename:  # its own name: every other source's names are already what ModelOpt exports
-        return Unit((t,), fmt, (None,), (None,))
-    out, rows = modelopt_tensor(cfg, t.name)
-    return Unit((t,), fmt, (None,), (None,), out_name=out, rows=rows)
 
 
 def _activation_amax(module: str, fmt: str, opts: Options,
@@ -418,30 +349,15 @@ def _check_activation_amax(amax: float, origin: str, module: str, fmt: str, opts
 
 def _pack(units: list[Unit], opts: Options) -> list[ShardJob]:
     """Units in order into shards of at most --max-shard-size of output (a larger unit alone)."""
-    shards = plan_shards(units, opts.max_shard_bytes,
-                         size=lambda u: sum(spec_nbytes(s) for s in _unit_specs(u)))
+    shards = plan_shards(units, opts.max_shard_bytes, size=lambda u: sum(spec_nbytes(s) for s in u.specs()))
     shards = [s for s in shards if s]  # no units, no shard
     return [_job(i, len(shards), s) for i, s in enumerate(shards)]
 
 
 def _job(index: int, count: int, units: list[Unit]) -> ShardJob:
-    specs = tuple(s for u in units for s in _unit_specs(u))
+    specs = tuple(s for u in units for s in u.specs())
     src_bytes = sum(spec_nbytes((s.name, s.dtype, s.shape)) for u in units for s in u.sources)
     return ShardJob(index, shard_name(index, count), tuple(units), specs, src_bytes, sum(spec_nbytes(s) for s in specs))
-
-
-def _unit_specs(u: Unit) -> list[tuple[str, str, tuple[int, ...]]]:
-    if u.stacked is not None:
-        return _stacked_names(u)
-    if u.storage == "per_expert":
-        return [s for src in u.sources for s in _out_names(src, u.format, u.activation_scale)]
-    src = u.sources[0]
-    return [(u.out_name or src.name, src.dtype, (u.rows, *src.shape[1:]) if u.rows is not None else src.shape)]
-
-
-def _out_names(src: SrcTensor, fmt: str, activation_scale: bool) -> list[tuple[str, str, tuple[int, ...]]]:
-    out = FORMATS[fmt].out_tensors(src.name, src.shape, DTYPES[src.dtype], activation_scale=activation_scale)
-    return [(name, DTYPE_NAMES[o.dtype], tuple(o.shape)) for name, o in out.items()]
 
 
 def spec_nbytes(spec: tuple[str, str, tuple[int, ...]]) -> int:

@@ -7,7 +7,6 @@ import concurrent.futures as cf
 import itertools
 import math
 import queue
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,11 +17,11 @@ import torch
 
 from .. import hub
 from ..errors import FormatError
+from ..export.form import Outputs
 from ..formats import FORMATS
-from ..formats.stacked import projection_specs, slab_modules, slab_slices
 from ..io.safetensors import DTYPES, ShardWriter, TensorBuffer
 from ..io.shards import ShardReaders
-from .planner import ShardJob, Unit, expert_modules
+from .planner import ShardJob, Unit
 
 SHARD_METADATA = {"format": "pt"}
 
@@ -97,9 +96,6 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
 # ---------------------------------------------------------------------------- the pipeline
 PIECE = 64 << 20  # a pass-through tensor is read, checked and written in pieces of at most this
 STAGES = 4        # read buffer sets in flight: reading, queued, computing, writing
-SPOOL = 4 << 20   # a stacked tensor's scales beyond this go to an unnamed file while its weight is written
-
-Outputs = list[tuple[str, torch.Tensor, bool]]  # (name, tensor, whole): False for the next piece
 
 
 @dataclass
@@ -170,12 +166,12 @@ class _ReadAhead:
 def _job_steps(job: ShardJob, sources: ShardReaders, device: str, counts: dict[str, int],
                progress, out_dir: Path) -> Iterator[_Step]:
     for u in job.units:
-        if u.stacked is not None:
-            yield from _stacked_steps(u, sources, device, counts, progress, out_dir)
-        elif u.storage == "per_expert":
-            yield _per_expert_unit(u, sources, device, counts, progress)
-        else:
+        if u.storage is None:
             yield from _passthrough_steps(u, sources, counts, progress)
+        elif u.stacked:
+            yield from _stacked_steps(u, sources, device, counts, progress, out_dir)
+        else:
+            yield _per_expert_unit(u, sources, device, counts, progress)
 
 
 def _count(counts: dict[str, int], fmt: str) -> None:
@@ -183,12 +179,12 @@ def _count(counts: dict[str, int], fmt: str) -> None:
 
 
 def _passthrough_steps(u: Unit, sources: ShardReaders, counts: dict[str, int], progress) -> Iterator[_Step]:
-    """A pass-through tensor, checked finite, under its own name or `u.out_name`, in pieces of
-    whole rows of at most PIECE bytes (a row larger than that is a piece); its leading `u.rows`
-    rows only when set (only those bytes are read)."""
-    src = u.sources[0]
-    reader, name = sources.get(src.shard), u.out_name or src.name
-    rows = u.rows if u.rows is not None else (src.shape[0] if src.shape else None)
+    """A pass-through tensor, checked finite, under the name its writing gives (export.Copy), in
+    pieces of whole rows of at most PIECE bytes (a row larger than that is a piece); only the
+    leading rows the writing keeps, where it cuts them (only those bytes are read)."""
+    src, copy = u.sources[0], u.writing
+    reader, name = sources.get(src.shard), copy.name or src.name
+    rows = copy.rows if copy.rows is not None else (src.shape[0] if src.shape else None)
     if rows is None:  # a scalar
         pieces = [(None, None)]
     else:
@@ -213,51 +209,19 @@ def _passthrough_steps(u: Unit, sources: ShardReaders, counts: dict[str, int], p
 def _stacked_steps(u: Unit, sources: ShardReaders, device: str, counts: dict[str, int],
                    progress, out_dir: Path) -> Iterator[_Step]:
     """A stacked expert tensor ([E, ...]), one expert at a time: read only its slice, quantize it
-    as stored (formats.stacked.slab_slices: gate/up rows stay interleaved) and write its weight
-    slice as the next piece. The scales follow the weight in the file, so each expert's scale
-    slices are appended to a spool (in memory up to SPOOL, then an unnamed file in the output
-    directory) and written after the last expert, SPOOL by SPOOL. Memory: one expert, whatever
-    the expert count. Written as ModelOpt exports it (`u.unstacked`): each expert's slab split
-    into ModelOpt's modules (formats.stacked.slab_modules), nothing kept."""
-    src, fmt, proj = u.sources[0], FORMATS[u.format], u.stacked
+    as stored (gate/up rows stay as the source holds them: every block scale lies along a row) and
+    hand the result to the output form's writer (export: Inkling's stacked form writes the weight
+    slice as the next piece and spools the scales until the last expert; ModelOpt's form splits
+    the slab into its per-expert modules). Memory: one expert, whatever the expert count."""
+    src = u.sources[0]
     path = sources.get(src.shard).path
-    if u.unstacked:
-        layout = expert_modules(u)
-        per = len(layout) // src.shape[0]  # tensors per expert
-        for e in range(src.shape[0]):
-            def modules(t: list[torch.Tensor], e=e) -> Outputs:
-                mods = slab_modules(fmt, proj, _quantize_slab(u, t, e, path, device, counts, progress),
-                                    interleaved=u.storage == "interleaved")
-                return [(spec[0], mods[m][k], True) for _, m, k, spec in layout[e * per:(e + 1) * per]]
-            yield _Step(_slab_reads(u, sources, e), modules)
-        return
-    prefix, weight = src.name[: -len(f"{proj}_weight")], f"{proj}_weight"
-    specs = projection_specs(fmt, proj, src.shape, dtype=DTYPES[src.dtype], activation_scale=u.activation_scale)
-    spools = {k: tempfile.SpooledTemporaryFile(SPOOL, dir=out_dir) for k in specs if k != weight}
+    writer = u.writing.open(u, out_dir)
     for e in range(src.shape[0]):
         def piece(t: list[torch.Tensor], e=e) -> Outputs:
-            q = _quantize_slab(u, t, e, path, device, counts, progress)
-            try:
-                slices = slab_slices(fmt, proj, q, name=f"expert {e}: ")
-            except FormatError as err:
-                raise FormatError(f"tensor {src.name!r}, expert {e}: {err.message}", path=path,
-                                  tensor=src.name) from None
-            for k, spool in spools.items():
-                spool.write(slices[k].contiguous().reshape(-1).view(torch.uint8).numpy())
-            return [(prefix + weight, slices[weight], False)]
+            return writer.expert(e, _quantize_slab(u, t, e, path, device, counts, progress), path)
         yield _Step(_slab_reads(u, sources, e), piece)
-    for k, spool in spools.items():
-        o = specs[k]
-        per = math.prod(o.shape[1:]) * o.dtype.itemsize  # one expert's slice
-        n = max(1, SPOOL // max(per, 1))  # experts per piece read back: memory stays at SPOOL
-        for a in range(0, o.shape[0], n):
-            def back(t: list[torch.Tensor], k=k, spool=spool, a=a, b=min(o.shape[0], a + n), o=o, per=per) -> Outputs:
-                spool.seek(a * per)
-                data = bytearray(spool.read((b - a) * per))
-                if b == o.shape[0]:
-                    spool.close()
-                return [(prefix + k, torch.frombuffer(data, dtype=o.dtype).reshape(b - a, *o.shape[1:]), False)]
-            yield _Step([], back)
+    for back in writer.after():
+        yield _Step([], lambda t, back=back: back())
 
 
 def _slab_reads(u: Unit, sources: ShardReaders, e: int) -> list[Callable[[TensorBuffer], torch.Tensor]]:
@@ -272,7 +236,7 @@ def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, co
     kept, else requantized (`Format.requantize`: exactly what its dequantized weight gives)."""
     src, slab = u.sources[0], t[0]
     nbytes = sum(x.numel() * x.element_size() for x in t)
-    if u.transposed:  # an [in, out] slab: quantized as [out, in], blocks along `in`
+    if u.storage.transposed:  # an [in, out] slab: quantized as [out, in], blocks along `in`
         slab = slab.t()
     fmt = FORMATS[u.format]
     stored = None if u.source_format is None else {"weight": slab, "weight_scale": t[1]}  # the MXFP8 release

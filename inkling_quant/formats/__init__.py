@@ -4,9 +4,6 @@ from __future__ import annotations
 from .base import MIN_INVERTIBLE_SCALE, Format, OutSpec, Passthrough, invertible
 from .mxfp8 import MXFP8
 from .nvfp4 import NVFP4
-from .stacked import (expert_slices, slab_slices, stack_experts, stacked_specs, unstack_expert, unstack_experts,
-                      write_expert)
-from .stacked import value_rule as stacked_value_rule
 
 FORMATS: dict[str, Format] = {f.name: f for f in (NVFP4(), MXFP8(), Passthrough())}
 
@@ -16,13 +13,6 @@ SCALE_SUFFIXES: tuple[str, ...] = tuple(dict.fromkeys(s for f in FORMATS.values(
 #: every value rule a format may name (`Format.value_rule`): what verify checks the bytes for
 VALUE_RULES = {"positive": "finite and positive, with a finite fp32 reciprocal (a scale)",
                "e8m0": "e8m0 exponent in range (not 0xFF)"}
-
-
-def value_rules(suffix: str) -> set[str]:
-    """The value rules (VALUE_RULES' keys) some format puts on tensors named `*.{suffix}` (per
-    module) or `*_{suffix}` (the stacked expert form: formats.stacked.value_rule)."""
-    return {r for f in FORMATS.values() for r in (f.value_rule(suffix), stacked_value_rule(f, suffix))
-            if r is not None}
 
 
 def format_for_quant_algo(quant_algo) -> Format | None:
@@ -45,5 +35,4 @@ def get_format(name: str) -> Format:
 
 __all__ = ["FORMATS", "Format", "MIN_INVERTIBLE_SCALE", "OutSpec", "Passthrough", "NVFP4", "MXFP8", "SCALE_SUFFIXES",
            "VALUE_RULES", "invertible",
-           "detect", "format_for_quant_algo", "get_format", "value_rules",
-           "stacked_specs", "expert_slices", "slab_slices", "write_expert", "stack_experts", "unstack_expert", "unstack_experts"]
+           "detect", "format_for_quant_algo", "get_format"]

@@ -26,8 +26,9 @@ from typing import Iterable, Iterator
 
 from ..errors import CheckpointError, ConfigError
 from ..io.safetensors import Header
-from ..layout import TEXT_PREFIXES, Layout, MoEConfig, detect, stacked_orientation
-from ..tensors import TensorName
+from ..model.layout import TEXT_PREFIXES, Layout, MoEConfig, detect
+from ..model.storage import stacked_orientation
+from ..model.tensors import TensorName
 from .target import Piece
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj",
@@ -96,12 +97,9 @@ class HFNaming:
     def _expert_pieces(self, layer: int, param: str) -> list[Piece]:
         s = self.lay.experts
         base = f"{self.lay.text_prefix}layers.{layer}.{s.block}.experts"
-        if s.kind == "stacked":
+        if s.stacked:  # transformers' gate_up_proj/down_proj (detect gives Inkling's w13/w2 to Inkling 2 alone)
             self._check_orientation(base)
             return [Piece(f"{base}.{param}")]
-        if s.kind != "per_expert":
-            raise CheckpointError(f"routed experts stored {s.kind} (Inkling's w13/w2) in a {self.cfg.model_type} "
-                                  f"checkpoint: expert adapters are merged there only for Inkling 2", path=self.source)
         gate, up, down = s.names
         n = self.cfg.num_experts
         if param == "gate_up_proj":

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator
 
-from .. import dspark
+from ..model import dspark
 from ..errors import UnknownTensorError
-from ..inkling2 import Inkling2Config, classify, experts_module, original_name, transformers_name
-from ..tensors import TensorName
+from ..model.inkling2 import Inkling2Config, classify, experts_module, original_name, transformers_name
+from ..model.tensors import TensorName
 from .target import Piece
 
 # The attention nn.Linears of Inkling 2 (original names), all mergeable: q/k/v/r are vLLM's packed

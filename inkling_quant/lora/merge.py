@@ -13,14 +13,14 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..errors import UsageError
-from ..export import read_quantization
+from ..export.modelopt import read_quantization
 from ..io.checkpoint import HF_QUANT_CONFIG, INDEX_NAME, Checkpoint, read_json, safe_child, write_json_atomic
 from ..io.derive import carry_checksums, copy_other_files, rewrite_shard, source_checksums
 from ..io.output import link_or_copy, staged_output
 from ..io.safetensors import Header, ShardReader, TensorEntry
 from ..io.shards import ShardReaders
-from ..inkling2 import Inkling2Config
-from ..layout import MoEConfig, model_config
+from ..model.inkling2 import Inkling2Config
+from ..model.layout import MoEConfig, model_config
 from .hf import HFNaming
 from .inkling import Inkling2Naming
 from .plan import Factors, finite_merge, plan_targets, sliced_merge

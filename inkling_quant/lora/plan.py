@@ -18,12 +18,12 @@ import json
 
 import torch
 
-from .. import dspark
+from ..model import dspark
 from ..errors import CheckpointError, ConfigError, UsageError
-from ..export import format_of
+from ..export.modelopt import format_of
 from ..formats import FORMATS
 from ..io.safetensors import DTYPE_NAMES, ShardReader, TensorEntry
-from ..tensors import TensorName
+from ..model.tensors import TensorName
 from .peft import ADAPTER_CONFIG, quantized_refusal, read_lora
 from .target import DTYPES, Piece, Target, merged_expert
 

@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from ..errors import InklingQuantError, UsageError
-from ..export import MIXED_PRECISION, modelopt_quantization_config, quantization_problems
+from ..export.modelopt import MIXED_PRECISION, modelopt_quantization_config, quantization_problems
 from ..io.checkpoint import HF_QUANT_CONFIG as QUANT_CONFIG
-from ..inkling2 import experts_module, modelopt_experts_module
-from ..layout import model_config
+from ..model.inkling2 import experts_module, modelopt_experts_module
+from ..model.layout import model_config
 from ..schemes import SCHEMES, from_record, get_scheme
-from ..tensors import TensorName
+from ..model.tensors import TensorName
 from .inventory import UNQUANTIZED, Conf, converter_of, load_json
 from .report import ERROR, Check, Recorder, VerifyReport
 

@@ -32,15 +32,15 @@ from typing import Callable
 
 import torch
 
-from ..errors import CheckpointError, FormatError, InklingQuantError
-from ..export import format_of, read_quantization
+from ..errors import FormatError, InklingQuantError
+from ..export.modelopt import format_of, read_quantization
 from ..formats import FORMATS, SCALE_SUFFIXES, Format
-from ..formats.stacked import projection_specs, unstack_expert
-from ..inkling2 import RELEASE_EXPERT_FORMAT, Inkling2Config, checkpoint_tensors, transformers_spec
+from ..export import form_of
+from ..export.inkling import unstack_expert
+from ..model.inkling2 import RELEASE_EXPERT_FORMAT, Inkling2Config, checkpoint_tensors
 from ..io.safetensors import DTYPE_NAMES
-from ..layout import (CANONICAL, INKLING_NAMINGS, Layout, MoEConfig, detect, expert_tensor_count, natural_key, oriented,
-                      original_names)
-from ..tensors import TensorName, TensorSpec
+from ..model.layout import CANONICAL, Layout, MoEConfig, detect, expert_tensor_count, natural_key, oriented
+from ..model.tensors import TensorName, TensorSpec
 from .inventory import (CHECKED, DISAGREES, FAILED, SKIPPED, Conf, Expected, Files, Inventory, Shape, Source,
                         config_shape, listing, weight_only_vote)
 from .numerics import Gemm, judge, layer_figures, module_tensors, sample_experts, start, stored_ok
@@ -135,15 +135,7 @@ def _bounded(c: Check, files: Files, conf: Conf, implied: int) -> bool:
 def _layout(files: Files, conf: Conf) -> Layout:
     """The checkpoint's layout, detected from its names (a stacked storage's orientation settled)."""
     names = list(dict.fromkeys([*files.weight_map, *files.tensors]))
-    lay = detect(names, conf.cfg, str(conf.root))
-    if conf.generic and lay.experts.kind == "interleaved":
-        raise CheckpointError(f"routed experts stored as Inkling's w13_weight/w2_weight under a config.json of "
-                              f"model_type {conf.cfg.model_type!r}: not a layout of this family",
-                              path=conf.root / "config.json")
-    if not conf.generic and (lay.text_prefix, lay.experts) not in INKLING_NAMINGS:
-        raise CheckpointError(f"an Inkling 2 config, but the tensors are laid out as no Inkling 2 checkpoint is "
-                              f"({lay.describe()}); expected one of: " + "; ".join(INKLING_NAMINGS.values()),
-                              path=conf.root)
+    lay = detect(names, conf.cfg, str(conf.root))  # config and tensors agree, Inkling 2 under one of its namings
     return oriented(lay, {n: tuple(w.entry.shape) for n, w in files.tensors.items()}, conf.cfg)
 
 
@@ -154,7 +146,7 @@ def _expert_layers(c: Check, conf: Conf, lay: Layout, src: Layout | None) -> Lay
     detection decides", step 4). Layers with experts beyond them fail; missing ones are expected
     (the comparison names each missing tensor)."""
     n = conf.cfg.num_hidden_layers
-    dense = frozenset() if isinstance(conf.cfg, Inkling2Config) else conf.cfg.dense_layers
+    dense = MoEConfig.of(conf.cfg).dense_layers
     want = set(src.expert_layers) if src is not None else set(range(n)) - dense if dense is not None \
         else set(lay.expert_layers)
     by = "the source" if src is not None else "config.json"
@@ -181,9 +173,8 @@ def _spec_tensors(spec: list[TensorSpec], lay: Layout, conf: Conf, files: Files,
 
 
 def _named_as(cfg: Inkling2Config, lay: Layout, spec: TensorSpec) -> TensorSpec:
-    """A tensor of the original layout as a checkpoint of layout `lay` holds it: as it is under
-    the original names, else as transformers' model holds it (renamed, lm_head unpadded)."""
-    return spec if original_names(cfg, lay.text_prefix) else transformers_spec(cfg, spec)
+    """A tensor of the original layout as a checkpoint of layout `lay` holds it (`Naming.spec`)."""
+    return lay.naming.spec(cfg, spec)
 
 
 def _others(files: Files, source: Source | None, lay: Layout) -> dict[str, Shape]:
@@ -218,14 +209,8 @@ def _why(lay: Layout, files: Files, against: bool, spec: bool) -> Callable[[str]
 
 def source_tensor(lay: Layout, layer: int, e: int, proj: str) -> str:
     """The tensor holding expert `e`'s projection `proj` (gate, up, down) in a checkpoint of
-    layout `lay`: per expert its own weight; stacked the layer's gate_up_proj or down_proj;
-    interleaved its w13_weight or w2_weight."""
-    module, down = lay.experts_modules[layer], proj == "down"
-    if lay.experts.kind == "per_expert":
-        return f"{module}.{e}.{lay.experts.names[CANONICAL.index(proj)]}.weight"
-    if lay.experts.kind == "interleaved":
-        return f"{module}.{'w2_weight' if down else 'w13_weight'}"
-    return f"{module}.{'down_proj' if down else 'gate_up_proj'}"
+    layout `lay` (`ExpertStorage.tensor`)."""
+    return lay.experts.tensor(lay.experts_modules[layer], e, proj)
 
 
 def _source_dtype(name: str, files: Files, source: Source | None, src_name: str | None,
@@ -243,18 +228,15 @@ def _weights(lay: Layout, conf: Conf, layer: int, files: Files, source: Source |
     two stacked tensors in their orientation), with their source shape and dtype."""
     module, (E, H, I) = lay.experts_modules[layer], dims(conf.cfg)
     src = source.layout if source is not None else None
+    shapes = lay.experts.weight_shapes(module, E, H, I)
+    if lay.experts.stacked:
+        return {w: (shape, _source_dtype(w, files, source, w)) for w, shape in shapes.items()}
     out: Weights = {}
-    if lay.experts.kind == "per_expert":
-        for e in range(E):
-            for proj, name in zip(CANONICAL, lay.experts.names):
-                w = f"{module}.{e}.{name}.weight"
-                s = source_tensor(src, layer, e, proj) if src is not None and layer in src.expert_layers else None
-                out[w] = ((H, I) if proj == "down" else (I, H), _source_dtype(w, files, source, s))
-        return out
-    for proj, (rows, cols) in (("gate", (2 * I, H)), ("down", (H, I))):
-        name = source_tensor(lay, layer, 0, proj)
-        out[name] = ((E, cols, rows) if lay.experts.transposed else (E, rows, cols),
-                     _source_dtype(name, files, source, name))
+    for e in range(E):  # per expert: each weight's dtype is its source tensor's (the source's own storage)
+        for proj in CANONICAL:
+            w = lay.experts.tensor(module, e, proj)
+            s = source_tensor(src, layer, e, proj) if src is not None and layer in src.expert_layers else None
+            out[w] = (shapes[w], _source_dtype(w, files, source, s))
     return out
 
 
@@ -264,17 +246,10 @@ def _specs(lay: Layout, weights: Weights, fmt: Format, activation_scale: bool,
     storage. FormatError (naming config.json and the weight; without `conf`, the format's own)
     when a shape cannot be `fmt`."""
     out: dict[str, Shape] = {}
+    form = form_of(lay)  # the form a checkpoint of this layout is in
     for w, (shape, dtype) in weights.items():
         with config_shape(conf, w, shape, fmt):
-            if fmt is _PASS or lay.experts.kind == "per_expert":
-                specs = fmt.out_tensors(w, shape, dtype, activation_scale)
-            elif lay.experts.kind == "interleaved":
-                module, key = w.rsplit(".", 1)
-                specs = {f"{module}.{k}": o for k, o in projection_specs(
-                    fmt, key.removesuffix("_weight"), shape, dtype=dtype, activation_scale=activation_scale).items()}
-            else:
-                raise FormatError(f"transformers' stacked experts have no {fmt.name} form (quantized experts "
-                                  f"are per-expert modules, as ModelOpt writes them)")
+            specs = form.expert_specs(lay, w, shape, dtype, fmt, activation_scale)
         out.update({n: (tuple(o.shape), o.dtype) for n, o in specs.items()})
     return out
 
@@ -395,9 +370,7 @@ def tensor_namer(expected: Expected) -> Callable[[str], str] | None:
 def _named(lay: Layout, module: str) -> str:
     """The tensor a problem about an experts module names: its first expert's gate weight, or
     the stacked tensor holding it."""
-    if lay.experts.kind == "per_expert":
-        return f"{module}.0.{lay.experts.names[0]}.weight"
-    return f"{module}.{'w13_weight' if lay.experts.kind == 'interleaved' else 'gate_up_proj'}"
+    return lay.experts.named(module)
 
 
 # ============================================================================ numerics[layer L]
@@ -439,7 +412,7 @@ def _check_layer(run: Recorder, c: Check, inv: Inventory, gemm: Gemm, layer: int
         per = _quantized_expert(c, inv, gemm, fmt, lay, names, module, e)
         if per is None:
             continue
-        for proj, mod in zip(CANONICAL, lay.experts.names):
+        for proj, mod in lay.experts.projections(e):
             (w, what), (tensor, blame, tail) = weights[proj], _judged(lay, module, e, mod, proj)
             judge(run, c, inv, fmt, (layer, e, mod), tensor, gemm.errors(f"{module}.{e}.{mod}", w, per[mod], fmt),
                   blame, f"expert {e} {mod} ({fmt.name}) y = x @ W^T vs the BF16 source ({what})", tail)
@@ -448,10 +421,10 @@ def _check_layer(run: Recorder, c: Check, inv: Inventory, gemm: Gemm, layer: int
 
 def _judged(lay: Layout, module: str, e: int, mod: str, proj: str) -> tuple[str, str, str]:
     """(the numerics entry's tensor, the tensor a failure names, why) for expert e's module."""
-    if lay.experts.kind == "interleaved":
-        stacked = "w2" if proj == "down" else "w13"
-        return (f"{module}.{stacked}_weight", f"{module}.{stacked}_weight_scale",
-                f"expert {e}'s slices of the stacked {stacked} tensors do not reproduce the source")
+    if lay.experts.stacked:  # Inkling's stacked form (the only quantized stacked one)
+        stacked = lay.experts.tensor(module, e, proj)
+        return (stacked, f"{stacked}_scale", f"expert {e}'s slices of the stacked "
+                f"{stacked.rsplit('.', 1)[-1].removesuffix('_weight')} tensors do not reproduce the source")
     tensor = f"{module}.{e}.{mod}.weight"
     return tensor, tensor, "its tensors do not reproduce the source"
 
@@ -460,7 +433,7 @@ def _quantized_expert(c: Check, inv: Inventory, gemm: Gemm, fmt: Format, lay: La
                       module: str, e: int) -> dict[str, dict[str, torch.Tensor]] | None:
     """Expert e's quantized modules (module -> suffix -> tensor): ModelOpt's per-expert tensors,
     or its slices of the stacked ones unstacked (None: a scale the format cannot read back, in `c`)."""
-    if lay.experts.kind == "per_expert":
+    if not lay.experts.stacked:
         return module_tensors(inv, gemm, names, f"{module}.{e}.")
     got = {n[len(module) + 1:]: gemm.reader(inv.root, inv.files.headers, inv.files.tensors[n].shard)
            .get_slice(n, e).unsqueeze(0) for n in names}
@@ -479,13 +452,13 @@ def _source_expert(c: Check, inv: Inventory, gemm: Gemm, layer: int,
     e4m3 + `_scale` dequantized as convert reads them. None (the reason in `c`) when the source
     does not hold them in the config's shapes."""
     src, (E, H, I) = inv.source, dims(inv.conf.cfg)
-    lay, kind = src.layout, src.layout.experts.kind
+    storage, module = src.layout.experts, src.layout.experts_modules[layer]
+    shapes = storage.weight_shapes(module, E, H, I)
     out: dict[str, tuple[torch.Tensor, str]] = {}
     slabs: dict[str, torch.Tensor] = {}  # gate and up share one stacked slice: read it once
     for proj in CANONICAL:
-        name = source_tensor(lay, layer, e, proj)
-        rows, cols = (H, I) if proj == "down" else (I if kind == "per_expert" else 2 * I, H)
-        want = (rows, cols) if kind == "per_expert" else (E, cols, rows) if lay.experts.transposed else (E, rows, cols)
+        name = storage.tensor(module, e, proj)
+        want = shapes[name]
         where = src.tensors.get(name)
         if where is None:
             c.fail(listing(src.root), name, "source lacks this tensor")
@@ -494,14 +467,12 @@ def _source_expert(c: Check, inv: Inventory, gemm: Gemm, layer: int,
             c.fail(src.root / where.shard, name, f"source has shape {list(where.entry.shape)}, config.json implies "
                    f"{list(want)}")
             return None
-        if kind == "per_expert":
+        if not storage.stacked:
             out[proj] = (gemm.reader(src.root, src.headers, where.shard).get(name), name)
             continue
         if name not in slabs:
-            slabs[name] = _source_slab(gemm, inv, name, e, lay.experts.transposed)
-        w, i = slabs[name], CANONICAL.index(proj)
-        if proj != "down":
-            w = w[i::2] if kind == "interleaved" else w[i * I:(i + 1) * I]
+            slabs[name] = _source_slab(gemm, inv, name, e, storage.transposed)
+        w = slabs[name] if proj == "down" else storage.split_gate_up(slabs[name], I)[CANONICAL.index(proj)]
         out[proj] = (w, f"{name}[{e}], {proj} rows")
     return out
 
@@ -511,7 +482,7 @@ def _source_slab(gemm: Gemm, inv: Inventory, name: str, e: int, transposed: bool
     (e4m3 + its `_scale`, Inkling's interleaved form) dequantized exactly, as convert reads it."""
     src = inv.source
     w = gemm.reader(src.root, src.headers, src.tensors[name].shard).get_slice(name, e)
-    scale = src.tensors.get(name + "_scale") if src.layout.experts.kind == "interleaved" else None
+    scale = src.tensors.get(name + "_scale") if src.layout.original_names else None  # the MXFP8 release
     if scale is not None:
         s = gemm.reader(src.root, src.headers, scale.shard).get_slice(name + "_scale", e)
         w = FORMATS[RELEASE_EXPERT_FORMAT].dequantize({"weight": w, "weight_scale": s}, torch.float32)

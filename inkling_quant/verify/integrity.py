@@ -8,7 +8,6 @@ from pathlib import Path
 from ..errors import InklingQuantError
 from ..io.checkpoint import safe_child
 from ..io.output import CHECKSUMS, OutputLock, read_checksums, write_checksums
-from ..layout import original_names
 from .inventory import Inventory
 from .report import ERROR, FAIL, Check, Recorder
 
@@ -49,7 +48,7 @@ def required(inv: Inventory) -> bool:
     conf, lay = inv.conf, inv.expected.layout
     if conf.generic:
         return False
-    return original_names(conf.cfg, lay.text_prefix) if lay is not None else not conf.modelopt_hf
+    return lay.original_names if lay is not None else not conf.modelopt_hf
 
 
 def check_checksums(run: Recorder, root: Path, digests: dict[str, str], writing: bool, required: bool) -> None:

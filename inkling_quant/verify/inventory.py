@@ -19,12 +19,12 @@ import torch
 
 from ..errors import CheckpointError, FormatError, InklingQuantError
 from ..formats import Format
-from ..inkling2 import Inkling2Config, classify, classify_modelopt
-from ..layout import Layout, MoEConfig
+from ..model.inkling2 import Inkling2Config, classify, classify_modelopt
+from ..model.layout import Layout, MoEConfig
 from ..io.checkpoint import INDEX_NAME, SINGLE_NAME, read_json, safe_child
 from ..io.safetensors import Header, TensorEntry
 from ..schemes import Scheme
-from ..tensors import TensorName
+from ..model.tensors import TensorName
 from .report import Check
 
 UNQUANTIZED = "none"       # the scheme of a checkpoint with no quantization config (a BF16 source)

@@ -21,7 +21,7 @@ import torch
 from ..errors import CheckpointError, InklingQuantError
 from ..io.checkpoint import safe_child
 from ..io.safetensors import Header, TensorEntry
-from ..tensors import TensorName
+from ..model.tensors import TensorName
 from .inventory import Inventory
 from .report import PASS, Check, Recorder
 

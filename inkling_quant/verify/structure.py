@@ -8,7 +8,7 @@ from pathlib import Path
 from ..errors import InklingQuantError, short_repr
 from ..io.checkpoint import INDEX_NAME, RESUME_MANIFEST, SINGLE_NAME, Checkpoint, safe_child
 from ..io.safetensors import Header, read_header
-from ..layout import Layout, detect, oriented
+from ..model.layout import Layout, detect, oriented
 from .inventory import Conf, Files, Located, Source, load_json
 from .report import PASS, Check, Recorder
 

@@ -11,11 +11,12 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from ..formats import FORMATS, MIN_INVERTIBLE_SCALE, VALUE_RULES, invertible, value_rules
+from ..export import value_rules
+from ..formats import FORMATS, MIN_INVERTIBLE_SCALE, VALUE_RULES, invertible
 from ..io.checkpoint import INDEX_NAME
 from ..io.safetensors import TensorEntry
-from ..layout import CANONICAL
-from ..tensors import TensorName
+from ..model.layout import CANONICAL
+from ..model.tensors import TensorName
 from .inventory import Inventory
 from .report import Recorder
 from .stream import Seen

@@ -3,8 +3,8 @@ value typed and bounded before a shape or a loop is derived from it, every defec
 naming the file and the key. Used by inkling2 (the model's config) and dspark (the draft's)."""
 from __future__ import annotations
 
-from .errors import ConfigError
-from .errors import short_repr as _short
+from ..errors import ConfigError
+from ..errors import short_repr as _short
 
 MAX_DIM = 1 << 24      # any one tensor dimension (vocab, hidden, heads, ...)
 MAX_LAYERS = 1 << 12   # decoder layers, vision layers, draft layers

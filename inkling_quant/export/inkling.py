@@ -1,6 +1,6 @@
-"""The Inkling stacked expert form: one MoE layer's routed experts as the original Inkling
-checkpoints store them, built from (and turned back into) the per-expert tensors our formats
-produce in ModelOpt's per-module form.
+"""The Inkling output form (`--output-format inkling`): Inkling 2's original names, its routed
+experts in the stacked form the original Inkling checkpoints store them in, built from (and
+turned back into) the per-expert tensors our formats produce in ModelOpt's per-module form.
 
 Per expert ``e`` the formats give three dicts ``{"gate_proj": {suffix: tensor}, "up_proj": ...,
 "down_proj": ...}`` (``weight``, ``weight_scale``[, ``weight_scale_2``, ``input_scale``]). The
@@ -26,8 +26,7 @@ MXFP8 ``w2_weight_scale``               uint8 (e8m0)   ``[E, H, I/32]``   transf
 pass-through ``w13_weight``/``w2_weight``  source dtype  ``[E, 2I, H]`` / ``[E, H, I]``  (the BF16 checkpoint)
 ======================================  =============  ===============  ===========================
 
-Rules (line numbers: transformers 5.25.0 ``TF``, vLLM 0.33.0 ``VL``, as cited in
-/work/research/inkling2-facts.md sections 4 and 6):
+Rules (line numbers: transformers 5.25.0 ``TF``, vLLM 0.33.0 ``VL``):
 
 * **Rows.** ``w13`` row ``2j`` is gate row ``j``, row ``2j+1`` up row ``j``; the block scales
   (``w13_weight_scale``) are interleaved the same way (transformers: ``[Inkling2LoopDequantize
@@ -60,6 +59,8 @@ results can differ by one ulp (tests/test_stacked.py; docs/formats.md "The Inkli
 expert form" has the evidence). vLLM 0.33's Inkling loader reads the
 global scale only as ``w13_weight_scale_2`` / ``.scale2`` (moe.py:581-595) and would fail on
 ``w13_weight_amax`` (``getattr(experts, key)``, moe.py:575): no tensor set satisfies both readers.
+vLLM's and transformers' reading of the activation amax: transformers 5.25 has no source for
+``input_amax`` (it reports it as an unexpected key).
 
 Memory: ``stacked_specs`` gives every stacked tensor's shape and dtype without data;
 ``expert_slices`` gives one expert's slice of each (index ``e`` of dim 0), and ``write_expert``
@@ -67,18 +68,26 @@ copies them into preallocated stacked tensors, so a converter streams one expert
 """
 from __future__ import annotations
 
-from typing import Mapping, MutableMapping, Sequence
+import math
+import tempfile
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping, MutableMapping, Sequence
 
 import torch
 
-from ..errors import FormatError
-from .base import Format, OutSpec
-from ._cpu import fp32_preimage
-from .nvfp4 import GLOBAL_DIV
+from ..errors import FormatError, UsageError
+from ..formats import FORMATS, Format, OutSpec
+from ..formats._cpu import fp32_preimage
+from ..formats.nvfp4 import GLOBAL_DIV
+from ..io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG
+from ..io.safetensors import DTYPE_NAMES, DTYPES
+from ..model.layout import Layout
+from .form import ExpertWriter, OutputForm, Outputs, Spec, Writing, row_suffixes
+from .modelopt import PRODUCER_VERSION, QUANT_METHOD, quantization
 
-__all__ = ["PROJECTIONS", "OUTER_SCALE_DENOMINATOR", "stacked_specs", "projection_specs", "expert_slices",
-           "slab_slices", "slab_modules", "expert_module_specs", "write_expert", "stack_experts", "unstack_expert", "unstack_experts",
-           "value_rule"]
+__all__ = ["PROJECTIONS", "OUTER_SCALE_DENOMINATOR", "INKLING", "InklingForm", "InklingStacked", "stacked_specs",
+           "projection_specs", "expert_slices", "slab_slices", "write_expert", "stack_experts", "unstack_expert",
+           "unstack_experts", "value_rule"]
 
 #: stacked projection -> the per-expert modules it holds, in row-interleave order
 PROJECTIONS: dict[str, tuple[str, ...]] = {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}
@@ -88,11 +97,6 @@ _AMAX, _DEN, _INPUT = "_weight_amax", "_weight_outer_scale_denominator", "_weigh
 _F32 = torch.float32
 
 PerExpert = Mapping[str, Mapping[str, torch.Tensor]]
-
-
-def _row_suffixes(fmt: Format) -> tuple[str, ...]:
-    """The suffixes a format writes per output row (weight, block scales), not the scalars."""
-    return tuple(k for k, o in fmt.out_specs((16 * fmt.block_size, 32 * fmt.block_size), torch.bfloat16).items() if o.shape)
 
 
 def stacked_specs(fmt: Format, num_experts: int, intermediate: int, hidden: int, *,
@@ -133,19 +137,6 @@ def projection_specs(fmt: Format, proj: str, shape: Sequence[int], *, dtype: tor
 
 
 
-def expert_module_specs(fmt: Format, proj: str, shape: Sequence[int], *, dtype: torch.dtype = torch.bfloat16,
-                        activation_scale: bool = True) -> dict[tuple[int, str, str], OutSpec]:
-    """(expert, module, suffix) -> OutSpec of ModelOpt's per-expert modules for one stacked
-    source tensor ``<proj>_weight`` of ``shape`` (slab_modules' tensors), in write order: per
-    expert, its modules (PROJECTIONS[proj]), each module's tensors in the format's order."""
-    if proj not in PROJECTIONS or len(shape) != 3 or shape[1] % len(PROJECTIONS[proj]):
-        raise FormatError(f"{proj}_weight of shape {list(shape)} is not a stacked expert tensor "
-                          f"(w13 [E, 2I, H], w2 [E, H, I])")
-    E, rows, cols = shape
-    mods = PROJECTIONS[proj]
-    specs = fmt.out_specs((rows // len(mods), cols), dtype, activation_scale)
-    return {(e, m, k): o for e in range(E) for m in mods for k, o in specs.items()}
-
 def value_rule(fmt: Format, suffix: str) -> str | None:
     """The value rule (formats.VALUE_RULES' key) of a stacked tensor ``<proj>_<suffix>`` of
     ``fmt``: a per-row tensor's (weight, block scales) is the format's own; ``weight_amax`` and
@@ -179,7 +170,7 @@ def expert_slices(fmt: Format, expert: PerExpert, *, name: str = "") -> dict[str
     out: dict[str, torch.Tensor] = {}
     for proj, mods in PROJECTIONS.items():
         first = expert[mods[0]]
-        for suffix in _row_suffixes(fmt):
+        for suffix in row_suffixes(fmt):
             parts = [expert[m][suffix] for m in mods]
             if any(p.shape != parts[0].shape or p.dtype != parts[0].dtype for p in parts):
                 raise FormatError(f"{name}{'/'.join(mods)} {suffix}: shapes/dtypes differ "
@@ -211,30 +202,13 @@ def _scalar_slices(fmt: Format, proj: str, scale2: torch.Tensor | None, input_sc
     return out
 
 
-def slab_modules(fmt: Format, proj: str, quantized: Mapping[str, torch.Tensor], *,
-                 interleaved: bool = True) -> dict[str, dict[str, torch.Tensor]]:
-    """The same quantized slab as ModelOpt's per-expert modules (gate_proj/up_proj from w13's
-    rows: interleaved as Inkling stores them, or gate then up as transformers stacks them;
-    down_proj from w2), each module's scalars shared: what ModelOpt exports."""
-    mods = PROJECTIONS[proj]
-    rows = set(_row_suffixes(fmt))
-
-    def part(t: torch.Tensor, i: int) -> torch.Tensor:
-        if interleaved:
-            return t[i::len(mods)].contiguous()
-        n = t.shape[0] // len(mods)
-        return t[i * n:(i + 1) * n].contiguous()
-
-    return {m: {k: (part(t, i) if k in rows else t.clone()) for k, t in quantized.items()} for i, m in enumerate(mods)}
-
-
 def slab_slices(fmt: Format, proj: str, quantized: Mapping[str, torch.Tensor], *,
                 name: str = "") -> dict[str, torch.Tensor]:
     """One expert's slices of the stacked `proj` tensors from `fmt.quantize` of its slab as
     stored (w13: gate and up rows already interleaved, quantized under their shared global
     scale). Every block scale lies along a row, so quantizing the interleaved slab gives exactly
     the interleaved rows of quantizing gate and up apart: no de-interleaving copy is needed."""
-    out = {f"{proj}_{suffix}": quantized[suffix] for suffix in _row_suffixes(fmt)}
+    out = {f"{proj}_{suffix}": quantized[suffix] for suffix in row_suffixes(fmt)}
     scale2 = quantized[fmt.global_scale].reshape(()).to(_F32) if fmt.global_scale else None
     inp = quantized["input_scale"].reshape(()).to(_F32) if "input_scale" in quantized else None
     out.update(_scalar_slices(fmt, proj, scale2, inp, name))
@@ -271,7 +245,7 @@ def unstack_expert(fmt: Format, stacked: Mapping[str, torch.Tensor], e: int) -> 
     out: dict[str, dict[str, torch.Tensor]] = {}
     for proj, mods in PROJECTIONS.items():
         per = {m: {} for m in mods}
-        for suffix in _row_suffixes(fmt):
+        for suffix in row_suffixes(fmt):
             rows = stacked[f"{proj}_{suffix}"][e]
             for i, m in enumerate(mods):
                 per[m][suffix] = rows[i::len(mods)].contiguous()
@@ -290,3 +264,125 @@ def unstack_expert(fmt: Format, stacked: Mapping[str, torch.Tensor], e: int) -> 
 def unstack_experts(fmt: Format, stacked: Mapping[str, torch.Tensor]) -> list[dict[str, dict[str, torch.Tensor]]]:
     n = next(iter(stacked.values())).shape[0]
     return [unstack_expert(fmt, stacked, e) for e in range(n)]
+
+
+# ============================================================================ the output form
+#: what convert leaves unquantized (exclude_modules), under Inkling 2's original names: everything but the routed experts
+EXCLUDE_MODULES_ORIGINAL = ["model.llm.unembed", "model.llm.embed", "model.llm.layers.*.attn*",
+                            "model.llm.layers.*.mlp.gate", "model.visual*", "dspark*"]
+
+
+
+def config_with_quantization(config: dict, q: dict) -> dict:
+    """config.json with `quantization_config` as vLLM's ModelOpt loader reads it."""
+    return {**config, "quantization_config": {"quant_method": QUANT_METHOD, **q}}
+
+
+def hf_quant_config(q: dict, converter: dict) -> dict:
+    """hf_quant_config.json: ModelOpt's producer record, the config, and who converted it."""
+    return {"producer": {"name": QUANT_METHOD, "version": PRODUCER_VERSION}, "quantization": q,
+            "converter": converter}
+
+
+
+SPOOL = 4 << 20   # a stacked tensor's scales beyond this go to an unnamed file while its weight is written
+
+
+@dataclass(frozen=True)
+class InklingStacked(Writing):
+    """One stacked expert tensor `<prefix><proj>_weight` in the stacked form: its weight, then its
+    scales (stacked_specs' order), all under the layer's experts module."""
+
+    prefix: str   # the experts module and a dot
+    proj: str     # "w13" or "w2"
+
+    def specs(self, u) -> list[Spec]:
+        src = u.sources[0]
+        specs = projection_specs(FORMATS[u.format], self.proj, src.shape, dtype=DTYPES[src.dtype],
+                                 activation_scale=u.activation_scale)
+        return [(self.prefix + k, DTYPE_NAMES[o.dtype], tuple(o.shape)) for k, o in specs.items()]
+
+    def quantized_module(self, u, layout: Layout) -> str | None:
+        return self.prefix[:-1]
+
+    def open(self, u, out_dir) -> "_Spooled":
+        return _Spooled(self, u, out_dir)
+
+
+class _Spooled(ExpertWriter):
+    """Each expert's weight slice written as the next piece of the stacked weight; its scale slices
+    appended to spools (in memory up to SPOOL, then an unnamed file in the output directory) and
+    written after the last expert, SPOOL by SPOOL: the scales follow the weight in the file, and
+    memory stays one expert, whatever the expert count."""
+
+    def __init__(self, w: InklingStacked, u, out_dir):
+        src = u.sources[0]
+        self.w, self.fmt, self.name = w, FORMATS[u.format], src.name
+        self.weight = f"{w.proj}_weight"
+        self.specs = projection_specs(self.fmt, w.proj, src.shape, dtype=DTYPES[src.dtype],
+                                      activation_scale=u.activation_scale)
+        self.spools = {k: tempfile.SpooledTemporaryFile(SPOOL, dir=out_dir) for k in self.specs if k != self.weight}
+
+    def expert(self, e: int, q: dict[str, torch.Tensor], path) -> Outputs:
+        try:
+            slices = slab_slices(self.fmt, self.w.proj, q, name=f"expert {e}: ")
+        except FormatError as err:
+            raise FormatError(f"tensor {self.name!r}, expert {e}: {err.message}", path=path, tensor=self.name) from None
+        for k, spool in self.spools.items():
+            spool.write(slices[k].contiguous().reshape(-1).view(torch.uint8).numpy())
+        return [(self.w.prefix + self.weight, slices[self.weight], False)]
+
+    def after(self) -> Iterator[Callable[[], Outputs]]:
+        for k, spool in self.spools.items():
+            o = self.specs[k]
+            per = math.prod(o.shape[1:]) * o.dtype.itemsize  # one expert's slice
+            n = max(1, SPOOL // max(per, 1))  # experts per piece read back: memory stays at SPOOL
+            for a in range(0, o.shape[0], n):
+                yield lambda k=k, spool=spool, a=a, b=min(o.shape[0], a + n), o=o, per=per: self._back(k, spool, a, b, o, per)
+
+    def _back(self, k: str, spool, a: int, b: int, o: OutSpec, per: int) -> Outputs:
+        spool.seek(a * per)
+        data = bytearray(spool.read((b - a) * per))
+        if b == o.shape[0]:
+            spool.close()
+        return [(self.w.prefix + k, torch.frombuffer(data, dtype=o.dtype).reshape(b - a, *o.shape[1:]), False)]
+
+
+class InklingForm(OutputForm):
+    name = "inkling"
+
+    def check_source(self, cfg, layout: Layout) -> None:
+        if layout.original_names:
+            return
+        if layout.naming is not None:
+            # The original names would need lm_head's vocabulary padding rows, which transformers' model
+            # drops (Inkling2UnpadVocab): there is nothing to write them from.
+            raise UsageError("--output-format inkling writes the original names (model.llm.*); this source is under "
+                             "transformers' names (model.language_model.*, lm_head.weight without the vocabulary "
+                             "padding rows the original unembed holds): it is written as ModelOpt exports it "
+                             "(--output-format modelopt-hf)")
+        raise UsageError(f"--output-format inkling is the Inkling 2 layout's stacked form; a {cfg.model_type} "
+                         f"checkpoint is written as ModelOpt exports it (--output-format modelopt-hf)")
+
+    def stacked(self, cfg, layout: Layout, name: str, projection: str, fmt: str) -> Writing:
+        proj = "w2" if projection == "down" else "w13"
+        return InklingStacked(name[: -len(f"{proj}_weight")], proj)
+
+    def config_files(self, cfg, layers: dict, weight_only: bool, converter: dict) -> dict[str, dict]:
+        """config.json with ModelOpt's MIXED_PRECISION `quantization_config` keyed by the original
+        experts modules, and hf_quant_config.json with a `converter` entry naming who wrote it."""
+        q = quantization(layers.items(), weight_only, EXCLUDE_MODULES_ORIGINAL)
+        if not q["quantized_layers"]:
+            return {}
+        return {CONFIG_NAME: config_with_quantization(cfg.raw, q), HF_QUANT_CONFIG: hf_quant_config(q, converter)}
+
+    def expert_specs(self, layout: Layout, weight: str, shape, dtype, fmt, activation_scale: bool) -> dict:
+        if fmt is FORMATS["passthrough"] or not layout.experts.stacked:
+            return fmt.out_tensors(weight, shape, dtype, activation_scale)
+        module, key = weight.rsplit(".", 1)
+        return {f"{module}.{k}": o for k, o in projection_specs(
+            fmt, key.removesuffix("_weight"), shape, dtype=dtype, activation_scale=activation_scale).items()}
+
+
+INKLING = InklingForm()
+

@@ -1,6 +1,13 @@
-"""The ModelOpt MIXED_PRECISION export contract, the only place its keys and file name are
-spelled: what `convert` writes (config.json's `quantization_config` and `hf_quant_config.json`),
-how a reader finds it again, which module has which format, and vLLM's exclusion rule.
+"""The ModelOpt output form (`--output-format modelopt-hf`): exactly what NVIDIA ModelOpt 0.47's
+`export_hf_checkpoint` writes, and its MIXED_PRECISION config contract, the only place its keys
+and file name are spelled: what `convert` writes (config.json's `quantization_config` and
+`hf_quant_config.json`), how a reader finds it again, which module has which format, and vLLM's
+exclusion rule.
+
+Tensors: per-expert modules `<experts module>.<e>.<gate_proj|up_proj|down_proj>.<suffix>` (a
+per-expert source's under its own projection names; a stacked source's unstacked, as ModelOpt
+does for Qwen3-VL-MoE), pass-through tensors under the source's names (Inkling 2's original
+names renamed to transformers', lm_head without the vocabulary padding).
 
 vLLM's ModelOpt config classes resolve a layer's format from `quantized_layers[<module>]`
 (`quant_algo`, `group_size`) and skip modules `exclude_modules` names (docs/formats.md)."""
@@ -11,25 +18,25 @@ import re
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .errors import ConfigError, short_repr
-from .formats import FORMATS, Format, format_for_quant_algo
-from .io.checkpoint import HF_QUANT_CONFIG, read_json, safe_child
-from .layout import natural_key
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError, FormatError, UsageError, short_repr
+from ..formats import FORMATS, Format, format_for_quant_algo
+from ..io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG, read_json, safe_child
+from ..io.safetensors import DTYPE_NAMES, DTYPES
+from ..model.inkling2 import modelopt_tensor, transformers_name
+from ..model.layout import Layout, natural_key
+from ..model.storage import ExpertStorage
+from .form import Copy, ExpertWriter, OutputForm, Outputs, Spec, Writing, out_specs, row_suffixes
 
 MIXED_PRECISION = "MIXED_PRECISION"
 QUANT_METHOD = "modelopt"
 PRODUCER_VERSION = "0.47.0"  # the ModelOpt export whose layout we write (docs/formats.md)
-#: what convert leaves unquantized, as ModelOpt names it: everything but the routed experts
 _NVFP4 = FORMATS["nvfp4"]
-EXCLUDE_MODULES = ["lm_head", "model.embed_tokens", "model.layers.*.self_attn*", "model.layers.*.mlp.gate",
-                   "model.layers.*.mlp.input_conv", "model.visual*", "dspark*"]
-#: the same for the published layout's original names (inkling_quant.inkling2)
-EXCLUDE_MODULES_ORIGINAL = ["model.llm.unembed", "model.llm.embed", "model.llm.layers.*.attn*",
-                            "model.llm.layers.*.mlp.gate", "model.visual*", "dspark*"]
-
-
 def quantization(module_formats: Iterable[tuple[str, Format]], weight_only: bool,
-                 exclude: Iterable[str] = EXCLUDE_MODULES) -> dict:
+                 exclude: Iterable[str] = ()) -> dict:
     """The MIXED_PRECISION config: every quantized module listed with its format's entry."""
     layers = {m: e for m, f in module_formats if (e := f.layer_config(weight_only)) is not None}
     return {"quant_algo": MIXED_PRECISION, "kv_cache_quant_algo": None, "exclude_modules": list(exclude),
@@ -69,17 +76,6 @@ def modelopt_hf_quant_config(q: dict) -> dict:
     return {"producer": {"name": QUANT_METHOD, "version": PRODUCER_VERSION},
             "quantization": {"quant_algo": q["quant_algo"], "kv_cache_quant_algo": None,
                              "quantized_layers": q["quantized_layers"]}}
-
-
-def config_with_quantization(config: dict, q: dict) -> dict:
-    """config.json with `quantization_config` as vLLM's ModelOpt loader reads it."""
-    return {**config, "quantization_config": {"quant_method": QUANT_METHOD, **q}}
-
-
-def hf_quant_config(q: dict, converter: dict) -> dict:
-    """hf_quant_config.json: ModelOpt's producer record, the config, and who converted it."""
-    return {"producer": {"name": QUANT_METHOD, "version": PRODUCER_VERSION}, "quantization": q,
-            "converter": converter}
 
 
 def read_quantization(root: Path, config: dict) -> dict | None:
@@ -253,3 +249,112 @@ def exclusion_matcher(patterns: list[str]) -> Callable[[str], str | None]:
                 return pat
         return None
     return match
+
+
+# ============================================================================ the output form
+@dataclass(frozen=True)
+class Modules(Writing):
+    """A per-expert source's unit (an expert's gate and up, or one projection): each weight's
+    format tensors under its own module (`Format.tensor_name`)."""
+
+    def specs(self, u) -> list[Spec]:
+        return [s for src in u.sources for s in out_specs(FORMATS[u.format], src.name, src.shape, src.dtype,
+                                                          u.activation_scale)]
+
+    def quantized_module(self, u, layout: Layout) -> str | None:
+        return layout.experts_modules[layout.classify(u.sources[0].name).layer]
+
+
+@dataclass(frozen=True)
+class ExpertModules(Writing):
+    """A stacked expert tensor ([E, 2I, H] gate/up or [E, H, I] down, as `storage` holds it)
+    written as ModelOpt's per-expert modules `<module>.<e>.<name>.<suffix>`: each expert's slab
+    quantized as stored, then its rows split into gate and up (`ExpertStorage.split_gate_up`)."""
+
+    module: str               # ModelOpt's experts module (transformers' name for Inkling 2)
+    projection: str           # "gate_up" or "down"
+    storage: ExpertStorage    # the source's
+
+    def _names(self) -> tuple[str, ...]:
+        gate, up, down = self.storage.names
+        return (gate, up) if self.projection == "gate_up" else (down,)
+
+    def per_module(self, u) -> tuple[int, dict]:
+        """(experts, suffix -> OutSpec of one expert's module) of unit `u`."""
+        src, names = u.sources[0], self._names()
+        E, rows, cols = (src.shape[0], src.shape[2], src.shape[1]) if self.storage.transposed else src.shape
+        if rows % len(names):
+            raise FormatError(f"{self.projection} of shape {list(src.shape)}: {rows} rows do not split into "
+                              f"{'/'.join(names)}")
+        return E, FORMATS[u.format].out_specs((rows // len(names), cols), DTYPES[src.dtype], u.activation_scale)
+
+    def specs(self, u) -> list[Spec]:
+        E, per = self.per_module(u)
+        return [(f"{self.module}.{e}.{m}.{k}", DTYPE_NAMES[o.dtype], tuple(o.shape))
+                for e in range(E) for m in self._names() for k, o in per.items()]
+
+    def quantized_module(self, u, layout: Layout) -> str | None:
+        return self.module
+
+    def open(self, u, out_dir) -> "_ModulesWriter":
+        return _ModulesWriter(self, u)
+
+
+class _ModulesWriter(ExpertWriter):
+    def __init__(self, w: ExpertModules, u):
+        self.w, self.names = w, w._names()
+        self.suffixes = list(w.per_module(u)[1])
+        self.rows = set(row_suffixes(FORMATS[u.format]))
+
+    def expert(self, e: int, q: dict[str, torch.Tensor], path) -> Outputs:
+        """Expert e's modules: row tensors (weight, block scales) split into gate and up, each
+        module's scalars shared (what ModelOpt exports)."""
+        out: Outputs = []
+        for i, m in enumerate(self.names):
+            for k in self.suffixes:
+                t = q[k]
+                if k not in self.rows:
+                    t = t.clone()
+                elif len(self.names) > 1:
+                    t = self.w.storage.split_gate_up(t, t.shape[0] // 2)[i].contiguous()
+                out.append((f"{self.w.module}.{e}.{m}.{k}", t, True))
+        return out
+
+
+class ModelOptForm(OutputForm):
+    name = "modelopt-hf"
+
+    def copy(self, cfg, layout: Layout, name: str) -> Copy:
+        # Inkling 2 under its original names: transformers' names, lm_head cut to the unpadded rows
+        return Copy(*modelopt_tensor(cfg, name)) if layout.original_names else Copy()
+
+    def per_expert(self, layout: Layout) -> Writing:
+        return Modules()
+
+    def stacked(self, cfg, layout: Layout, name: str, projection: str, fmt: str) -> Writing:
+        if fmt == "passthrough":
+            if layout.original_names:  # the interleaved w13 has no ModelOpt form unquantized
+                raise UsageError(f"--output-format modelopt-hf writes quantized experts as ModelOpt exports them; the "
+                                 f"scheme leaves {name!r} unquantized: use --output-format inkling", tensor=name)
+            return Copy()  # transformers' stacked tensor, as it is
+        module = (transformers_name(name) if layout.original_names else name).rsplit(".", 1)[0]
+        return ExpertModules(module, projection, layout.experts)
+
+    def config_files(self, cfg, layers: dict, weight_only: bool, converter: dict) -> dict[str, dict]:
+        """Exactly ModelOpt's two files, nothing of ours."""
+        q = quantization(layers.items(), weight_only)
+        if not q["quantized_layers"]:
+            return {}
+        q.pop("exclude_modules")
+        hq = modelopt_hf_quant_config(q)
+        return {HF_QUANT_CONFIG: hq,
+                CONFIG_NAME: {**cfg.raw, "quantization_config": modelopt_quantization_config(hq["quantization"])}}
+
+    def expert_specs(self, layout: Layout, weight: str, shape, dtype, fmt, activation_scale: bool) -> dict:
+        if fmt is not FORMATS["passthrough"] and layout.experts.stacked:
+            raise FormatError(f"transformers' stacked experts have no {fmt.name} form (quantized experts are "
+                              f"per-expert modules, as ModelOpt writes them)")
+        return fmt.out_tensors(weight, shape, dtype, activation_scale)
+
+
+MODELOPT = ModelOptForm()

@@ -18,13 +18,13 @@ from typing import Iterator
 import torch
 
 from . import dspark
-from .config_fields import MAX_LAYERS, ConfigFields
-from .errors import ConfigError, UnknownTensorError
+from .fields import MAX_LAYERS, ConfigFields
+from ..errors import ConfigError, UnknownTensorError
 from .tensors import TensorName
-from .errors import short_repr as _short
+from ..errors import short_repr as _short
 from .tensors import TensorSpec as Spec
 
-REFERENCE_CONFIG = Path(__file__).parent / "configs" / "inkling-2-small.json"
+REFERENCE_CONFIG = Path(__file__).parents[1] / "configs" / "inkling-2-small.json"
 
 FULL = "hybrid"              # full-attention layers (configuration_inkling2.py: layer_types)
 SLIDING = "hybrid_sliding"   # sliding-window layers
@@ -180,7 +180,7 @@ class Inkling2Config:
 
     @classmethod
     def load(cls, path: str | Path) -> "Inkling2Config":
-        from .io.checkpoint import CONFIG_NAME, read_json, safe_child
+        from ..io.checkpoint import CONFIG_NAME, read_json, safe_child
 
         path = Path(path)
         if path.is_dir():
@@ -458,19 +458,6 @@ def classify(name: str):
 def experts_module(layer: int) -> str:
     """The MoE module of `layer` as quantization configs key it (vLLM maps model.llm.layers.)."""
     return f"{TEXT_PREFIX}layers.{layer}.mlp.experts"
-
-
-_MODELOPT_EXPERT = re.compile(r"(model\.language_model\.layers\.\d+\.mlp\.experts)\.\d+\.(gate_proj|up_proj|down_proj)")
-
-
-def stacked_of_expert_module(module: str) -> str | None:
-    """The original stacked tensor that holds a per-expert module as ModelOpt exports the model
-    (`model.language_model.layers.N.mlp.experts.E.gate_proj` -> `model.llm.layers.N.mlp.experts.
-    w13_weight`; down_proj -> w2_weight), None for any other name."""
-    m = _MODELOPT_EXPERT.fullmatch(module)
-    if m is None:
-        return None
-    return original_name(f"{m.group(1)}.{'down_proj' if m.group(2) == 'down_proj' else 'gate_up_proj'}")
 
 
 # --------------------------------------------------------------------------- ModelOpt's export

@@ -21,9 +21,12 @@ from typing import Iterator
 import torch
 
 from . import inkling2
-from .config_fields import MAX_LAYERS, ConfigFields
-from .errors import CheckpointError, ConfigError
+from .fields import MAX_LAYERS, ConfigFields
+from ..errors import CheckpointError, ConfigError
 from .inkling2 import Inkling2Config
+from .naming import MODELOPT, Naming, naming_of
+from .naming import described as described_namings
+from .storage import CANONICAL, PER_EXPERT_NAMES, STORAGES, ExpertStorage, Interleaved, PerExpert
 from .tensors import TensorName, TensorSpec
 
 
@@ -46,8 +49,6 @@ PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 DRAFT_PREFIXES = ("dspark.",)  # a bundled speculator (ours for Inkling: dspark.py), passed through
 LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight", "model.llm.unembed.weight")
 
-CANONICAL = ("gate", "up", "down")  # an expert's projections, whatever a family calls them
-PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # gate, up, down per family
 
 _LIMITS = {"num_hidden_layers": MAX_LAYERS, "num_experts": 1 << 16}
 _EXPERT_ALIASES = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -116,36 +117,13 @@ def _dense_layers(t: ConfigFields, n: int) -> frozenset[int] | None:
     return None
 
 
-# --------------------------------------------------------------------------- expert storage
-@dataclass(frozen=True)
-class ExpertStorage:
-    """How a checkpoint stores routed experts.
-
-    - `per_expert`: one 2D tensor per expert and projection, `<block>.experts.<e>.<name>.weight`
-      ([I, H] for gate/up, [H, I] for down); `names` are the family's projection names.
-    - `stacked`: transformers' fused form, `<block>.experts.gate_up_proj` and `.down_proj`, gate
-      then up along the 2I axis: as the Hub's Qwen3-VL-MoE and Llama 4 checkpoints store them,
-      [E, H, 2I] and [E, I, H] (`transposed`: [E, in, out]), or as transformers 5.25's
-      save_pretrained writes Qwen3-VL-MoE, [E, 2I, H] and [E, H, I] (its in-memory form).
-    - `interleaved`: Inkling's, `mlp.experts.w13_weight` [E, 2I, H] (row 2i gate_i, 2i+1 up_i)
-      and `mlp.experts.w2_weight` [E, H, I] (formats/stacked.py).
-    """
-
-    kind: str
-    block: str                     # "mlp", "block_sparse_moe" or "feed_forward"
-    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-    transposed: bool = False       # stacked as [E, in, out] (decided from the shapes: `stacked_orientation`)
-
-
 _LAYER = re.compile(r"(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?P<rest>.+)")
-_PER_EXPERT = re.compile(r"(?P<block>mlp|block_sparse_moe|feed_forward)\.experts\.(?P<expert>\d+)\."
-                         r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.(?P<suffix>.+)")
-_STACKED = re.compile(r"(?P<block>mlp|feed_forward)\.experts\.(?P<proj>gate_up_proj|down_proj)(?P<suffix>)")
-_INTERLEAVED = re.compile(r"(?P<block>mlp)\.experts\.(?P<proj>w13|w2)_(?P<suffix>weight.*)")
 _SHARED = re.compile(r"(?:mlp|feed_forward)\.(?:shared_experts?|shared_expert_gate)\..+")
 _ROUTER = re.compile(r"(?:mlp|block_sparse_moe)\.gate\.(?:weight|bias|e_score_correction_bias)|feed_forward\.router\..+")
 _DENSE = re.compile(r"(?:mlp|feed_forward)\.(?:gate_proj|up_proj|down_proj)\..+")
 _ATTENTION = re.compile(r"(?:self_attn|attn)\..+")
+_PER_EXPERT_MODULE = re.compile(r"(?P<experts>.+\.experts)\.(?P<expert>\d{1,9})\.(?P<proj>"
+                                + "|".join(n for names in PER_EXPERT_NAMES for n in names) + ")")
 
 
 @dataclass(frozen=True)
@@ -159,6 +137,7 @@ class Layout:
     projector_prefix: str | None
     lm_head: str | None
     num_layers: int | None = None  # the config's decoder layers: layers past them are MTP/draft layers
+    naming: Naming | None = None   # an Inkling 2 checkpoint's naming (model.naming); None for other families
 
     def classify(self, name: str) -> TensorName:
         """What `name` is (part, layer, expert, canonical projection gate/up/down, suffix)."""
@@ -178,25 +157,45 @@ class Layout:
         """layer -> the module that holds its routed experts, as ModelOpt keys `quantized_layers`."""
         return {i: f"{self.text_prefix}layers.{i}.{self.experts.block}.experts" for i in self.expert_layers}
 
+    @property
+    def original_names(self) -> bool:
+        """An Inkling 2 checkpoint under its original names: the only naming `--output-format
+        inkling` writes and ModelOpt's export renames."""
+        return self.naming is not None and self.naming.is_original
+
+    def stacked_tensor_of(self, module: str) -> tuple[str, int] | None:
+        """(the stacked tensor holding the per-expert module `module`, its expert) for a stacked
+        layout: `<experts>.<e>.gate_proj` -> `<experts>.gate_up_proj` (Inkling 2's original
+        `...w13_weight`, its experts module under its own or ModelOpt's names); None for any
+        other name or a per-expert layout."""
+        m = _PER_EXPERT_MODULE.fullmatch(module)
+        if m is None or not self.experts.stacked:
+            return None
+        layer = self._experts_layers().get(m["experts"])
+        if layer is None:
+            return None
+        proj = CANONICAL[next(i for names in PER_EXPERT_NAMES for i, n in enumerate(names) if n == m["proj"])]
+        return self.experts.tensor(self.experts_modules[layer], int(m["expert"]), proj), int(m["expert"])
+
+    def _experts_layers(self) -> dict[str, int]:
+        """experts module -> layer, under this layout's names and, for Inkling 2, ModelOpt's."""
+        out = {m: i for i, m in self.experts_modules.items()}
+        if self.naming is not None:
+            out.update({MODELOPT.experts_module(i): i for i in self.expert_layers})
+        return out
+
     def activation_key(self, rec: TensorName) -> str | None:
         """The module a routed expert's activation amax is keyed by (None for other tensors and for
-        a quantized source's scales): per expert its module, stacked the tensor (vLLM reads one
-        input scale per layer and projection there)."""
+        a quantized source's scales): `ExpertStorage.activation_key`."""
         if rec.part != "expert" or rec.suffix != "weight":
             return None
-        return rec.module if self.experts.kind == "per_expert" else rec.name
+        return self.experts.activation_key(rec.module, rec.name)
 
     def describe(self) -> str:
-        return (f"text model under {self.text_prefix!r}, routed experts {self.experts.kind} under "
-                f"'layers.N.{self.experts.block}.experts' in {len(self.expert_layers)} layers"
+        return (f"text model under {self.text_prefix!r}, routed experts {self.experts.describe()}"
+                f" in {len(self.expert_layers)} layers"
                 + (f", vision tower under {self.vision_prefix!r}" if self.vision_prefix else "")
                 + (f", projector under {self.projector_prefix!r}" if self.projector_prefix else ""))
-
-
-def _projection(storage: ExpertStorage, name: str) -> str:
-    if storage.kind == "per_expert":
-        return CANONICAL[storage.names.index(name)]
-    return {"gate_up_proj": "gate_up", "w13": "gate_up"}.get(name, "down")
 
 
 def _classify(lay: Layout, name: str) -> TensorName | None:
@@ -217,11 +216,8 @@ def _classify(lay: Layout, name: str) -> TensorName | None:
     layer, rest = int(m["layer"]), m["rest"]
     if lay.num_layers is not None and layer >= lay.num_layers:  # e.g. DeepSeek-V3's MTP layer 61: passed through
         return TensorName(name, "draft", layer, suffix=rest.rsplit(".", 1)[-1])
-    pattern = {"per_expert": _PER_EXPERT, "stacked": _STACKED, "interleaved": _INTERLEAVED}[lay.experts.kind]
-    if (e := pattern.fullmatch(rest)) is not None and e["block"] == lay.experts.block:
-        expert = int(e["expert"]) if "expert" in e.groupdict() else None
-        return TensorName(name, "expert", layer, expert, _projection(lay.experts, e["proj"]),
-                          e["suffix"] or "weight")
+    if (e := lay.experts.match(rest)) is not None:
+        return TensorName(name, "expert", layer, *e)
     for regex, part in ((_SHARED, "shared_expert"), (_ROUTER, "router"), (_DENSE, "dense_mlp"),
                         (_ATTENTION, "attention")):
         if regex.fullmatch(rest):
@@ -229,30 +225,14 @@ def _classify(lay: Layout, name: str) -> TensorName | None:
     return TensorName(name, "other", layer, suffix=rest.rsplit(".", 1)[-1])
 
 
-def stacked_orientation(down_shape: tuple[int, ...], gate_up_shape: tuple[int, ...], hidden: int,
-                        width: int) -> bool | None:
-    """Whether transformers-stacked experts are stored [E, in, out] (True) or [E, out, in]
-    (False), from the shapes: down_proj tells unless H == I, gate_up_proj unless H == 2I (never
-    both). None: neither shape fits the config."""
-    for shape, out_in in ((down_shape, (hidden, width)), (gate_up_shape, (2 * width, hidden))):
-        if out_in[0] != out_in[1] and len(shape) == 3:
-            if tuple(shape[1:]) == out_in:
-                return False
-            if tuple(shape[1:]) == out_in[::-1]:
-                return True
-    return None
-
-
 def oriented(lay: Layout, shapes: dict[str, tuple[int, ...]], cfg: "MoEConfig | Inkling2Config") -> Layout:
-    """`lay` with a stacked storage's orientation settled from the shapes (name -> shape) of its
-    first expert layer (`stacked_orientation`); any other storage as it is."""
-    if lay.experts.kind != "stacked" or not lay.expert_layers:
+    """`lay` with its storage's orientation settled from the shapes (name -> shape) of its first
+    expert layer (`ExpertStorage.oriented`: a stacked storage's [E, out, in] or [E, in, out])."""
+    if not lay.expert_layers:
         return lay
     cfg = MoEConfig.of(cfg)
     first = lay.experts_modules[lay.expert_layers[0]]
-    t = stacked_orientation(tuple(shapes.get(f"{first}.down_proj", ())), tuple(shapes.get(f"{first}.gate_up_proj", ())),
-                            cfg.hidden_size, cfg.expert_width)
-    return replace(lay, experts=replace(lay.experts, transposed=bool(t)))
+    return replace(lay, experts=lay.experts.oriented(shapes, first, cfg.hidden_size, cfg.expert_width))
 
 
 def text_prefix(names: list[str]) -> str | None:
@@ -274,37 +254,37 @@ def detect(names: list[str], cfg: "MoEConfig | Inkling2Config | None" = None, so
         raise CheckpointError(f"no decoder layers found: expected tensors under one of "
                               f"{', '.join(p + 'layers.N.' for p in TEXT_PREFIXES)} (first names: "
                               f"{', '.join(repr(n) for n in names[:5])})", path=source)
-    kinds: dict[tuple[str, str], set[int]] = {}
+    kinds: dict[tuple[type[ExpertStorage], str], set[int]] = {}
     names_seen: set[str] = set()
     for n in names:
         m = _LAYER.fullmatch(n[len(prefix):]) if n.startswith(prefix) else None
         if m is None or m["prefix"] or (cfg is not None and int(m["layer"]) >= cfg.num_hidden_layers):
             continue
-        for kind, pattern in (("per_expert", _PER_EXPERT), ("stacked", _STACKED), ("interleaved", _INTERLEAVED)):
-            if (e := pattern.fullmatch(m["rest"])) is not None:
-                kinds.setdefault((kind, e["block"]), set()).add(int(m["layer"]))
-                if kind == "per_expert":
+        for storage in STORAGES:
+            if (e := storage.pattern.fullmatch(m["rest"])) is not None:
+                kinds.setdefault((storage, e["block"]), set()).add(int(m["layer"]))
+                if storage is PerExpert:
                     names_seen.add(e["proj"])
     if len(kinds) != 1:
-        what = "none" if not kinds else ", ".join(f"{k} under {b}" for k, b in kinds)
+        what = "none" if not kinds else ", ".join(f"{k.kind} under {b}" for k, b in kinds)
         raise CheckpointError(f"routed experts: expected one storage (per-expert "
                               f"'layers.N.mlp.experts.E.gate_proj.weight' or 'block_sparse_moe.experts.E.w1.weight', "
                               f"stacked 'layers.N.mlp.experts.gate_up_proj', Inkling 'mlp.experts.w13_weight'); "
                               f"found {what}", path=source)
     (kind, block), layers = next(iter(kinds.items()))
-    if cfg is not None and not isinstance(cfg, Inkling2Config) and (kind == "interleaved"
+    if cfg is not None and not isinstance(cfg, Inkling2Config) and (kind is Interleaved
                                                                      or prefix == inkling2.TEXT_PREFIX):
         raise ConfigError(f"the tensors are Inkling 2's under its original names ({prefix}layers.N..., routed "
                           f"experts mlp.experts.w13_weight/w2_weight), but config.json describes a "
                           f"{cfg.model_type!r} model: the config and the tensors must agree (Inkling 2's "
                           f"config.json nests text_config with model_type 'inkling2')", path=source)
-    storage = ExpertStorage(kind, block)
-    if kind == "per_expert":
+    storage = kind(block)
+    if kind is PerExpert:
         proj = next((p for p in PER_EXPERT_NAMES if names_seen <= set(p)), None)
         if proj is None:
             raise CheckpointError(f"per-expert projections {sorted(names_seen)} mix naming schemes "
                                   f"(expected gate_proj/up_proj/down_proj or w1/w3/w2)", path=source)
-        storage = ExpertStorage(kind, block, proj)
+        storage = PerExpert(block, proj)
     dense = MoEConfig.of(cfg).dense_layers if cfg is not None else None
     if dense is not None:
         expected = set(range(cfg.num_hidden_layers)) - dense
@@ -315,8 +295,13 @@ def detect(names: list[str], cfg: "MoEConfig | Inkling2Config | None" = None, so
     vision = next((p for p in VISION_PREFIXES if any(n.startswith(p) for n in names)), None)
     projector = next((p for p in PROJECTOR_PREFIXES if any(n.startswith(p) for n in names)), None)
     head = next((h for h in LM_HEADS if h in set(names)), None)
+    naming = naming_of(prefix, storage) if isinstance(cfg, Inkling2Config) else None
+    if isinstance(cfg, Inkling2Config) and naming is None:
+        raise CheckpointError(f"an Inkling 2 config, but the tensors are laid out as no Inkling 2 checkpoint is "
+                              f"(text model under {prefix!r}, routed experts {storage.describe()}); expected one "
+                              f"of: {described_namings()}", path=source)
     lay = Layout(prefix, storage, tuple(sorted(layers)), vision, projector, head,
-                 cfg.num_hidden_layers if cfg is not None else None)
+                 cfg.num_hidden_layers if cfg is not None else None, naming)
     unplaced = [n for n in names if _classify(lay, n) is None]
     if unplaced:
         raise CheckpointError(f"{len(unplaced)} tensor(s) fit no part of the detected layout "
@@ -326,61 +311,26 @@ def detect(names: list[str], cfg: "MoEConfig | Inkling2Config | None" = None, so
 
 
 # --------------------------------------------------------------------------- what a config requires
-# The namings an Inkling 2 checkpoint may use: (text prefix, expert storage) -> what it is.
-INKLING_NAMINGS = {
-    (inkling2.TEXT_PREFIX, ExpertStorage("interleaved", "mlp")):
-        "the original names (model.llm.*, model.visual.*; experts mlp.experts.w13_weight [E, 2I, H] gate/up rows "
-        "interleaved and w2_weight [E, H, I]): what save_pretrained and the release write",
-    ("model.language_model.", ExpertStorage("stacked", "mlp")):
-        "transformers' in-memory names (model.language_model.*, model.vision_tower.*, lm_head.weight unpadded; "
-        "experts mlp.experts.gate_up_proj [E, 2I, H] gate then up, and down_proj [E, H, I]): what state_dict() holds",
-    ("model.language_model.", ExpertStorage("per_expert", "mlp")):
-        "transformers' names with per-expert experts as ModelOpt names them "
-        "(mlp.experts.E.{gate,up,down}_proj.weight [I, H], [I, H], [H, I])",
-}
-
-
-def original_names(cfg: "MoEConfig | Inkling2Config", prefix: str | None) -> bool:
-    """Whether a checkpoint with text prefix `prefix` is an Inkling 2 model's under its original
-    names, the only naming `--output-format inkling` writes and ModelOpt's export renames."""
-    return isinstance(cfg, Inkling2Config) and prefix == inkling2.TEXT_PREFIX
-
-
 def expected_tensors(cfg: "MoEConfig | Inkling2Config", lay: Layout) -> dict[str, TensorSpec]:
     """name -> spec of the tensors `cfg` requires of a checkpoint laid out as `lay`: for an
-    Inkling 2 config every tensor (inkling2.checkpoint_tensors, the strict spec) under the
-    checkpoint's naming (INKLING_NAMINGS); for another family its routed experts' weights (the
-    rest passes through as it is). Float specs are BF16: any float dtype fits them."""
-    specs = list(_inkling_specs(cfg, lay)) if isinstance(cfg, Inkling2Config) else []
+    Inkling 2 checkpoint every tensor (inkling2.checkpoint_tensors, the strict spec) under its
+    naming (`Layout.naming`); for another family its routed experts' weights (the rest passes
+    through as it is). Float specs are BF16: any float dtype fits them."""
+    specs = [lay.naming.spec(cfg, s) for s in inkling2.checkpoint_tensors(cfg, include_experts=False)] \
+        if lay.naming is not None else []
     return {s.name: s for s in (*specs, *expert_specs(lay, MoEConfig.of(cfg)))}
-
-
-def _inkling_specs(cfg: Inkling2Config, lay: Layout) -> Iterator[TensorSpec]:
-    """Every tensor but the routed experts, under the checkpoint's naming."""
-    if (lay.text_prefix, replace(lay.experts, transposed=False)) not in INKLING_NAMINGS:
-        raise CheckpointError(f"an Inkling 2 config, but the tensors are laid out as no Inkling 2 checkpoint is "
-                              f"({lay.describe()}); expected one of: " + "; ".join(INKLING_NAMINGS.values()))
-    for s in inkling2.checkpoint_tensors(cfg, include_experts=False):
-        yield s if original_names(cfg, lay.text_prefix) else inkling2.transformers_spec(cfg, s)
 
 
 def expert_tensor_count(lay: Layout, moe: MoEConfig) -> int:
     """How many weights `expert_specs` lists, counted without listing them: what bounds the work a
-    config's expert count may ask for by what a checkpoint holds (verify)."""
-    return (3 * moe.num_experts if lay.experts.kind == "per_expert" else 2) * len(lay.expert_layers)
+    config's expert count may ask for by what a checkpoint holds (verify, convert)."""
+    return lay.experts.weights_per_layer(moe.num_experts) * len(lay.expert_layers)
 
 
 def expert_specs(lay: Layout, moe: MoEConfig) -> Iterator[TensorSpec]:
-    """The routed experts' weights of every expert layer as `lay` stores them: per expert
-    gate/up [I, H] and down [H, I]; stacked or interleaved gate_up [E, 2I, H] and down [E, H, I]
-    ([E, in, out] where transposed)."""
-    E, H, I, s = moe.num_experts, moe.hidden_size, moe.expert_width, lay.experts
+    """The routed experts' weights of every expert layer as `lay` stores them
+    (`ExpertStorage.weight_shapes`)."""
     for module in lay.experts_modules.values():
-        if s.kind == "per_expert":
-            for e in range(E):
-                for name, shape in zip(s.names, ((I, H), (I, H), (H, I))):
-                    yield TensorSpec(f"{module}.{e}.{name}.weight", shape, torch.bfloat16)
-            continue
-        names = ("w13_weight", "w2_weight") if s.kind == "interleaved" else ("gate_up_proj", "down_proj")
-        for name, (out, inp) in zip(names, ((2 * I, H), (H, I))):
-            yield TensorSpec(f"{module}.{name}", (E, inp, out) if s.transposed else (E, out, inp), torch.bfloat16)
+        for name, shape in lay.experts.weight_shapes(module, moe.num_experts, moe.hidden_size,
+                                                     moe.expert_width).items():
+            yield TensorSpec(name, shape, torch.bfloat16)

@@ -40,9 +40,9 @@ from typing import Iterator
 
 import torch
 
-from .config_fields import MAX_LAYERS, ConfigFields
-from .errors import ConfigError, UnknownTensorError
-from .errors import short_repr as _short
+from .fields import MAX_LAYERS, ConfigFields
+from ..errors import ConfigError, UnknownTensorError
+from ..errors import short_repr as _short
 from .tensors import TensorName, TensorSpec
 
 PREFIX = "dspark."               # the draft's tensors inside the target's checkpoint
