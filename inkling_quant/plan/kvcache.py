@@ -14,24 +14,24 @@ the same four short-conv streams per layer):
   head_size_v=0)` holding K, V, attention-output and MLP-output streams packed per head; it
   asserts TP <= KV heads and BF16.
 
-A standard Hugging Face MoE config (`budget_hf.HFText`) gets the specs vLLM 0.33's generic
+A standard Hugging Face MoE config (`plan.hf.HFText`) gets the specs vLLM 0.33's generic
 attention layers emit (`hf_layer_specs`): `FullAttentionSpec` in every layer, `SlidingWindowSpec`
 in every layer where the config's one window applies to all of them, or DeepSeek's
 `MLAAttentionSpec` (one latent "head" of kv_lora_rank + qk_rope_head_dim, not split by TP).
 
 Pages are unified and layers grouped as vllm/v1/core/kv_cache_planning.py does (docs/budget.md
-cites the lines). `budget.plan` asks it. Light: no torch.
+cites the lines). `plan.inkling2.plan` asks it. Light: no torch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from .errors import UsageError
+from ..errors import UsageError
 
 if TYPE_CHECKING:
-    from .budget_hf import HFText
-    from .inkling2 import TextConfig
+    from ..inkling2 import TextConfig
+    from .hf import HFText
 
 DEFAULT_BLOCK_SIZE = 16   # CacheConfig.block_size on CUDA
 DTYPE_BYTES = 2           # BF16: --kv-cache-dtype auto = the model dtype; the conv state asserts bf16

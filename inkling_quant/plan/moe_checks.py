@@ -1,7 +1,7 @@
 """What vLLM 0.33's ModelOpt MoE methods and their backends need of the per-rank routed-expert
 shapes of an Inkling 2 checkpoint (or of a standard HF MoE config) at a given TP, with or without
 expert parallelism (the research notes' section 7; docs/budget.md, "MoE divisibility").
-`budget.plan` reports them. Light: torch only through `formats`, imported where it checks."""
+`plan.inkling2.plan` reports them. Light: torch only through `formats`, imported where it checks."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from .kvcache import cdiv
 
 if TYPE_CHECKING:
-    from .budget_hf import HFModel
-    from .inkling2 import Inkling2Config
+    from ..inkling2 import Inkling2Config
+    from .hf import HFModel
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,8 @@ class Check:
 def moe_checks(cfg: Inkling2Config | HFModel, tp: int, ep: bool, formats: set[str], recipe: bool = True) -> list[Check]:
     """What vLLM's ModelOpt MoE methods and their backends need of the per-rank expert shapes
     (the research notes' section 7). `cfg.text` names the dimensions as Inkling's TextConfig does
-    (a standard HF config's `budget_hf.HFText` too); `recipe`: the EP advice cites Inkling's recipe."""
-    from .formats import FORMATS
+    (a standard HF config's `plan.hf.HFText` too); `recipe`: the EP advice cites Inkling's recipe."""
+    from ..formats import FORMATS
 
     t, out = cfg.text, []
     H, inter = t.hidden_size, t.moe_intermediate_size

@@ -1,15 +1,15 @@
 """Plan a vLLM deployment of Inkling 2: parameters, bytes on disk, weights, KV cache and state per
 GPU, MoE divisibility, verdict, and the serving recipe's figures beside ours.
 
-The library behind `inkling-quant plan` (its CLI and rendering: plan_cmd.py), answering from
+The library behind `inkling-quant plan` (its CLI and rendering: `plan.cli`), answering from
 config.json alone (the published `Inkling2Config`; default: the reference config, Inkling2Config's
 defaults); no tensor is read. A standard Hugging Face MoE config (Qwen3-MoE, Mixtral, DeepSeek-V3,
-...) is planned the same way from `budget_hf` (its tensors, parameters and bytes) and
+...) is planned the same way from `plan.hf` (its tensors, parameters and bytes) and
 `kvcache.hf_layer_specs`; `load_config` decides which. `placement` holds what both share: how a
 tensor splits over TP/EP and the `Weights` tally. docs/budget.md derives every figure and
 states every assumption; for Inkling 2, in short:
 
-* parameters as transformers counts them (`inkling2.param_counts`): active = the text model with
+* parameters as transformers counts them (the model's `inkling2.param_counts`): active = the text model with
   8 of 384 routed experts, without the embedding tables;
 * disk: the scheme's format for every routed-expert projection (`formats`' own byte counts), every
   other tensor as stored; the DSpark draft is not published, so its size is the recipe's 3.2 GB
@@ -31,17 +31,17 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .budget_hf import HFModel, is_hf_moe
-from .budget_hf import check_parallel as hf_check_parallel
-from .budget_hf import param_counts as hf_param_counts
-from .budget_hf import weight_bytes as hf_weight_bytes
-from .errors import UsageError
+from ..errors import UsageError
+from .hf import HFModel, is_hf_moe
+from .hf import check_parallel as hf_check_parallel
+from .hf import param_counts as hf_param_counts
+from .hf import weight_bytes as hf_weight_bytes
 from .kvcache import DEFAULT_BLOCK_SIZE, KINDS, KVLayout, cdiv, hf_layer_specs, kv_layout, layer_specs
 from .moe_checks import Check, moe_checks
 from .placement import HEADS, HIDDEN, KV_HEADS, REPLICATED, VOCAB, Weights, add_experts, rank_bytes  # noqa: F401
 
 if TYPE_CHECKING:
-    from .inkling2 import Inkling2Config, ParamCounts
+    from ..inkling2 import Inkling2Config, ParamCounts
 
 # inkling2, schemes and formats import torch (seconds): imported where they compute, so that
 # `inkling-quant plan --help` answers at once.
@@ -129,7 +129,7 @@ _TEXT_RULES = tuple((re.compile(p), part, split) for p, part, split in (
 
 def split_of(name: str) -> tuple[str, str]:
     """(part, split) of a non-expert tensor under its original name."""
-    from .inkling2 import TEXT_PREFIX, VISION_PREFIX
+    from ..inkling2 import TEXT_PREFIX, VISION_PREFIX
 
     if name.startswith(VISION_PREFIX):
         return "vision", REPLICATED  # vLLM ViTs may shard by heads; replicated is the upper bound
@@ -159,9 +159,9 @@ def weight_bytes(cfg: Inkling2Config, scheme_name: str, tp: int, ep: bool = True
     rank's bytes at TP = tp (experts: EP = tp, or TP-sharded without EP)."""
     import torch
 
-    from .inkling2 import TEXT_PREFIX, checkpoint_tensors
-    from .tensors import TensorName
-    from .schemes import get_scheme
+    from ..inkling2 import TEXT_PREFIX, checkpoint_tensors
+    from ..tensors import TensorName
+    from ..schemes import get_scheme
 
     scheme, t, w = get_scheme(scheme_name), cfg.text, Weights()
     for s in checkpoint_tensors(cfg, include_experts=False, include_draft=False):
@@ -199,7 +199,7 @@ class Plan:
     weights: Weights
     kv: KVLayout
     checks: list[Check]
-    hf: bool = False              # a standard HF MoE config (budget_hf), not Inkling 2's
+    hf: bool = False              # a standard HF MoE config (plan.hf), not Inkling 2's
     notes: tuple[str, ...] = ()   # what the HF plan assumes or leaves out, for this config
 
     @property
@@ -332,13 +332,13 @@ class Plan:
 
 def load_config(path: str | None) -> Inkling2Config | HFModel:
     """The config `plan` plans for: a config.json or a directory holding one; Inkling 2's
-    (`Inkling2Config`) or a standard HF MoE config (`budget_hf.HFModel`, which also reads a
+    (`Inkling2Config`) or a standard HF MoE config (`plan.hf.HFModel`, which also reads a
     checkpoint directory's shard headers for the vision tower); default: the reference config."""
     from pathlib import Path
 
-    from .errors import ConfigError
-    from .inkling2 import Inkling2Config
-    from .io.checkpoint import CONFIG_NAME, read_json, safe_child
+    from ..errors import ConfigError
+    from ..inkling2 import Inkling2Config
+    from ..io.checkpoint import CONFIG_NAME, read_json, safe_child
 
     if path is None:
         return Inkling2Config.reference()
@@ -357,7 +357,7 @@ def plan(cfg: Inkling2Config | HFModel, gpu: str = "gb200", tp: int = 4, *, ep: 
          include_draft: bool = True) -> Plan:
     """The plan at TP = tp on `gpu`. A standard HF config has no DSpark draft (include_draft is
     ignored for it)."""
-    from .inkling2 import param_counts
+    from ..inkling2 import param_counts
 
     if gpu not in GPUS:
         raise UsageError(f"unknown --gpu {gpu!r}; known: {', '.join(GPUS)}")

@@ -1,15 +1,15 @@
-"""`inkling-quant plan`: the CLI over inkling_quant.budget (the plan, its rendering and the
-recipe's figures beside ours; a standard HF MoE config through budget_hf); docs/budget.md."""
+"""`inkling-quant plan`: the CLI over `plan.inkling2` (the plan, its rendering and the recipe's
+figures beside ours; a standard HF MoE config through `plan.hf`); docs/budget.md."""
 from __future__ import annotations
 
 import argparse
 import json
 from collections import defaultdict
 
-from .budget import (ASYNC_BATCHES, DEFAULT_BLOCK_SIZE, DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION, GPUS, Plan, _gb,
-                     _gib, load_config, plan, recipe_rows)
-from .cli_common import float_range, int_range
-from .errors import UsageError
+from ..cli_common import float_range, int_range
+from ..errors import UsageError
+from .inkling2 import (ASYNC_BATCHES, DEFAULT_BLOCK_SIZE, DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION, GPUS, Plan, _gb,
+                       _gib, load_config, plan, recipe_rows)
 from .kvcache import CONV, FULL, MLA
 from .placement import KV_HEADS, REPLICATED
 
@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from .io.output import check_paths, write_report
+    from ..io.output import check_paths, write_report
 
     check_paths(None, [args.checkpoint, args.config], reports=[args.json])
     if args.checkpoint and args.config:

@@ -1,0 +1,1 @@
+"""Planning a vLLM deployment: `inkling-quant plan` (docs/budget.md)."""
