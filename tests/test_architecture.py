@@ -19,7 +19,8 @@ LAYERS = [
     ("inkling_quant.schemes",),
     ("inkling_quant.export",),
     # plan/: on model knowledge, formats and schemes; the `plan` command at its top
-    ("inkling_quant.plan.placement", "inkling_quant.plan.kvcache", "inkling_quant.plan.moe_checks"),
+    ("inkling_quant.plan.units", "inkling_quant.plan.placement", "inkling_quant.plan.kvcache",
+     "inkling_quant.plan.moe_checks"),
     ("inkling_quant.plan.hf", "inkling_quant.plan.inkling2"),
     ("inkling_quant.plan", "inkling_quant.plan.cli"),
 ]

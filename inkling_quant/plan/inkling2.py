@@ -36,18 +36,16 @@ from .hf import HFModel, is_hf_moe
 from .hf import check_parallel as hf_check_parallel
 from .hf import param_counts as hf_param_counts
 from .hf import weight_bytes as hf_weight_bytes
-from .kvcache import DEFAULT_BLOCK_SIZE, KINDS, KVLayout, cdiv, hf_layer_specs, kv_layout, layer_specs
+from .kvcache import DEFAULT_BLOCK_SIZE, KINDS, KVLayout, hf_layer_specs, kv_layout, layer_specs
 from .moe_checks import Check, moe_checks
 from .placement import HEADS, HIDDEN, KV_HEADS, REPLICATED, VOCAB, Weights, add_experts, rank_bytes  # noqa: F401
+from .units import GB, GiB, MiB, cdiv
 
 if TYPE_CHECKING:
     from ..inkling2 import Inkling2Config, ParamCounts
 
 # inkling2, schemes and formats import torch (seconds): imported where they compute, so that
 # `inkling-quant plan --help` answers at once.
-GiB = 1 << 30
-MiB = 1 << 20
-GB = 10 ** 9
 
 
 # --------------------------------------------------------------------------- GPUs

@@ -5,13 +5,28 @@ expert parallelism (the research notes' section 7; docs/budget.md, "MoE divisibi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from .kvcache import cdiv
+from .units import cdiv
 
-if TYPE_CHECKING:
-    from ..inkling2 import Inkling2Config
-    from .hf import HFModel
+
+class ExpertDims(Protocol):
+    """What the checks read of a text model: Inkling's TextConfig names, which `plan.hf.HFText`
+    shares. A Protocol, so that this module imports neither plan."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def moe_intermediate_size(self) -> int: ...
+    @property
+    def n_routed_experts(self) -> int: ...
+
+
+class MoEModel(Protocol):
+    """`Inkling2Config` or `plan.hf.HFModel`: a config with a text model."""
+
+    @property
+    def text(self) -> ExpertDims: ...
 
 
 @dataclass(frozen=True)
@@ -20,7 +35,7 @@ class Check:
     message: str
 
 
-def moe_checks(cfg: Inkling2Config | HFModel, tp: int, ep: bool, formats: set[str], recipe: bool = True) -> list[Check]:
+def moe_checks(cfg: MoEModel, tp: int, ep: bool, formats: set[str], recipe: bool = True) -> list[Check]:
     """What vLLM's ModelOpt MoE methods and their backends need of the per-rank expert shapes
     (the research notes' section 7). `cfg.text` names the dimensions as Inkling's TextConfig does
     (a standard HF config's `plan.hf.HFText` too); `recipe`: the EP advice cites Inkling's recipe."""

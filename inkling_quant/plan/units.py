@@ -1,0 +1,11 @@
+"""The units the plans count in, and the rounding-up division every split and page uses: a module
+of its own so that placement, kvcache and moe_checks share it without importing one another."""
+from __future__ import annotations
+
+GiB = 1 << 30
+MiB = 1 << 20
+GB = 10 ** 9
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
