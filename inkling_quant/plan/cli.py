@@ -1,5 +1,5 @@
-"""`inkling-quant plan`: the CLI over `plan.inkling2` (the plan, its rendering and the recipe's
-figures beside ours; a standard HF MoE config through `plan.hf`); docs/budget.md."""
+"""`inkling-quant plan`: the CLI over inkling_quant.plan.inkling2 (the plan, its rendering and the
+recipe's figures beside ours; a standard HF MoE config through plan.hf); docs/budget.md."""
 from __future__ import annotations
 
 import argparse
