@@ -8,8 +8,8 @@ from collections import defaultdict
 
 from ..cli_common import float_range, int_range
 from ..errors import UsageError
-from .inkling2 import (ASYNC_BATCHES, DEFAULT_BLOCK_SIZE, DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION, GPUS, Plan, _gb,
-                       _gib, load_config, plan, recipe_rows)
+from .inkling2 import (ASYNC_BATCHES, DEFAULT_BLOCK_SIZE, DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION, GPUS, ServingPlan,
+                       _gb, _gib, load_config, plan, recipe_rows)
 from .kvcache import CONV, FULL, MLA
 from .placement import KV_HEADS, REPLICATED
 
@@ -66,7 +66,7 @@ def run(args) -> int:
 
 
 # --------------------------------------------------------------------------- output
-def _split_label(p: Plan, splits: set) -> str:
+def _split_label(p: ServingPlan, splits: set) -> str:
     kv = p.cfg.text.num_key_value_heads if p.hf else None
 
     def one(s: str) -> str:
@@ -79,7 +79,7 @@ def _split_label(p: Plan, splits: set) -> str:
     return ", ".join(one(s) for s in sorted(splits))
 
 
-def render_weights(p: Plan) -> list[str]:
+def render_weights(p: ServingPlan) -> list[str]:
     w = p.weights
     pw = max([11] + [len(part) for part in w.parts()])
     split = "split at TP" + str(p.tp)
@@ -98,7 +98,7 @@ def render_weights(p: Plan) -> list[str]:
     return out
 
 
-def _kv_header(p: Plan) -> str:
+def _kv_header(p: ServingPlan) -> str:
     flight = (f"block {p.block_size}; {p.max_in_flight_tokens:,} tokens in flight = {p.concurrent_batches} x "
               f"max_num_batched_tokens {p.max_num_batched_tokens:,}")
     if not p.hf:
@@ -107,7 +107,7 @@ def _kv_header(p: Plan) -> str:
             f"--kv-cache-dtype auto; {flight}):")
 
 
-def render_kv(p: Plan) -> list[str]:
+def render_kv(p: ServingPlan) -> list[str]:
     kinds = p.kv_kinds()
     names = {FULL: "full attention", MLA: "MLA latent", "sliding": "sliding window", CONV: "short-conv state"}
     out = [_kv_header(p)]
@@ -135,7 +135,7 @@ def render_kv(p: Plan) -> list[str]:
     return out
 
 
-def _params_line(p: Plan) -> str:
+def _params_line(p: ServingPlan) -> str:
     pc, t = p.params, p.cfg.text
     experts = f"{t.num_experts_per_tok} of {t.n_routed_experts} experts"
     if not p.hf:
@@ -149,7 +149,7 @@ def _params_line(p: Plan) -> str:
             f"{experts}, without the embedding tables; {tables / 1e9:.2f} B with them, as model cards count)")
 
 
-def _disk_line(p: Plan) -> str:
+def _disk_line(p: ServingPlan) -> str:
     w = p.weights
     if p.hf:
         return (f"On disk: {_gb(w.disk_total)} GB computed (routed experts in the scheme's formats, every other "
@@ -160,7 +160,7 @@ def _disk_line(p: Plan) -> str:
         f"replicated on every GPU) = {_gb(w.disk_total)} GB" if draft else " (without the draft)")
 
 
-def render(p: Plan, rows: list[dict] | None = None) -> str:
+def render(p: ServingPlan, rows: list[dict] | None = None) -> str:
     out = [f"inkling-quant plan: scheme {p.scheme!r}, {p.where()}, TP{p.tp} attention + "
            f"{f'EP{p.tp}' if p.ep else f'TP{p.tp} (no EP)'} experts, max_model_len {p.max_model_len:,}", "",
            _params_line(p), ""]

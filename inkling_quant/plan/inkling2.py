@@ -179,7 +179,10 @@ def weight_bytes(cfg: Inkling2Config, scheme_name: str, tp: int, ep: bool = True
 
 # --------------------------------------------------------------------------- the plan
 @dataclass
-class Plan:
+class ServingPlan:
+    """One deployment's figures (a model, a GPU kind, TP/EP, lengths, memory): what `plan` returns,
+    `plan.cli` renders and `--json` writes; named apart from lora's merge `Plan`."""
+
     cfg: Inkling2Config | HFModel
     gpu: GPU
     tp: int
@@ -352,7 +355,7 @@ def plan(cfg: Inkling2Config | HFModel, gpu: str = "gb200", tp: int = 4, *, ep: 
          max_model_len: int | None = None, max_num_seqs: int | None = None, utilization: float = DEFAULT_UTILIZATION,
          max_num_batched_tokens: int | None = None, concurrent_batches: int = ASYNC_BATCHES,
          scheme: str = "default", reserve_gib: float = DEFAULT_RESERVE_GIB, block_size: int = DEFAULT_BLOCK_SIZE,
-         include_draft: bool = True) -> Plan:
+         include_draft: bool = True) -> ServingPlan:
     """The plan at TP = tp on `gpu`. A standard HF config has no DSpark draft (include_draft is
     ignored for it)."""
     from ..inkling2 import param_counts
@@ -384,7 +387,7 @@ def plan(cfg: Inkling2Config | HFModel, gpu: str = "gb200", tp: int = 4, *, ep: 
         w, params = weight_bytes(cfg, scheme, tp, ep, include_draft), param_counts(cfg)
         specs = layer_specs(cfg.text, tp, block_size)
     kv = kv_layout(specs, concurrent_batches * batched)
-    return Plan(cfg=cfg, gpu=g, tp=tp, ep=ep, scheme=scheme, max_model_len=length, max_num_seqs=max_num_seqs,
+    return ServingPlan(cfg=cfg, gpu=g, tp=tp, ep=ep, scheme=scheme, max_model_len=length, max_num_seqs=max_num_seqs,
                 utilization=utilization, max_num_batched_tokens=batched, concurrent_batches=concurrent_batches,
                 reserve_bytes=round(reserve_gib * GiB), include_draft=include_draft, block_size=block_size,
                 params=params, weights=w, kv=kv, hf=hf,
@@ -393,7 +396,7 @@ def plan(cfg: Inkling2Config | HFModel, gpu: str = "gb200", tp: int = 4, *, ep: 
 
 
 # --------------------------------------------------------------------------- the recipe's figures
-def recipe_rows(cfg: Inkling2Config, p: Plan) -> list[dict]:
+def recipe_rows(cfg: Inkling2Config, p: ServingPlan) -> list[dict]:
     """The recipe's figures beside ours. The verdicts are planned on p's GPU with p's assumptions
     (utilization, reserve, batching, block size, scheme), at the recipe's TP and lengths."""
     opts = dict(gpu=p.gpu.name, utilization=p.utilization, max_num_batched_tokens=p.max_num_batched_tokens,
@@ -408,7 +411,7 @@ def recipe_rows(cfg: Inkling2Config, p: Plan) -> list[dict]:
     pc = p.params
     gpu = p.gpu.name.upper()
 
-    def verdict(q: Plan) -> str:
+    def verdict(q: ServingPlan) -> str:
         return (f"{'fits' if q.fits else 'does not fit'}: needs {_gib(q.kv_needed_bytes)} of "
                 f"{_gib(q.kv.usable(q.kv_budget_bytes))} GiB, break-even reserve {_gib(q.break_even_reserve_bytes)} GiB")
 
@@ -434,18 +437,18 @@ def recipe_rows(cfg: Inkling2Config, p: Plan) -> list[dict]:
     ]
 
 
-def recipe_kv_bytes(q: Plan) -> int:
+def recipe_kv_bytes(q: ServingPlan) -> int:
     """The KV one request needs per GPU if the recipe's figure is right: its 64.47 GiB for
     1,048,576 tokens at TP4 (vLLM's message in its troubleshooting entry), scaled with the
     context length and inversely with TP (KV heads split over TP). Not derived from the config."""
     return round(float(RECIPE_KV_1M_TP4_GIB) * GiB * q.max_model_len / RECIPE_KV_TOKENS * RECIPE_KV_TP / q.tp)
 
 
-def recipe_fits(q: Plan) -> bool:
+def recipe_fits(q: ServingPlan) -> bool:
     return q.loadable and recipe_kv_bytes(q) <= q.kv.usable(q.kv_budget_bytes)
 
 
-def recipe_verdict(q: Plan) -> str:
+def recipe_verdict(q: ServingPlan) -> str:
     return (f"{'fits' if recipe_fits(q) else 'does not fit'}: needs {_gib(recipe_kv_bytes(q))} (the recipe's "
             f"figure, scaled) of {_gib(q.kv.usable(q.kv_budget_bytes))} GiB")
 
