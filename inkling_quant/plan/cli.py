@@ -9,9 +9,10 @@ from collections import defaultdict
 from ..cli_common import float_range, int_range
 from ..errors import UsageError
 from .inkling2 import (ASYNC_BATCHES, DEFAULT_BLOCK_SIZE, DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION, GPUS, ServingPlan,
-                       _gb, _gib, load_config, plan, recipe_rows)
+                       load_config, plan, recipe_rows)
 from .kvcache import CONV, FULL, MLA
 from .placement import KV_HEADS, REPLICATED
+from .units import in_units
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,10 +92,11 @@ def render_weights(p: ServingPlan) -> list[str]:
             layers = w.fmt_layers.get(f) if part == "expert" else None
             label = f"{f} {layers[0]}-{layers[-1]}" if layers else f
             elems = "(recipe)" if part == "draft" else f"{w.elements[part] / 1e9:.3f}B"
-            out.append(f"{part if j == 0 else '':<{pw}} {elems if j == 0 else '':>9} {label:<15} {_gb(b):>8}  "
-                       f"{_split_label(p, w.splits[part]) if j == 0 else '':<35} {_gib(w.per_gpu[(part, f)]):>7}")
-    out += ["-" * len(hdr),
-            f"{'total':<{pw}} {'':>9} {'':<15} {_gb(w.disk_total):>8}  {'':<35} {_gib(w.per_gpu_total):>7}"]
+            split = _split_label(p, w.splits[part]) if j == 0 else ""
+            out.append(f"{part if j == 0 else '':<{pw}} {elems if j == 0 else '':>9} {label:<15} "
+                       f"{in_units(b, 'GB'):>8}  {split:<35} {in_units(w.per_gpu[(part, f)], 'GiB'):>7}")
+    out += ["-" * len(hdr), f"{'total':<{pw}} {'':>9} {'':<15} {in_units(w.disk_total, 'GB'):>8}  {'':<35} "
+                            f"{in_units(w.per_gpu_total, 'GiB'):>7}"]
     return out
 
 
@@ -119,17 +121,18 @@ def render_kv(p: ServingPlan) -> list[str]:
         width = f"K+V {k['head_size']}" if k["head_size_v"] else f"{packed} {k['head_size']}"
         out.append(f"  {names[kind]:<16} {k['layers']:>2} layers  {spec:<29} {k['num_kv_heads_per_rank']} heads x "
                    f"{width:<11}  {k['bytes_per_token_per_layer']:>6,} {unit}  page "
-                   f"{k['page_size_bytes']:,} (block {k['block_size']})  request {_gib(k['request_bytes'])} GiB")
+                   f"{k['page_size_bytes']:,} (block {k['block_size']})  request "
+                   f"{in_units(k['request_bytes'], 'GiB')} GiB")
     groups: dict[str, int] = defaultdict(int)
     for g in p.kv.groups:
         groups[g.spec.kind] += 1
     out.append(f"  {p.kv.mode} pool: " + " + ".join(f"{n} {k}" for k, n in groups.items()) +
                f" group(s), {p.kv.bytes_per_block:,} B per block")
-    out.append(f"  one {p.max_model_len:,}-token request needs {_gib(p.kv_needed_bytes)} GiB per GPU")
-    out.append(f"  {p.gpu.name.upper()} memory.total {_gib(p.gpu.total_bytes)} GiB ({p.gpu.vendor_gb} GB, "
-               f"{p.gpu.source}) x {p.utilization} = {_gib(p.requested_bytes)} GiB - weights "
-               f"{_gib(p.weights.per_gpu_total)} GiB - reserve {_gib(p.reserve_bytes)} GiB = KV budget "
-               f"{_gib(p.kv_budget_bytes)} GiB")
+    out.append(f"  one {p.max_model_len:,}-token request needs {in_units(p.kv_needed_bytes, 'GiB')} GiB per GPU")
+    out.append(f"  {p.gpu.name.upper()} memory.total {in_units(p.gpu.total_bytes, 'GiB')} GiB ({p.gpu.vendor_gb} GB, "
+               f"{p.gpu.source}) x {p.utilization} = {in_units(p.requested_bytes, 'GiB')} GiB - weights "
+               f"{in_units(p.weights.per_gpu_total, 'GiB')} GiB - reserve {in_units(p.reserve_bytes, 'GiB')} GiB = "
+               f"KV budget {in_units(p.kv_budget_bytes, 'GiB')} GiB")
     out.append(f"  largest --max-model-len that fits: {p.largest_max_model_len:,}; concurrent "
                f"{p.max_model_len:,}-token requests: {p.concurrency:.2f}")
     return out
@@ -152,12 +155,12 @@ def _params_line(p: ServingPlan) -> str:
 def _disk_line(p: ServingPlan) -> str:
     w = p.weights
     if p.hf:
-        return (f"On disk: {_gb(w.disk_total)} GB computed (routed experts in the scheme's formats, every other "
-                f"tensor as stored, {p.cfg.text.dtype})")
+        return (f"On disk: {in_units(w.disk_total, 'GB')} GB computed (routed experts in the scheme's formats, "
+                f"every other tensor as stored, {p.cfg.text.dtype})")
     draft = w.disk_part("draft")
-    return f"On disk: {_gb(w.disk_total - draft)} GB computed" + (
-        f" + {_gb(draft)} GB DSpark draft (the recipe's figure: its definition is not published; assumed "
-        f"replicated on every GPU) = {_gb(w.disk_total)} GB" if draft else " (without the draft)")
+    return f"On disk: {in_units(w.disk_total - draft, 'GB')} GB computed" + (
+        f" + {in_units(draft, 'GB')} GB DSpark draft (the recipe's figure: its definition is not published; assumed "
+        f"replicated on every GPU) = {in_units(w.disk_total, 'GB')} GB" if draft else " (without the draft)")
 
 
 def render(p: ServingPlan, rows: list[dict] | None = None) -> str:

@@ -39,7 +39,7 @@ from .hf import weight_bytes as hf_weight_bytes
 from .kvcache import DEFAULT_BLOCK_SIZE, KINDS, KVLayout, hf_layer_specs, kv_layout, layer_specs
 from .moe_checks import Check, moe_checks
 from .placement import HEADS, HIDDEN, KV_HEADS, REPLICATED, VOCAB, Weights, add_experts, rank_bytes  # noqa: F401
-from .units import GB, GiB, MiB, cdiv
+from .units import GB, GiB, MiB, cdiv, in_units
 
 if TYPE_CHECKING:
     from ..inkling2 import Inkling2Config, ParamCounts
@@ -253,21 +253,22 @@ class ServingPlan:
         if not self.loadable:
             return (f"DOES NOT LOAD on {self.where()}: " +
                     "; ".join(c.message for c in self.checks if c.level == "error"))
+        reserve, needed = in_units(self.reserve_bytes, "GiB"), in_units(self.kv_needed_bytes, "GiB")
         if self.kv_budget_bytes <= 0:
-            return (f"DOES NOT FIT on {self.where()}: the weights ({_gib(self.weights.per_gpu_total)} GiB per GPU) "
-                    f"and the {_gib(self.reserve_bytes)} GiB reserve exceed the {_gib(self.requested_bytes)} GiB "
+            return (f"DOES NOT FIT on {self.where()}: the weights ({in_units(self.weights.per_gpu_total, 'GiB')} GiB "
+                    f"per GPU) and the {reserve} GiB reserve exceed the {in_units(self.requested_bytes, 'GiB')} GiB "
                     f"that --gpu-memory-utilization {self.utilization} allows; raise --tp")
         if not self.fits:
             est = self.largest_max_model_len
             hint = f"Based on the available memory, the estimated maximum model length is {est}. " if est else ""
             return (f"DOES NOT FIT on {self.where()}: To serve at least one request with the model's max seq len "
-                    f"({self.max_model_len}), ({_gib(self.kv_needed_bytes)} GiB KV cache is needed, which is larger "
-                    f"than the available KV cache memory ({_gib(self.kv.usable(self.kv_budget_bytes))} GiB). "
+                    f"({self.max_model_len}), ({needed} GiB KV cache is needed, which is larger than the available "
+                    f"KV cache memory ({in_units(self.kv.usable(self.kv_budget_bytes), 'GiB')} GiB). "
                     f"{hint}Lower --max-model-len or raise --tp.")
-        msg = (f"FITS on {self.where()}: one {self.max_model_len:,}-token request needs {_gib(self.kv_needed_bytes)} "
-               f"GiB of the {_gib(self.kv_budget_bytes)} GiB KV budget per GPU; {self.concurrency:.2f} such requests "
-               f"fit at once; it would stop fitting only past {_gib(self.break_even_reserve_bytes)} GiB of "
-               f"non-weight overhead per GPU (assumed: {_gib(self.reserve_bytes)} GiB)")
+        msg = (f"FITS on {self.where()}: one {self.max_model_len:,}-token request needs {needed} GiB of the "
+               f"{in_units(self.kv_budget_bytes, 'GiB')} GiB KV budget per GPU; {self.concurrency:.2f} such requests "
+               f"fit at once; it would stop fitting only past {in_units(self.break_even_reserve_bytes, 'GiB')} GiB of "
+               f"non-weight overhead per GPU (assumed: {reserve} GiB)")
         if self.max_num_seqs is not None and self.concurrency < self.max_num_seqs:
             msg += f"; --max-num-seqs {self.max_num_seqs} full-length requests do not all fit at once"
         return msg
@@ -408,24 +409,27 @@ def recipe_rows(cfg: Inkling2Config, p: ServingPlan) -> list[dict]:
     short = plan(cfg, tp=4, max_model_len=min(262_144, upper), **opts)
     disk = tp4.weights.disk_total
     vram = math.ceil(VRAM_RULE_OF_THUMB * disk / GB)
+    kv_tp4 = in_units(tp4.kv_needed_bytes, "GiB")
     pc = p.params
     gpu = p.gpu.name.upper()
 
     def verdict(q: ServingPlan) -> str:
-        return (f"{'fits' if q.fits else 'does not fit'}: needs {_gib(q.kv_needed_bytes)} of "
-                f"{_gib(q.kv.usable(q.kv_budget_bytes))} GiB, break-even reserve {_gib(q.break_even_reserve_bytes)} GiB")
+        return (f"{'fits' if q.fits else 'does not fit'}: needs {in_units(q.kv_needed_bytes, 'GiB')} of "
+                f"{in_units(q.kv.usable(q.kv_budget_bytes), 'GiB')} GiB, break-even reserve "
+                f"{in_units(q.break_even_reserve_bytes, 'GiB')} GiB")
 
     return [
         _row("total parameters", "594B", f"{pc.total / 1e9:.2f} B", abs(pc.total / RECIPE_TOTAL_PARAMS - 1) < 0.005),
         _row("active parameters", "17B", f"{pc.active / 1e9:.2f} B (text, 8/384 experts, no embedding tables)",
              abs(pc.active / RECIPE_ACTIVE_PARAMS - 1) < 0.005),
         _row("on disk, default variant, incl. draft", "~393 GB",
-             f"{_gb(disk - round(RECIPE_DRAFT_GB * GB))} GB computed + {RECIPE_DRAFT_GB} GB draft (recipe's figure) "
-             f"= {_gb(disk)} GB", abs(disk / GB - RECIPE_DISK_GB) < 0.5),
-        _row("vram_minimum_gb", f"{RECIPE_VRAM_MINIMUM_GB}", f"ceil({VRAM_RULE_OF_THUMB} x {_gb(disk)}) = {vram} "
-             f"(our reading of the rule)", vram == RECIPE_VRAM_MINIMUM_GB),
-        _row(f"KV cache for {upper:,} tokens at TP4", f"{RECIPE_KV_1M_TP4_GIB} GiB",
-             f"{_gib(tp4.kv_needed_bytes)} GiB", _gib(tp4.kv_needed_bytes) == RECIPE_KV_1M_TP4_GIB),
+             f"{in_units(disk - round(RECIPE_DRAFT_GB * GB), 'GB')} GB computed + {RECIPE_DRAFT_GB} GB draft "
+             f"(recipe's figure) = {in_units(disk, 'GB')} GB", abs(disk / GB - RECIPE_DISK_GB) < 0.5),
+        _row("vram_minimum_gb", f"{RECIPE_VRAM_MINIMUM_GB}",
+             f"ceil({VRAM_RULE_OF_THUMB} x {in_units(disk, 'GB')}) = {vram} (our reading of the rule)",
+             vram == RECIPE_VRAM_MINIMUM_GB),
+        _row(f"KV cache for {upper:,} tokens at TP4", f"{RECIPE_KV_1M_TP4_GIB} GiB", f"{kv_tp4} GiB",
+             kv_tp4 == RECIPE_KV_1M_TP4_GIB),
         _row(f"{upper:,} tokens at TP4 ({gpu})", "does not fit", verdict(tp4), not tp4.fits),
         _row(f"{upper:,} tokens at TP8 ({gpu})", "fits", verdict(tp8), tp8.fits),
         _row(f"{min(262_144, upper):,} tokens at TP4 ({gpu})", "fits", verdict(short), short.fits),
@@ -449,18 +453,10 @@ def recipe_fits(q: ServingPlan) -> bool:
 
 
 def recipe_verdict(q: ServingPlan) -> str:
-    return (f"{'fits' if recipe_fits(q) else 'does not fit'}: needs {_gib(recipe_kv_bytes(q))} (the recipe's "
-            f"figure, scaled) of {_gib(q.kv.usable(q.kv_budget_bytes))} GiB")
+    return (f"{'fits' if recipe_fits(q) else 'does not fit'}: needs {in_units(recipe_kv_bytes(q), 'GiB')} (the "
+            f"recipe's figure, scaled) of {in_units(q.kv.usable(q.kv_budget_bytes), 'GiB')} GiB")
 
 
 def _row(claim: str, recipe: str, ours: str, reproduced: bool) -> dict:
     return {"claim": claim, "recipe": recipe, "ours": ours, "reproduced": bool(reproduced)}
 
-
-# --------------------------------------------------------------------------- figures in messages
-def _gib(n: int) -> str:  # as vLLM's format_gib prints it
-    return f"{n / GiB:.2f}"
-
-
-def _gb(n: int) -> str:  # decimal, as the recipe's GB
-    return f"{n / GB:.2f}"
