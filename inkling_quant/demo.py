@@ -16,7 +16,7 @@ from .inspect_cmd import summarize
 from .inkling2 import Inkling2Config
 from .cli_common import int_range
 from .io.output import check_paths, write_report
-from .plan.inkling2 import plan, recipe_rows
+from .plan import plan, recipe_rows
 from .synth import SEED_MAX, write_checkpoint
 from .verify import verify
 

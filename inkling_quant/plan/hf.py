@@ -26,7 +26,6 @@ from typing import Iterator
 from ..config_fields import ConfigFields
 from ..errors import ConfigError, UsageError
 from ..errors import short_repr as _short
-from ..inkling2 import Inkling2Config
 from .placement import HEADS, KV_HEADS, REPLICATED, TP_SPLIT, VOCAB, Weights, add_experts, rank_bytes
 
 # Keys that announce an attention or state kind the plan does not model (the first found is named).
@@ -125,6 +124,8 @@ class HFModel:
 
 def is_hf_moe(d) -> bool:
     """Whether `plan` reads a config.json as a standard HF config rather than Inkling 2's."""
+    from ..inkling2 import Inkling2Config  # imports torch: here, so that `plan --help` need not
+
     return isinstance(d, dict) and not Inkling2Config.describes(d)
 
 
