@@ -91,7 +91,7 @@ def default_batched_tokens(gpu: GPU) -> int:
     return 16384 if gpu.total_bytes >= 160 * GiB else 8192 if gpu.total_bytes >= 70 * GiB else 2048
 
 
-# What the recipe states (shared/seed/Inkling-2-Small.recipe.json), for the comparison table.
+# What the recipe states (its Inkling-2-Small.recipe.json), for the comparison table.
 RECIPE_TOTAL_PARAMS = 594e9
 RECIPE_ACTIVE_PARAMS = 17e9
 RECIPE_DISK_GB = 393            # "~393 GB on disk including the 3.2 GB DSpark draft"
