@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "draft": ("inkling_quant.draft", "extract the bundled DSpark draft as its own checkpoint, or strip it off"),
     "lora": ("inkling_quant.lora", "merge a PEFT LoRA adapter into the BF16 attention projections, or check one"),
     "demo": ("inkling_quant.demo", "synthesize a tiny checkpoint and run the whole pipeline on it"),
-    "plan": ("inkling_quant.plan_cmd", "plan a vLLM deployment: disk, weights and KV cache per GPU, fits or not"),
+    "plan": ("inkling_quant.plan.cli", "plan a vLLM deployment: disk, weights and KV cache per GPU, fits or not"),
     "inspect": ("inkling_quant.inspect_cmd", "summarize a checkpoint from its safetensors headers (no tensor data read)"),
 }
 

@@ -9,13 +9,14 @@ import json
 import tempfile
 from pathlib import Path
 
-from . import budget, draft
+from . import draft
 from .convert import Options, convert, print_summary
 from .inspect_cmd import render as render_inspect
 from .inspect_cmd import summarize
 from .model.inkling2 import Inkling2Config
 from .cli_common import int_range
 from .io.output import check_paths, write_report
+from .plan import plan, recipe_rows
 from .synth import SEED_MAX, write_checkpoint
 from .verify import verify
 
@@ -63,10 +64,10 @@ def run(args) -> int:
         cfg = Inkling2Config.reference()
         results["plan"] = []
         for length in (262_144, 1_048_576):
-            p = budget.plan(cfg, "gb200", 4, max_model_len=length)
+            p = plan(cfg, "gb200", 4, max_model_len=length)
             results["plan"].append(p.verdict())
             say("  " + p.verdict())
-        results["recipe"] = budget.recipe_rows(cfg, p)
+        results["recipe"] = recipe_rows(cfg, p)
         for r in results["recipe"]:
             if not r["reproduced"]:
                 say(f"  recipe: {r['claim']}: {r['recipe']}; NOT reproduced, ours: {r['ours']}")

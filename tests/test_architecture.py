@@ -17,7 +17,12 @@ LAYERS = [
     ("inkling_quant.formats",),
     ("inkling_quant.kernels",),
     ("inkling_quant.schemes",),
-    ("inkling_quant.export", "inkling_quant.kvcache", "inkling_quant.moe_checks"),
+    ("inkling_quant.export",),
+    # plan/: on model knowledge, formats and schemes; the `plan` command at its top
+    ("inkling_quant.plan.units", "inkling_quant.plan.placement", "inkling_quant.plan.kvcache",
+     "inkling_quant.plan.moe_checks"),
+    ("inkling_quant.plan.hf", "inkling_quant.plan.inkling2"),
+    ("inkling_quant.plan", "inkling_quant.plan.cli"),
 ]
 COMMANDS = len(LAYERS)
 
@@ -121,6 +126,6 @@ def test_the_checker_sees_imports():
     g = graph()
     assert "inkling_quant.formats" in g["inkling_quant.schemes"]
     assert "inkling_quant.io.checkpoint" in g["inkling_quant.model.inkling2"]  # lazy, inside a function
-    assert "inkling_quant.budget" not in g["inkling_quant.kvcache"]    # under TYPE_CHECKING
+    assert "inkling_quant.model.inkling2" not in g["inkling_quant.plan.kvcache"]  # under TYPE_CHECKING
     assert layer_of("inkling_quant.io.output") < layer_of("inkling_quant.model.layout") < layer_of("inkling_quant.formats")
     assert layer_of("inkling_quant.convert") == COMMANDS

@@ -9,13 +9,13 @@ import math
 
 import pytest
 
-from inkling_quant import plan_cmd
-from inkling_quant.budget import GB, GiB, plan, recipe_rows
+from inkling_quant.plan import cli as plan_cmd
 from inkling_quant.errors import ConfigError, UsageError
 from inkling_quant.formats import FORMATS
 from inkling_quant.model.inkling2 import Inkling2Config, checkpoint_tensors, param_counts
-from inkling_quant.kvcache import CONV, FULL, SLIDING, KVSpec, kv_layout, layer_specs
-from inkling_quant.moe_checks import moe_checks
+from inkling_quant.plan.inkling2 import GB, GiB, plan, recipe_rows
+from inkling_quant.plan.kvcache import CONV, FULL, SLIDING, KVSpec, kv_layout, layer_specs
+from inkling_quant.plan.moe_checks import moe_checks
 
 M = 1_048_576
 IN_FLIGHT = 2 * 16384      # async scheduling x vLLM's max_num_batched_tokens on >= 160 GiB GPUs

@@ -577,9 +577,9 @@ _HF_VALUES = st.one_of(JSON, st.integers(-3, 200), st.sampled_from(
 
 def _read_hf(d):
     """What convert/inspect (layout.model_config) and plan (budget_hf.HFModel, then the plan) read."""
-    from inkling_quant.budget import plan
-    from inkling_quant.budget_hf import HFModel
     from inkling_quant.model.layout import model_config
+    from inkling_quant.plan.hf import HFModel
+    from inkling_quant.plan.inkling2 import plan
 
     model_config(d, "config.json")
     return plan(HFModel.from_dict(d, "config.json"), tp=1)

@@ -14,11 +14,11 @@ import torch
 
 from hf_moe_reference import build
 from inkling_quant import cli
-from inkling_quant.budget import GiB, load_config, plan
-from inkling_quant.budget_hf import HFModel, is_hf_moe
 from inkling_quant.errors import ConfigError, UsageError
 from inkling_quant.model.inkling2 import Inkling2Config
-from inkling_quant.kvcache import FULL, MLA, SLIDING
+from inkling_quant.plan.hf import HFModel, is_hf_moe
+from inkling_quant.plan.inkling2 import GiB, load_config, plan
+from inkling_quant.plan.kvcache import FULL, MLA, SLIDING
 
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "qwen3_vl_moe", "llama4")
 VISION = ("model.visual.", "vision_model.", "multi_modal_projector.")

@@ -1,5 +1,5 @@
-"""Where a tensor's bytes land on the GPUs of a TP / EP deployment, for both plans (`budget` for
-Inkling 2, `budget_hf` for a standard HF MoE config): the kinds of split, the fullest rank's
+"""Where a tensor's bytes land on the GPUs of a TP / EP deployment, for both plans (`plan.inkling2`
+for Inkling 2, `plan.hf` for a standard HF MoE config): the kinds of split, the fullest rank's
 bytes of one tensor, the routed experts' bytes per format, and the `Weights` tally they fill.
 docs/budget.md, "Weights per GPU", cites vLLM for each split."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .kvcache import cdiv
+from .units import cdiv
 
 REPLICATED, HEADS, KV_HEADS, HIDDEN, VOCAB = "replicated", "heads", "KV heads", "hidden", "vocab"
 TP_SPLIT = "intermediate"     # a dense or shared-expert MLP: gate/up by columns, down by rows
@@ -75,7 +75,7 @@ def add_experts(w: Weights, text, scheme, layers, tp: int, ep: bool, dtype) -> N
     (the format asked for its own size; `dtype`: what passthrough stores). Per rank: whole
     experts with EP (the fullest rank cdiv(E, EP): vLLM's expert map, Inkling's moe.py:440,
     fused_moe/expert_map_manager.py:67-69), else every expert's intermediate dim / TP."""
-    from .model.tensors import TensorName
+    from ..model.tensors import TensorName
 
     full, rank = expert_shapes(text), expert_shapes(text, 1 if ep else tp)
     n = text.n_routed_experts

@@ -1,17 +1,32 @@
 """What vLLM 0.33's ModelOpt MoE methods and their backends need of the per-rank routed-expert
 shapes of an Inkling 2 checkpoint (or of a standard HF MoE config) at a given TP, with or without
 expert parallelism (the research notes' section 7; docs/budget.md, "MoE divisibility").
-`budget.plan` reports them. Light: torch only through `formats`, imported where it checks."""
+`plan.inkling2.plan` reports them. Light: torch only through `formats`, imported where it checks."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from .kvcache import cdiv
+from .units import cdiv
 
-if TYPE_CHECKING:
-    from .budget_hf import HFModel
-    from .model.inkling2 import Inkling2Config
+
+class ExpertDims(Protocol):
+    """What the checks read of a text model: Inkling's TextConfig names, which `plan.hf.HFText`
+    shares. A Protocol, so that this module imports neither plan."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def moe_intermediate_size(self) -> int: ...
+    @property
+    def n_routed_experts(self) -> int: ...
+
+
+class MoEModel(Protocol):
+    """`Inkling2Config` or `plan.hf.HFModel`: a config with a text model."""
+
+    @property
+    def text(self) -> ExpertDims: ...
 
 
 @dataclass(frozen=True)
@@ -20,11 +35,11 @@ class Check:
     message: str
 
 
-def moe_checks(cfg: Inkling2Config | HFModel, tp: int, ep: bool, formats: set[str], recipe: bool = True) -> list[Check]:
+def moe_checks(cfg: MoEModel, tp: int, ep: bool, formats: set[str], recipe: bool = True) -> list[Check]:
     """What vLLM's ModelOpt MoE methods and their backends need of the per-rank expert shapes
     (the research notes' section 7). `cfg.text` names the dimensions as Inkling's TextConfig does
-    (a standard HF config's `budget_hf.HFText` too); `recipe`: the EP advice cites Inkling's recipe."""
-    from .formats import FORMATS
+    (a standard HF config's `plan.hf.HFText` too); `recipe`: the EP advice cites Inkling's recipe."""
+    from ..formats import FORMATS
 
     t, out = cfg.text, []
     H, inter = t.hidden_size, t.moe_intermediate_size

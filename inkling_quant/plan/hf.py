@@ -1,6 +1,6 @@
 """`inkling-quant plan` on a standard Hugging Face MoE config.json (Qwen3-MoE, Qwen2-MoE, Mixtral,
 DeepSeek-V2/V3, Qwen3-VL-MoE, Llama 4, and others spelled the same way): the text model's
-tensors, parameters, bytes on disk and per GPU, computed from the config alone. `budget.plan`
+tensors, parameters, bytes on disk and per GPU, computed from the config alone. `plan.inkling2.plan`
 plans with it as it does with the published Inkling 2 config; the KV cache specs are
 `kvcache.hf_layer_specs`. docs/budget.md, "Standard Hugging Face MoE configs", lists what is
 counted and where each split comes from.
@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from .model.fields import ConfigFields
-from .errors import ConfigError, UsageError
-from .errors import short_repr as _short
-from .model.inkling2 import Inkling2Config
+from ..model.fields import ConfigFields
+from ..errors import ConfigError, UsageError
+from ..errors import short_repr as _short
 from .placement import HEADS, KV_HEADS, REPLICATED, TP_SPLIT, VOCAB, Weights, add_experts, rank_bytes
 
 # Keys that announce an attention or state kind the plan does not model (the first found is named).
@@ -61,7 +60,7 @@ class MLADims:
 
 @dataclass(frozen=True)
 class HFText:
-    """The text model's dimensions. The names that `budget`, `moe_checks` and the schemes read
+    """The text model's dimensions. The names that `plan.inkling2`, `moe_checks` and the schemes read
     are those of Inkling's TextConfig (n_routed_experts, moe_intermediate_size, ...)."""
 
     model_type: str
@@ -125,12 +124,14 @@ class HFModel:
 
 def is_hf_moe(d) -> bool:
     """Whether `plan` reads a config.json as a standard HF config rather than Inkling 2's."""
+    from ..model.inkling2 import Inkling2Config  # imports torch: here, so that `plan --help` need not
+
     return isinstance(d, dict) and not Inkling2Config.describes(d)
 
 
 # --------------------------------------------------------------------------- reading the config
 def _text(d: dict, source: str) -> tuple[HFText, list[str]]:
-    from .model.layout import MoEConfig
+    from ..model.layout import MoEConfig
 
     _refuse_unmodelled(d, source)
     moe = MoEConfig.from_dict(d, source)
@@ -264,8 +265,8 @@ def _dtype(d: dict, t: ConfigFields, source: str) -> str:
 def _vision_from_headers(root: Path):
     """(name, shape, bytes) of every vision-tower and projector tensor in the checkpoint's shard
     headers, or None when the directory holds no weights."""
-    from .io.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
-    from .model.layout import PROJECTOR_PREFIXES, VISION_PREFIXES
+    from ..io.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
+    from ..model.layout import PROJECTOR_PREFIXES, VISION_PREFIXES
 
     if not ((root / INDEX_NAME).exists() or (root / SINGLE_NAME).exists()):
         return None
@@ -351,7 +352,7 @@ def _attention(t: HFText, p: str):
 def param_counts(m: HFModel):
     """Parameters as transformers counts them (`model.parameters()`: e_score_correction_bias is a
     buffer; a tied lm_head counted once, as the embedding)."""
-    from .model.inkling2 import ParamCounts
+    from ..model.inkling2 import ParamCounts
 
     t = m.text
     per_expert = 3 * t.hidden_size * t.moe_intermediate_size
@@ -388,8 +389,8 @@ def weight_bytes(m: HFModel, scheme_name: str, tp: int, ep: bool = True) -> Weig
     is as stored, in the config's dtype; the vision tower and projector as their headers say."""
     import torch
 
-    from .formats import FORMATS
-    from .schemes import get_scheme
+    from ..formats import FORMATS
+    from ..schemes import get_scheme
 
     scheme, t, w = get_scheme(scheme_name), m.text, Weights()
     dtype, stored = getattr(torch, t.dtype), FORMATS["passthrough"]  # schemes quantize routed experts only

@@ -1,17 +1,18 @@
-"""`inkling-quant plan`: the CLI over inkling_quant.budget (the plan, its rendering and the
-recipe's figures beside ours; a standard HF MoE config through budget_hf); docs/budget.md."""
+"""`inkling-quant plan`: the CLI over inkling_quant.plan.inkling2 (the plan, its rendering and the
+recipe's figures beside ours; a standard HF MoE config through plan.hf); docs/budget.md."""
 from __future__ import annotations
 
 import argparse
 import json
 from collections import defaultdict
 
-from .budget import (ASYNC_BATCHES, DEFAULT_BLOCK_SIZE, DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION, GPUS, Plan, _gb,
-                     _gib, load_config, plan, recipe_rows)
-from .cli_common import float_range, int_range
-from .errors import UsageError
+from ..cli_common import float_range, int_range
+from ..errors import UsageError
+from .inkling2 import (ASYNC_BATCHES, DEFAULT_BLOCK_SIZE, DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION, GPUS, ServingPlan,
+                       load_config, plan, recipe_rows)
 from .kvcache import CONV, FULL, MLA
 from .placement import KV_HEADS, REPLICATED
+from .units import in_units
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from .io.output import check_paths, write_report
+    from ..io.output import check_paths, write_report
 
     check_paths(None, [args.checkpoint, args.config], reports=[args.json])
     if args.checkpoint and args.config:
@@ -66,7 +67,7 @@ def run(args) -> int:
 
 
 # --------------------------------------------------------------------------- output
-def _split_label(p: Plan, splits: set) -> str:
+def _split_label(p: ServingPlan, splits: set) -> str:
     kv = p.cfg.text.num_key_value_heads if p.hf else None
 
     def one(s: str) -> str:
@@ -79,7 +80,7 @@ def _split_label(p: Plan, splits: set) -> str:
     return ", ".join(one(s) for s in sorted(splits))
 
 
-def render_weights(p: Plan) -> list[str]:
+def render_weights(p: ServingPlan) -> list[str]:
     w = p.weights
     pw = max([11] + [len(part) for part in w.parts()])
     split = "split at TP" + str(p.tp)
@@ -91,14 +92,15 @@ def render_weights(p: Plan) -> list[str]:
             layers = w.fmt_layers.get(f) if part == "expert" else None
             label = f"{f} {layers[0]}-{layers[-1]}" if layers else f
             elems = "(recipe)" if part == "draft" else f"{w.elements[part] / 1e9:.3f}B"
-            out.append(f"{part if j == 0 else '':<{pw}} {elems if j == 0 else '':>9} {label:<15} {_gb(b):>8}  "
-                       f"{_split_label(p, w.splits[part]) if j == 0 else '':<35} {_gib(w.per_gpu[(part, f)]):>7}")
-    out += ["-" * len(hdr),
-            f"{'total':<{pw}} {'':>9} {'':<15} {_gb(w.disk_total):>8}  {'':<35} {_gib(w.per_gpu_total):>7}"]
+            split = _split_label(p, w.splits[part]) if j == 0 else ""
+            out.append(f"{part if j == 0 else '':<{pw}} {elems if j == 0 else '':>9} {label:<15} "
+                       f"{in_units(b, 'GB'):>8}  {split:<35} {in_units(w.per_gpu[(part, f)], 'GiB'):>7}")
+    out += ["-" * len(hdr), f"{'total':<{pw}} {'':>9} {'':<15} {in_units(w.disk_total, 'GB'):>8}  {'':<35} "
+                            f"{in_units(w.per_gpu_total, 'GiB'):>7}"]
     return out
 
 
-def _kv_header(p: Plan) -> str:
+def _kv_header(p: ServingPlan) -> str:
     flight = (f"block {p.block_size}; {p.max_in_flight_tokens:,} tokens in flight = {p.concurrent_batches} x "
               f"max_num_batched_tokens {p.max_num_batched_tokens:,}")
     if not p.hf:
@@ -107,7 +109,7 @@ def _kv_header(p: Plan) -> str:
             f"--kv-cache-dtype auto; {flight}):")
 
 
-def render_kv(p: Plan) -> list[str]:
+def render_kv(p: ServingPlan) -> list[str]:
     kinds = p.kv_kinds()
     names = {FULL: "full attention", MLA: "MLA latent", "sliding": "sliding window", CONV: "short-conv state"}
     out = [_kv_header(p)]
@@ -119,23 +121,24 @@ def render_kv(p: Plan) -> list[str]:
         width = f"K+V {k['head_size']}" if k["head_size_v"] else f"{packed} {k['head_size']}"
         out.append(f"  {names[kind]:<16} {k['layers']:>2} layers  {spec:<29} {k['num_kv_heads_per_rank']} heads x "
                    f"{width:<11}  {k['bytes_per_token_per_layer']:>6,} {unit}  page "
-                   f"{k['page_size_bytes']:,} (block {k['block_size']})  request {_gib(k['request_bytes'])} GiB")
+                   f"{k['page_size_bytes']:,} (block {k['block_size']})  request "
+                   f"{in_units(k['request_bytes'], 'GiB')} GiB")
     groups: dict[str, int] = defaultdict(int)
     for g in p.kv.groups:
         groups[g.spec.kind] += 1
     out.append(f"  {p.kv.mode} pool: " + " + ".join(f"{n} {k}" for k, n in groups.items()) +
                f" group(s), {p.kv.bytes_per_block:,} B per block")
-    out.append(f"  one {p.max_model_len:,}-token request needs {_gib(p.kv_needed_bytes)} GiB per GPU")
-    out.append(f"  {p.gpu.name.upper()} memory.total {_gib(p.gpu.total_bytes)} GiB ({p.gpu.vendor_gb} GB, "
-               f"{p.gpu.source}) x {p.utilization} = {_gib(p.requested_bytes)} GiB - weights "
-               f"{_gib(p.weights.per_gpu_total)} GiB - reserve {_gib(p.reserve_bytes)} GiB = KV budget "
-               f"{_gib(p.kv_budget_bytes)} GiB")
+    out.append(f"  one {p.max_model_len:,}-token request needs {in_units(p.kv_needed_bytes, 'GiB')} GiB per GPU")
+    out.append(f"  {p.gpu.name.upper()} memory.total {in_units(p.gpu.total_bytes, 'GiB')} GiB ({p.gpu.vendor_gb} GB, "
+               f"{p.gpu.source}) x {p.utilization} = {in_units(p.requested_bytes, 'GiB')} GiB - weights "
+               f"{in_units(p.weights.per_gpu_total, 'GiB')} GiB - reserve {in_units(p.reserve_bytes, 'GiB')} GiB = "
+               f"KV budget {in_units(p.kv_budget_bytes, 'GiB')} GiB")
     out.append(f"  largest --max-model-len that fits: {p.largest_max_model_len:,}; concurrent "
                f"{p.max_model_len:,}-token requests: {p.concurrency:.2f}")
     return out
 
 
-def _params_line(p: Plan) -> str:
+def _params_line(p: ServingPlan) -> str:
     pc, t = p.params, p.cfg.text
     experts = f"{t.num_experts_per_tok} of {t.n_routed_experts} experts"
     if not p.hf:
@@ -149,18 +152,18 @@ def _params_line(p: Plan) -> str:
             f"{experts}, without the embedding tables; {tables / 1e9:.2f} B with them, as model cards count)")
 
 
-def _disk_line(p: Plan) -> str:
+def _disk_line(p: ServingPlan) -> str:
     w = p.weights
     if p.hf:
-        return (f"On disk: {_gb(w.disk_total)} GB computed (routed experts in the scheme's formats, every other "
-                f"tensor as stored, {p.cfg.text.dtype})")
+        return (f"On disk: {in_units(w.disk_total, 'GB')} GB computed (routed experts in the scheme's formats, "
+                f"every other tensor as stored, {p.cfg.text.dtype})")
     draft = w.disk_part("draft")
-    return f"On disk: {_gb(w.disk_total - draft)} GB computed" + (
-        f" + {_gb(draft)} GB DSpark draft (the recipe's figure: its definition is not published; assumed "
-        f"replicated on every GPU) = {_gb(w.disk_total)} GB" if draft else " (without the draft)")
+    return f"On disk: {in_units(w.disk_total - draft, 'GB')} GB computed" + (
+        f" + {in_units(draft, 'GB')} GB DSpark draft (the recipe's figure: its definition is not published; assumed "
+        f"replicated on every GPU) = {in_units(w.disk_total, 'GB')} GB" if draft else " (without the draft)")
 
 
-def render(p: Plan, rows: list[dict] | None = None) -> str:
+def render(p: ServingPlan, rows: list[dict] | None = None) -> str:
     out = [f"inkling-quant plan: scheme {p.scheme!r}, {p.where()}, TP{p.tp} attention + "
            f"{f'EP{p.tp}' if p.ep else f'TP{p.tp} (no EP)'} experts, max_model_len {p.max_model_len:,}", "",
            _params_line(p), ""]

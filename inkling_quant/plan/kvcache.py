@@ -14,24 +14,25 @@ the same four short-conv streams per layer):
   head_size_v=0)` holding K, V, attention-output and MLP-output streams packed per head; it
   asserts TP <= KV heads and BF16.
 
-A standard Hugging Face MoE config (`budget_hf.HFText`) gets the specs vLLM 0.33's generic
-attention layers emit (`hf_layer_specs`): `FullAttentionSpec` in every layer, `SlidingWindowSpec`
-in every layer where the config's one window applies to all of them, or DeepSeek's
-`MLAAttentionSpec` (one latent "head" of kv_lora_rank + qk_rope_head_dim, not split by TP).
+A standard Hugging Face MoE config (its `AttentionDims`, which `plan.hf.HFText` has) gets the
+specs vLLM 0.33's generic attention layers emit (`hf_layer_specs`): `FullAttentionSpec` in every
+layer, `SlidingWindowSpec` in every layer where the config's one window applies to all of them,
+or DeepSeek's `MLAAttentionSpec` (one latent "head" of kv_lora_rank + qk_rope_head_dim, not split
+by TP).
 
 Pages are unified and layers grouped as vllm/v1/core/kv_cache_planning.py does (docs/budget.md
-cites the lines). `budget.plan` asks it. Light: no torch.
+cites the lines). `plan.inkling2.plan` asks it. Light: no torch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from .errors import UsageError
+from ..errors import UsageError
+from .units import cdiv
 
 if TYPE_CHECKING:
-    from .budget_hf import HFText
-    from .model.inkling2 import TextConfig
+    from ..model.inkling2 import TextConfig
 
 DEFAULT_BLOCK_SIZE = 16   # CacheConfig.block_size on CUDA
 DTYPE_BYTES = 2           # BF16: --kv-cache-dtype auto = the model dtype; the conv state asserts bf16
@@ -39,8 +40,31 @@ FULL, SLIDING, CONV, MLA = "full", "sliding", "conv", "mla"
 KINDS = (FULL, MLA, SLIDING, CONV)
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+class LatentDims(Protocol):
+    """What the MLA cache spec reads of DeepSeek's latent attention (`plan.hf.MLADims` has it)."""
+
+    @property
+    def kv_lora_rank(self) -> int: ...
+    @property
+    def qk_rope_head_dim(self) -> int: ...
+
+
+class AttentionDims(Protocol):
+    """What `hf_layer_specs` reads of a standard HF config's text model (`plan.hf.HFText` has
+    it): a Protocol, so that this module does not import the plan that imports it."""
+
+    @property
+    def num_hidden_layers(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def sliding_window(self) -> int | None: ...
+    @property
+    def mla(self) -> LatentDims | None: ...
+    @property
+    def dtype_bytes(self) -> int: ...
 
 
 def conv_head_size(head_dim: int, hidden_size: int, num_kv_heads: int) -> int:
@@ -107,7 +131,7 @@ def layer_specs(text: TextConfig, tp: int, block_size: int = DEFAULT_BLOCK_SIZE)
     return specs
 
 
-def hf_layer_specs(text: HFText, tp: int, block_size: int = DEFAULT_BLOCK_SIZE) -> list[KVSpec]:
+def hf_layer_specs(text: AttentionDims, tp: int, block_size: int = DEFAULT_BLOCK_SIZE) -> list[KVSpec]:
     """Every layer's cache spec on one GPU for a standard HF config, as vLLM 0.33's `Attention`
     and `MLAAttention` emit them (model_executor/layers/attention/attention.py:624-682,
     mla_attention.py:1371-1399). KV heads per rank `max(1, KV // TP)`: fewer KV heads than TP

@@ -1,15 +1,15 @@
 """Plan a vLLM deployment of Inkling 2: parameters, bytes on disk, weights, KV cache and state per
 GPU, MoE divisibility, verdict, and the serving recipe's figures beside ours.
 
-The library behind `inkling-quant plan` (its CLI and rendering: plan_cmd.py), answering from
+The library behind `inkling-quant plan` (its CLI and rendering: `plan.cli`), answering from
 config.json alone (the published `Inkling2Config`; default: the reference config, Inkling2Config's
 defaults); no tensor is read. A standard Hugging Face MoE config (Qwen3-MoE, Mixtral, DeepSeek-V3,
-...) is planned the same way from `budget_hf` (its tensors, parameters and bytes) and
+...) is planned the same way from `plan.hf` (its tensors, parameters and bytes) and
 `kvcache.hf_layer_specs`; `load_config` decides which. `placement` holds what both share: how a
 tensor splits over TP/EP and the `Weights` tally. docs/budget.md derives every figure and
 states every assumption; for Inkling 2, in short:
 
-* parameters as transformers counts them (`inkling2.param_counts`): active = the text model with
+* parameters as transformers counts them (the model's `inkling2.param_counts`): active = the text model with
   8 of 384 routed experts, without the embedding tables;
 * disk: the scheme's format for every routed-expert projection (`formats`' own byte counts), every
   other tensor as stored; the DSpark draft is not published, so its size is the recipe's 3.2 GB
@@ -31,23 +31,21 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .budget_hf import HFModel, is_hf_moe
-from .budget_hf import check_parallel as hf_check_parallel
-from .budget_hf import param_counts as hf_param_counts
-from .budget_hf import weight_bytes as hf_weight_bytes
-from .errors import UsageError
-from .kvcache import DEFAULT_BLOCK_SIZE, KINDS, KVLayout, cdiv, hf_layer_specs, kv_layout, layer_specs
+from ..errors import UsageError
+from .hf import HFModel, is_hf_moe
+from .hf import check_parallel as hf_check_parallel
+from .hf import param_counts as hf_param_counts
+from .hf import weight_bytes as hf_weight_bytes
+from .kvcache import DEFAULT_BLOCK_SIZE, KINDS, KVLayout, hf_layer_specs, kv_layout, layer_specs
 from .moe_checks import Check, moe_checks
 from .placement import HEADS, HIDDEN, KV_HEADS, REPLICATED, VOCAB, Weights, add_experts, rank_bytes  # noqa: F401
+from .units import GB, GiB, MiB, cdiv, in_units
 
 if TYPE_CHECKING:
-    from .model.inkling2 import Inkling2Config, ParamCounts
+    from ..model.inkling2 import Inkling2Config, ParamCounts
 
 # inkling2, schemes and formats import torch (seconds): imported where they compute, so that
 # `inkling-quant plan --help` answers at once.
-GiB = 1 << 30
-MiB = 1 << 20
-GB = 10 ** 9
 
 
 # --------------------------------------------------------------------------- GPUs
@@ -93,7 +91,7 @@ def default_batched_tokens(gpu: GPU) -> int:
     return 16384 if gpu.total_bytes >= 160 * GiB else 8192 if gpu.total_bytes >= 70 * GiB else 2048
 
 
-# What the recipe states (shared/seed/Inkling-2-Small.recipe.json), for the comparison table.
+# What the recipe states (its Inkling-2-Small.recipe.json), for the comparison table.
 RECIPE_TOTAL_PARAMS = 594e9
 RECIPE_ACTIVE_PARAMS = 17e9
 RECIPE_DISK_GB = 393            # "~393 GB on disk including the 3.2 GB DSpark draft"
@@ -129,7 +127,7 @@ _TEXT_RULES = tuple((re.compile(p), part, split) for p, part, split in (
 
 def split_of(name: str) -> tuple[str, str]:
     """(part, split) of a non-expert tensor under its original name."""
-    from .model.inkling2 import TEXT_PREFIX, VISION_PREFIX
+    from ..model.inkling2 import TEXT_PREFIX, VISION_PREFIX
 
     if name.startswith(VISION_PREFIX):
         return "vision", REPLICATED  # vLLM ViTs may shard by heads; replicated is the upper bound
@@ -159,9 +157,9 @@ def weight_bytes(cfg: Inkling2Config, scheme_name: str, tp: int, ep: bool = True
     rank's bytes at TP = tp (experts: EP = tp, or TP-sharded without EP)."""
     import torch
 
-    from .model.inkling2 import TEXT_PREFIX, checkpoint_tensors
-    from .model.tensors import TensorName
-    from .schemes import get_scheme
+    from ..model.inkling2 import TEXT_PREFIX, checkpoint_tensors
+    from ..model.tensors import TensorName
+    from ..schemes import get_scheme
 
     scheme, t, w = get_scheme(scheme_name), cfg.text, Weights()
     for s in checkpoint_tensors(cfg, include_experts=False, include_draft=False):
@@ -181,7 +179,10 @@ def weight_bytes(cfg: Inkling2Config, scheme_name: str, tp: int, ep: bool = True
 
 # --------------------------------------------------------------------------- the plan
 @dataclass
-class Plan:
+class ServingPlan:
+    """One deployment's figures (a model, a GPU kind, TP/EP, lengths, memory): what `plan` returns,
+    `plan.cli` renders and `--json` writes; named apart from lora's merge `Plan`."""
+
     cfg: Inkling2Config | HFModel
     gpu: GPU
     tp: int
@@ -199,7 +200,7 @@ class Plan:
     weights: Weights
     kv: KVLayout
     checks: list[Check]
-    hf: bool = False              # a standard HF MoE config (budget_hf), not Inkling 2's
+    hf: bool = False              # a standard HF MoE config (plan.hf), not Inkling 2's
     notes: tuple[str, ...] = ()   # what the HF plan assumes or leaves out, for this config
 
     @property
@@ -252,21 +253,22 @@ class Plan:
         if not self.loadable:
             return (f"DOES NOT LOAD on {self.where()}: " +
                     "; ".join(c.message for c in self.checks if c.level == "error"))
+        reserve, needed = in_units(self.reserve_bytes, "GiB"), in_units(self.kv_needed_bytes, "GiB")
         if self.kv_budget_bytes <= 0:
-            return (f"DOES NOT FIT on {self.where()}: the weights ({_gib(self.weights.per_gpu_total)} GiB per GPU) "
-                    f"and the {_gib(self.reserve_bytes)} GiB reserve exceed the {_gib(self.requested_bytes)} GiB "
+            return (f"DOES NOT FIT on {self.where()}: the weights ({in_units(self.weights.per_gpu_total, 'GiB')} GiB "
+                    f"per GPU) and the {reserve} GiB reserve exceed the {in_units(self.requested_bytes, 'GiB')} GiB "
                     f"that --gpu-memory-utilization {self.utilization} allows; raise --tp")
         if not self.fits:
             est = self.largest_max_model_len
             hint = f"Based on the available memory, the estimated maximum model length is {est}. " if est else ""
             return (f"DOES NOT FIT on {self.where()}: To serve at least one request with the model's max seq len "
-                    f"({self.max_model_len}), ({_gib(self.kv_needed_bytes)} GiB KV cache is needed, which is larger "
-                    f"than the available KV cache memory ({_gib(self.kv.usable(self.kv_budget_bytes))} GiB). "
+                    f"({self.max_model_len}), ({needed} GiB KV cache is needed, which is larger than the available "
+                    f"KV cache memory ({in_units(self.kv.usable(self.kv_budget_bytes), 'GiB')} GiB). "
                     f"{hint}Lower --max-model-len or raise --tp.")
-        msg = (f"FITS on {self.where()}: one {self.max_model_len:,}-token request needs {_gib(self.kv_needed_bytes)} "
-               f"GiB of the {_gib(self.kv_budget_bytes)} GiB KV budget per GPU; {self.concurrency:.2f} such requests "
-               f"fit at once; it would stop fitting only past {_gib(self.break_even_reserve_bytes)} GiB of "
-               f"non-weight overhead per GPU (assumed: {_gib(self.reserve_bytes)} GiB)")
+        msg = (f"FITS on {self.where()}: one {self.max_model_len:,}-token request needs {needed} GiB of the "
+               f"{in_units(self.kv_budget_bytes, 'GiB')} GiB KV budget per GPU; {self.concurrency:.2f} such requests "
+               f"fit at once; it would stop fitting only past {in_units(self.break_even_reserve_bytes, 'GiB')} GiB of "
+               f"non-weight overhead per GPU (assumed: {reserve} GiB)")
         if self.max_num_seqs is not None and self.concurrency < self.max_num_seqs:
             msg += f"; --max-num-seqs {self.max_num_seqs} full-length requests do not all fit at once"
         return msg
@@ -332,13 +334,13 @@ class Plan:
 
 def load_config(path: str | None) -> Inkling2Config | HFModel:
     """The config `plan` plans for: a config.json or a directory holding one; Inkling 2's
-    (`Inkling2Config`) or a standard HF MoE config (`budget_hf.HFModel`, which also reads a
+    (`Inkling2Config`) or a standard HF MoE config (`plan.hf.HFModel`, which also reads a
     checkpoint directory's shard headers for the vision tower); default: the reference config."""
     from pathlib import Path
 
-    from .errors import ConfigError
-    from .model.inkling2 import Inkling2Config
-    from .io.checkpoint import CONFIG_NAME, read_json, safe_child
+    from ..errors import ConfigError
+    from ..model.inkling2 import Inkling2Config
+    from ..io.checkpoint import CONFIG_NAME, read_json, safe_child
 
     if path is None:
         return Inkling2Config.reference()
@@ -354,10 +356,10 @@ def plan(cfg: Inkling2Config | HFModel, gpu: str = "gb200", tp: int = 4, *, ep: 
          max_model_len: int | None = None, max_num_seqs: int | None = None, utilization: float = DEFAULT_UTILIZATION,
          max_num_batched_tokens: int | None = None, concurrent_batches: int = ASYNC_BATCHES,
          scheme: str = "default", reserve_gib: float = DEFAULT_RESERVE_GIB, block_size: int = DEFAULT_BLOCK_SIZE,
-         include_draft: bool = True) -> Plan:
+         include_draft: bool = True) -> ServingPlan:
     """The plan at TP = tp on `gpu`. A standard HF config has no DSpark draft (include_draft is
     ignored for it)."""
-    from .model.inkling2 import param_counts
+    from ..model.inkling2 import param_counts
 
     if gpu not in GPUS:
         raise UsageError(f"unknown --gpu {gpu!r}; known: {', '.join(GPUS)}")
@@ -386,7 +388,7 @@ def plan(cfg: Inkling2Config | HFModel, gpu: str = "gb200", tp: int = 4, *, ep: 
         w, params = weight_bytes(cfg, scheme, tp, ep, include_draft), param_counts(cfg)
         specs = layer_specs(cfg.text, tp, block_size)
     kv = kv_layout(specs, concurrent_batches * batched)
-    return Plan(cfg=cfg, gpu=g, tp=tp, ep=ep, scheme=scheme, max_model_len=length, max_num_seqs=max_num_seqs,
+    return ServingPlan(cfg=cfg, gpu=g, tp=tp, ep=ep, scheme=scheme, max_model_len=length, max_num_seqs=max_num_seqs,
                 utilization=utilization, max_num_batched_tokens=batched, concurrent_batches=concurrent_batches,
                 reserve_bytes=round(reserve_gib * GiB), include_draft=include_draft, block_size=block_size,
                 params=params, weights=w, kv=kv, hf=hf,
@@ -395,7 +397,7 @@ def plan(cfg: Inkling2Config | HFModel, gpu: str = "gb200", tp: int = 4, *, ep: 
 
 
 # --------------------------------------------------------------------------- the recipe's figures
-def recipe_rows(cfg: Inkling2Config, p: Plan) -> list[dict]:
+def recipe_rows(cfg: Inkling2Config, p: ServingPlan) -> list[dict]:
     """The recipe's figures beside ours. The verdicts are planned on p's GPU with p's assumptions
     (utilization, reserve, batching, block size, scheme), at the recipe's TP and lengths."""
     opts = dict(gpu=p.gpu.name, utilization=p.utilization, max_num_batched_tokens=p.max_num_batched_tokens,
@@ -407,24 +409,27 @@ def recipe_rows(cfg: Inkling2Config, p: Plan) -> list[dict]:
     short = plan(cfg, tp=4, max_model_len=min(262_144, upper), **opts)
     disk = tp4.weights.disk_total
     vram = math.ceil(VRAM_RULE_OF_THUMB * disk / GB)
+    kv_tp4 = in_units(tp4.kv_needed_bytes, "GiB")
     pc = p.params
     gpu = p.gpu.name.upper()
 
-    def verdict(q: Plan) -> str:
-        return (f"{'fits' if q.fits else 'does not fit'}: needs {_gib(q.kv_needed_bytes)} of "
-                f"{_gib(q.kv.usable(q.kv_budget_bytes))} GiB, break-even reserve {_gib(q.break_even_reserve_bytes)} GiB")
+    def verdict(q: ServingPlan) -> str:
+        return (f"{'fits' if q.fits else 'does not fit'}: needs {in_units(q.kv_needed_bytes, 'GiB')} of "
+                f"{in_units(q.kv.usable(q.kv_budget_bytes), 'GiB')} GiB, break-even reserve "
+                f"{in_units(q.break_even_reserve_bytes, 'GiB')} GiB")
 
     return [
         _row("total parameters", "594B", f"{pc.total / 1e9:.2f} B", abs(pc.total / RECIPE_TOTAL_PARAMS - 1) < 0.005),
         _row("active parameters", "17B", f"{pc.active / 1e9:.2f} B (text, 8/384 experts, no embedding tables)",
              abs(pc.active / RECIPE_ACTIVE_PARAMS - 1) < 0.005),
         _row("on disk, default variant, incl. draft", "~393 GB",
-             f"{_gb(disk - round(RECIPE_DRAFT_GB * GB))} GB computed + {RECIPE_DRAFT_GB} GB draft (recipe's figure) "
-             f"= {_gb(disk)} GB", abs(disk / GB - RECIPE_DISK_GB) < 0.5),
-        _row("vram_minimum_gb", f"{RECIPE_VRAM_MINIMUM_GB}", f"ceil({VRAM_RULE_OF_THUMB} x {_gb(disk)}) = {vram} "
-             f"(our reading of the rule)", vram == RECIPE_VRAM_MINIMUM_GB),
-        _row(f"KV cache for {upper:,} tokens at TP4", f"{RECIPE_KV_1M_TP4_GIB} GiB",
-             f"{_gib(tp4.kv_needed_bytes)} GiB", _gib(tp4.kv_needed_bytes) == RECIPE_KV_1M_TP4_GIB),
+             f"{in_units(disk - round(RECIPE_DRAFT_GB * GB), 'GB')} GB computed + {RECIPE_DRAFT_GB} GB draft "
+             f"(recipe's figure) = {in_units(disk, 'GB')} GB", abs(disk / GB - RECIPE_DISK_GB) < 0.5),
+        _row("vram_minimum_gb", f"{RECIPE_VRAM_MINIMUM_GB}",
+             f"ceil({VRAM_RULE_OF_THUMB} x {in_units(disk, 'GB')}) = {vram} (our reading of the rule)",
+             vram == RECIPE_VRAM_MINIMUM_GB),
+        _row(f"KV cache for {upper:,} tokens at TP4", f"{RECIPE_KV_1M_TP4_GIB} GiB", f"{kv_tp4} GiB",
+             kv_tp4 == RECIPE_KV_1M_TP4_GIB),
         _row(f"{upper:,} tokens at TP4 ({gpu})", "does not fit", verdict(tp4), not tp4.fits),
         _row(f"{upper:,} tokens at TP8 ({gpu})", "fits", verdict(tp8), tp8.fits),
         _row(f"{min(262_144, upper):,} tokens at TP4 ({gpu})", "fits", verdict(short), short.fits),
@@ -436,30 +441,22 @@ def recipe_rows(cfg: Inkling2Config, p: Plan) -> list[dict]:
     ]
 
 
-def recipe_kv_bytes(q: Plan) -> int:
+def recipe_kv_bytes(q: ServingPlan) -> int:
     """The KV one request needs per GPU if the recipe's figure is right: its 64.47 GiB for
     1,048,576 tokens at TP4 (vLLM's message in its troubleshooting entry), scaled with the
     context length and inversely with TP (KV heads split over TP). Not derived from the config."""
     return round(float(RECIPE_KV_1M_TP4_GIB) * GiB * q.max_model_len / RECIPE_KV_TOKENS * RECIPE_KV_TP / q.tp)
 
 
-def recipe_fits(q: Plan) -> bool:
+def recipe_fits(q: ServingPlan) -> bool:
     return q.loadable and recipe_kv_bytes(q) <= q.kv.usable(q.kv_budget_bytes)
 
 
-def recipe_verdict(q: Plan) -> str:
-    return (f"{'fits' if recipe_fits(q) else 'does not fit'}: needs {_gib(recipe_kv_bytes(q))} (the recipe's "
-            f"figure, scaled) of {_gib(q.kv.usable(q.kv_budget_bytes))} GiB")
+def recipe_verdict(q: ServingPlan) -> str:
+    return (f"{'fits' if recipe_fits(q) else 'does not fit'}: needs {in_units(recipe_kv_bytes(q), 'GiB')} (the "
+            f"recipe's figure, scaled) of {in_units(q.kv.usable(q.kv_budget_bytes), 'GiB')} GiB")
 
 
 def _row(claim: str, recipe: str, ours: str, reproduced: bool) -> dict:
     return {"claim": claim, "recipe": recipe, "ours": ours, "reproduced": bool(reproduced)}
 
-
-# --------------------------------------------------------------------------- figures in messages
-def _gib(n: int) -> str:  # as vLLM's format_gib prints it
-    return f"{n / GiB:.2f}"
-
-
-def _gb(n: int) -> str:  # decimal, as the recipe's GB
-    return f"{n / GB:.2f}"
