@@ -9,6 +9,8 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from ._cpu import _check_shape
+
 # The smallest fp32 scale a serving engine can divide by: 1/x rounds to the largest finite fp32
 # below 2**128 * (1 - 2**-25); any smaller positive x (a deep subnormal) has an infinite reciprocal.
 MIN_INVERTIBLE_SCALE = float(np.nextafter(np.float32(1 / 3.4028235677973366e38), np.float32(1)))
@@ -41,7 +43,10 @@ class Format:
     quant_algo: str | None     # ModelOpt quant_algo string, None for pass-through
     quant_algos: tuple[str, ...] = ()  # every quant_algo a ModelOpt config may name this format by
     suffixes: tuple[str, ...] = ("weight",)  # every tensor-name suffix it may write for a module
-    block_size: int = 1        # elements per scale along the input (last) dim
+    block_shape: tuple[int, int] = (1, 1)  # (rows, cols) of the elements one scale covers
+    block_size: int = 1        # block_shape's cols: elements per scale along the input (last) dim
+    partial_tiles: bool = False  # an edge block may be partial: ceil(M/rows) x ceil(N/cols) scales
+    source_only: bool = False  # only ever read from a source, never written
     kernel: str | None = None  # the inkling_quant.kernels entry point computing x @ dequant(W)^T
     kernel_inputs: tuple[str, ...] = ()  # the tensors (suffixes) it takes after x, in order
     fuses_gate_up: bool = False        # an expert's gate and up share a scale (`fused_global_amax`)
@@ -50,6 +55,54 @@ class Format:
     # verify's numerics thresholds for y = x @ W^T against the BF16 source weight
     max_rel_error: float = 0.0
     min_cosine: float = 1.0
+    # quant_algo -> (weight bits, activation bits or None) of its config.json `config_groups` entry
+    _group_bits: Mapping[str, tuple[int, int | None]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        """`block_size` is derived from `block_shape` (an older subclass may give block_size only)."""
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__
+        if "block_size" in own and "block_shape" not in own:
+            cls.block_shape = (1, cls.block_size)
+        elif "block_size" in own and own["block_size"] != cls.block_shape[1]:
+            raise TypeError(f"{cls.__name__}: block_size {own['block_size']} is not block_shape's cols "
+                            f"{cls.block_shape}")
+        cls.block_size = cls.block_shape[1]
+
+    @property
+    def row_blocked(self) -> bool:
+        """Whether every block scale lies along one row (block_shape rows == 1). Only then may a
+        caller quantize a slab whose rows interleave two projections (Inkling's w13: gate row j at
+        2j, up row j at 2j+1) as stored and split the rows of weight and scales afterwards. A
+        format with 2-D blocks puts neighbouring rows under one scale, so gate and up would share
+        scales: callers must de-interleave the slab first and quantize each projection alone."""
+        return self.block_shape[0] == 1
+
+    def check_shape(self, shape: tuple[int, ...], name: str = "") -> None:
+        """FormatError naming `name` unless a weight of `shape` fits the blocks: each dim a block
+        spans divisible by it, or any size where the format takes partial edge tiles."""
+        _check_shape(tuple(shape), self.block_shape, self.name, name, self.partial_tiles)
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The grid of block scales for a weight of `shape` (checked): `[..., M, N/cols]` for
+        row blocks, `[..., ceil(M/rows), ceil(N/cols)]` for 2-D ones."""
+        self.check_shape(shape)
+        rows, cols = self.block_shape
+        shape = tuple(shape)
+        if rows == 1:
+            return (*shape[:-1], -(-shape[-1] // cols))
+        return (*shape[:-2], -(-shape[-2] // rows), -(-shape[-1] // cols))
+
+    def config_group_bits(self, quant_algo: str | None = None) -> tuple[int, int | None]:
+        """(weight bits, activation bits or None for weight-only) of the compressed-tensors
+        `config_groups` entry ModelOpt's config.json gives `quant_algo` (default: this format's;
+        nvidia-modelopt 0.47.0 modelopt/torch/export/convert_hf_config.py
+        `_quant_algo_to_group_config`). KeyError for a quant_algo this format has no entry for."""
+        algo = self.quant_algo if quant_algo is None else quant_algo
+        try:
+            return self._group_bits[algo]
+        except KeyError:
+            raise KeyError(f"{self.name} has no config_groups entry for quant_algo {algo!r}") from None
 
     def out_specs(self, shape: tuple[int, ...], dtype: torch.dtype,
                   activation_scale: bool = True) -> dict[str, OutSpec]:

@@ -252,7 +252,7 @@ class NVFP4(Format):
     quant_algo = "NVFP4"
     quant_algos = ("NVFP4", "W4A16_NVFP4")
     suffixes = ("weight", "weight_scale", "weight_scale_2", "input_scale")
-    block_size = BLOCK_SIZE
+    block_shape = (1, BLOCK_SIZE)
     kernel = "nvfp4_dequant_gemm"
     kernel_inputs = ("weight", "weight_scale", "weight_scale_2")
     fuses_gate_up = True
@@ -264,6 +264,7 @@ class NVFP4(Format):
     # margin, far below what a broken scale or nibble order gives (relative error ~1).
     max_rel_error = 0.18
     min_cosine = 0.98
+    _group_bits = {"NVFP4": (4, 4), "W4A16_NVFP4": (4, None)}  # ModelOpt 0.47 convert_hf_config.py
 
     def out_specs(self, shape, dtype=torch.bfloat16, activation_scale=True):
         shape = tuple(shape)
