@@ -1,7 +1,8 @@
 """Number formats, looked up by name: the single source of truth for every bit we write."""
 from __future__ import annotations
 
-from .base import MIN_INVERTIBLE_SCALE, Format, OutSpec, Passthrough, invertible
+from . import transcode
+from .base import MIN_INVERTIBLE_SCALE, TRANSCODERS, Format, OutSpec, Passthrough, invertible
 from .mxfp8 import MXFP8
 from .nvfp4 import NVFP4
 from .stacked import (expert_slices, slab_slices, stack_experts, stacked_specs, unstack_expert, unstack_experts,
@@ -44,6 +45,6 @@ def get_format(name: str) -> Format:
 
 
 __all__ = ["FORMATS", "Format", "MIN_INVERTIBLE_SCALE", "OutSpec", "Passthrough", "NVFP4", "MXFP8", "SCALE_SUFFIXES",
-           "VALUE_RULES", "invertible",
+           "VALUE_RULES", "invertible", "TRANSCODERS", "transcode",
            "detect", "format_for_quant_algo", "get_format", "value_rules",
            "stacked_specs", "expert_slices", "slab_slices", "write_expert", "stack_experts", "unstack_expert", "unstack_experts"]

@@ -4,7 +4,7 @@ the error thresholds `verify` holds it to. Nothing outside formats/ re-derives a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -19,6 +19,14 @@ MIN_INVERTIBLE_SCALE = float(np.nextafter(np.float32(1 / 3.4028235677973366e38),
 def invertible(x: float) -> bool:
     """A scale that is finite, > 0 and has a finite fp32 reciprocal (engines compute 1/scale)."""
     return MIN_INVERTIBLE_SCALE <= x < float("inf")
+
+
+#: Format-to-format fast paths, (source name, target name) -> fn(tensors, source, target, *,
+#: input_amax, name) returning the target's tensors, or None where it does not apply (another
+#: device). Filled by formats/transcode.py, their one home; kept here because `Format.requantize`
+#: reads it and transcode.py imports the formats (base importing it would be a cycle).
+Transcoder = Callable[..., "dict[str, torch.Tensor] | None"]
+TRANSCODERS: dict[tuple[str, str], Transcoder] = {}
 
 
 @dataclass(frozen=True)
@@ -148,7 +156,13 @@ class Format:
                    input_amax: float | None = None, name: str = "") -> dict[str, torch.Tensor]:
         """This format's tensors for the weight `tensors` store in `source`'s format: bit for bit
         ``quantize(source.dequantize(tensors, float32))`` (exact for the formats here: each
-        stored value is an fp32 number). A format may read the stored bytes directly instead."""
+        stored value is an fp32 number). A fast path for the pair (`TRANSCODERS`, filled by
+        formats/transcode.py) runs first and may read the stored bytes directly; where there is
+        none, or it declines (None), the weight is dequantized and quantized."""
+        fast = TRANSCODERS.get((source.name, self.name))
+        out = None if fast is None else fast(tensors, source, self, input_amax=input_amax, name=name)
+        if out is not None:
+            return out
         return self.quantize(source.dequantize(tensors, torch.float32), input_amax=input_amax, name=name)
 
     def layer_config(self, weight_only: bool = False) -> dict | None:

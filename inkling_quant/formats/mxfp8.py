@@ -135,7 +135,7 @@ def amax_before_reading(q: np.ndarray, e8: np.ndarray) -> np.float32:
     """max |dequantized weight| of stored bytes (`stored_bytes`), exact where they are finite,
     read from the few blocks whose exponent can hold it (_jit.mxfp8_amax_by_scale; every block
     when those are not few). A NaN byte in a block not read is not seen: for a caller that reads
-    every value next anyway (NVFP4.requantize, whose kernel checks each block)."""
+    every value next anyway (formats.transcode's NVFP4 from MXFP8, whose kernel checks each block)."""
     g = _jit.mxfp8_amax_by_scale(q, e8, _E4M3_TO_F32, 4)
     return _amax_of_bytes(q, e8) if g < 0 else g  # < 0: the maximum could be in many blocks
 
