@@ -45,16 +45,17 @@ class OutSpec:
 
 
 class Format:
-    """Base class. Subclasses are stateless singletons registered in formats.FORMATS."""
+    """Base class. Subclasses are stateless singletons registered in formats.FORMATS (the formats
+    we write) or formats.SOURCE_FORMATS (`source_only`: read from a source, never written)."""
 
-    name: str                  # "nvfp4", "mxfp8", "passthrough"
+    name: str                  # "nvfp4", "mxfp8", "passthrough", "fp8_block"
     quant_algo: str | None     # ModelOpt quant_algo string, None for pass-through
     quant_algos: tuple[str, ...] = ()  # every quant_algo a ModelOpt config may name this format by
     suffixes: tuple[str, ...] = ("weight",)  # every tensor-name suffix it may write for a module
     block_shape: tuple[int, int] = (1, 1)  # (rows, cols) of the elements one scale covers
     block_size: int = 1        # block_shape's cols: elements per scale along the input (last) dim
     partial_tiles: bool = False  # an edge block may be partial: ceil(M/rows) x ceil(N/cols) scales
-    source_only: bool = False  # only ever read from a source, never written
+    source_only: bool = False  # only ever read from a source (formats.SOURCE_FORMATS)
     kernel: str | None = None  # the inkling_quant.kernels entry point computing x @ dequant(W)^T
     kernel_inputs: tuple[str, ...] = ()  # the tensors (suffixes) it takes after x, in order
     fuses_gate_up: bool = False        # an expert's gate and up share a scale (`fused_global_amax`)
