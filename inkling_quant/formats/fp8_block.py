@@ -13,7 +13,7 @@ suffix                dtype          shape                                value
 ``weight_scale_inv``  float32        ``[..., ceil(M/128), ceil(N/128)]``  ``s``, one per tile
 ====================  =============  ===================================  =======================
 
-Edge tiles are partial (the grid is a ceiling; deepseek-ai/DeepSeek-V3 inference/kernel.py
+Edge tiles are partial (the grid is a ceiling; deepseek-ai/DeepSeek-V3 at commit 0623163, inference/kernel.py
 `weight_dequant` launches ``cdiv(M, 128) x cdiv(N, 128)`` programs and masks the edges). Despite
 its name ``weight_scale_inv`` is the multiplier: **dequantize** is ``fp32(weight) * s`` of the
 element's tile, computed in fp32 (`weight_dequant_kernel`: ``x = load(...).to(float32)``,
@@ -27,8 +27,8 @@ reader can use: an all-zero tile takes ``s = 1.0`` (DeepSeek computes 0/0 = NaN;
 the same choice), and a tile whose ``amax / 448`` is below `base.MIN_INVERTIBLE_SCALE` (only
 deep-subnormal tiles, amax < ~1.3e-36) takes that scale, so every scale is finite, > 0 and has a
 finite fp32 reciprocal. There is no floor of 1e-4 on the amax: that floor belongs to the FP8
-*activation* quantizers of later DeepSeek inference code, and on weights it would change the
-scale of every small tile away from weight_quant's rule.
+*activation* quantizer of later DeepSeek code (deepseek-ai/DeepSeek-V3.2-Exp inference/kernel.py
+`act_quant_kernel`), and on weights it would move every small tile's scale off weight_quant's rule.
 
 No ModelOpt quant_algo: nvidia-modelopt 0.47.0 names block-FP8 weight-only ``FP8_PB_WO``
 (modelopt/torch/export/model_config.py), but its HF export registers that block scale as
