@@ -3,7 +3,7 @@ range, bytes, whether the DSpark draft is there. No tensor byte is read: the ind
 config files and each shard's JSON header are all this command opens, so it takes seconds on
 a multi-hundred-GB checkpoint. Nothing about a format is re-derived here: each layer's stacked
 w13 / w2 is recognized by asking every format in `formats` which stacked tensors (names,
-shapes, dtypes: `formats.stacked.projection_specs`) it would write for the source shape (from
+shapes, dtypes: `export.inkling.projection_specs`) it would write for the source shape (from
 config.json), and checked against the format the quantization config declares for
 `model.llm.layers.N.mlp.experts`; everything else passes through.
 

@@ -80,7 +80,7 @@ def test_every_tensor_has_the_prescribed_dtype_and_shape(tiny_src, converted):
     assert set(got) == set(want)
     for name, t in got.items():
         assert (tuple(t.shape), t.dtype) == want[name], name
-    # the stacked form spelled out (formats/stacked.py): E=4, 2I=192, H=64
+    # the stacked form spelled out (export/inkling.py): E=4, 2I=192, H=64
     nv, mx = _experts(0), _experts(47)
     assert {k: (tuple(got[nv + k].shape), got[nv + k].dtype) for k in (
         "w13_weight", "w13_weight_scale", "w13_weight_amax", "w13_weight_outer_scale_denominator",

@@ -1,5 +1,5 @@
 """convert on the published Inkling 2 layout (synth: transformers' names,
-stacked row-interleaved experts) into the Inkling stacked form (formats/stacked.py), checked
+stacked row-interleaved experts) into the Inkling stacked form (export/inkling.py), checked
 against independent paths: the per-module quantization of each expert's gate, up and down
 taken apart from the source, and transformers' own inkling2_loop dequantization ops."""
 from __future__ import annotations

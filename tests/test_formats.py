@@ -15,6 +15,7 @@ import torch
 from inkling_quant.errors import FormatError
 from inkling_quant.formats import FORMATS, MXFP8, NVFP4, get_format
 from inkling_quant.formats import _jit
+from inkling_quant.formats import MIN_INVERTIBLE_SCALE, SOURCE_FORMATS, TRANSCODERS, Format, FP8Block, invertible, transcode
 from inkling_quant.formats.mxfp8 import _mxfp8_torch, e8m0_exponent
 from inkling_quant.formats.nvfp4 import (E2M1_BOUNDS, E2M1_VALUES, _e2m1_codes_torch, _nvfp4_torch, amax, pack_e2m1,
                                          unpack_e2m1)
@@ -621,3 +622,237 @@ def test_import_does_not_load_modelopt():
     code = ("import sys, inkling_quant.formats as f; f.FORMATS['nvfp4'].quantize(__import__('torch').zeros(2, 16)); "
             "assert not [m for m in sys.modules if m.startswith('modelopt')], 'modelopt imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------------------------------ 2-D blocks, fp8_block
+FP8B = FP8Block()
+
+
+def random_fp8_block(shape, seed=0, scale_range=(1e-4, 1e-2)):
+    """Stored fp8_block tensors: every e4m3 byte but NaN, positive fp32 scales on the ceil grid."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 255, shape, generator=g, dtype=torch.int32)
+    q = torch.where((q & 0x7F) == 0x7F, q - 1, q).to(U8)
+    grid = (*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128))
+    lo, hi = scale_range
+    s = (torch.rand(grid, generator=g, dtype=torch.float64) * (hi - lo) + lo).float()
+    return {"weight": q.view(torch.float8_e4m3fn), "weight_scale_inv": s}
+
+
+def fp8_block_reference(t, dtype=torch.float32):
+    """Independent plain-torch dequantization: each scale repeated over its 128x128 tile, the grid
+    cropped to the weight, one fp32 multiply (DeepSeek-V3 inference/kernel.py weight_dequant)."""
+    w, s = t["weight"], t["weight_scale_inv"]
+    m, n = w.shape[-2:]
+    full = s.repeat_interleave(128, dim=-2).repeat_interleave(128, dim=-1)[..., :m, :n]
+    return (w.to(torch.float32) * full).to(dtype)
+
+
+def test_block_shape_contract():
+    """Every format says which elements one scale covers; block_size stays its cols."""
+    want = {"nvfp4": (1, 16), "mxfp8": (1, 32), "passthrough": (1, 1)}
+    assert {n: f.block_shape for n, f in FORMATS.items()} == want
+    assert FP8B.block_shape == (128, 128) and FP8B.partial_tiles and FP8B.source_only
+    for f in (*FORMATS.values(), FP8B):
+        assert f.block_size == f.block_shape[1]
+        assert f.row_blocked == (f.block_shape[0] == 1)
+    assert all(f.row_blocked and not f.partial_tiles and not f.source_only for f in FORMATS.values())
+    assert not FP8B.row_blocked
+    assert NVFP4().scale_shape((3, 64, 96)) == (3, 64, 6) and MXFP8().scale_shape((64, 96)) == (64, 3)
+    for shape, grid in (((300, 200), (3, 2)), ((256, 384), (2, 3)), ((1, 1), (1, 1)), ((129, 257), (2, 3)),
+                        ((2, 130, 140), (2, 2, 2)), ((0, 128), (0, 1))):
+        assert FP8B.scale_shape(shape) == grid
+        assert FP8B.out_specs(shape)["weight_scale_inv"].shape == grid
+        assert FP8B.out_specs(shape)["weight"].shape == shape
+
+
+def test_two_d_blocks_without_partial_tiles_check_both_dims():
+    """A 2-D format that does not take partial tiles refuses a shape either dim of which its block
+    does not divide, naming the tensor; block_size alone (an older subclass) still means (1, n)."""
+    class Tiles(Format):
+        name, quant_algo, block_shape = "tiles", None, (4, 8)
+
+    class Old(Format):
+        name, quant_algo, block_size = "old", None, 64
+
+    t = Tiles()
+    assert t.block_size == 8 and not t.row_blocked and t.scale_shape((8, 16)) == (2, 2)
+    for shape in ((6, 16), (8, 12), (16,)):
+        with pytest.raises(FormatError, match="4x8") as e:
+            t.check_shape(shape, "model.layers.0.mlp.experts.3.gate_proj.weight")
+        assert "experts.3.gate_proj" in str(e.value) and e.value.tensor.endswith("gate_proj.weight")
+    assert Old().block_shape == (1, 64) and Old().row_blocked
+    with pytest.raises(TypeError, match="block_size"):
+        type("Bad", (Format,), {"name": "bad", "block_shape": (1, 16), "block_size": 32})
+
+
+def test_fp8_block_shape_errors_name_the_tensor():
+    name = "model.layers.5.mlp.experts.7.down_proj.weight"
+    with pytest.raises(FormatError, match="two dimensions") as e:
+        FP8B.quantize(torch.zeros(256, dtype=BF), name=name)
+    assert e.value.tensor == name
+    stored = random_fp8_block((300, 200))
+    for bad in (torch.zeros(2, 2), torch.zeros(3, 3), torch.zeros(3, 2, dtype=BF)):
+        with pytest.raises(FormatError, match=r"needs float32 \(3, 2\)") as e:
+            FP8B.check_stored({**stored, "weight_scale_inv": bad}, name)
+        assert e.value.tensor == "model.layers.5.mlp.experts.7.down_proj.weight_scale_inv"
+        with pytest.raises(FormatError, match="needs float32"):
+            FP8B.dequantize({**stored, "weight_scale_inv": bad})
+    with pytest.raises(FormatError, match="float8_e4m3fn"):
+        FP8B.dequantize({**stored, "weight": stored["weight"].float()})
+    with pytest.raises(FormatError, match="weight_scale_inv"):
+        FP8B.dequantize({"weight": stored["weight"]})
+
+
+@pytest.mark.parametrize("shape", [(300, 200), (256, 384), (128, 128), (1, 1), (129, 257), (2, 130, 140)])
+def test_fp8_block_dequantize_matches_plain_torch_reference(shape):
+    t = random_fp8_block(shape, seed=sum(shape))
+    assert torch.equal(FP8B.dequantize(t), fp8_block_reference(t))
+    assert FP8B.dequantize(t).dtype == torch.float32
+    assert torch.equal(FP8B.dequantize(t, BF), fp8_block_reference(t, BF))
+    as_bytes = {**t, "weight": t["weight"].view(U8)}                     # a uint8 view reads the same
+    assert torch.equal(FP8B.dequantize(as_bytes), fp8_block_reference(t))
+
+
+def test_fp8_block_quantize_rule():
+    """Per tile s = fp32(amax) / 448, values e4m3(w / s); an all-zero tile takes 1.0, a
+    deep-subnormal one the smallest invertible scale; partial edge tiles count only their elements."""
+    w = outliers(300, 200).float()
+    w[128:256, 128:] = 0                                                  # a zero (partial) tile
+    w[256:, :128] = 1e-40                                                 # a subnormal-only tile
+    t = FP8B.quantize(w.to(BF), name="x.weight")
+    s, q = t["weight_scale_inv"], t["weight"]
+    wb = w.to(BF).float()
+    for i in range(3):
+        for j in range(2):
+            tile = wb[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            a = tile.abs().max()
+            want = torch.tensor(1.0) if a == 0 else torch.maximum(a / 448.0, torch.tensor(MIN_INVERTIBLE_SCALE))
+            assert torch.equal(s[i, j], want), (i, j)
+            assert torch.equal(_bits(q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]),
+                               _bits((tile / want).to(torch.float8_e4m3fn)))
+    assert float(s[1, 1]) == 1.0 and float(s[2, 0]) == MIN_INVERTIBLE_SCALE and invertible(float(s.min()))
+    FP8B.check_stored(t, "x.weight")
+    g = gaussian(384, 256).float()
+    rel = float((FP8B.dequantize(FP8B.quantize(g)) - g).norm() / g.norm())
+    assert rel < 0.05
+    with pytest.raises(FormatError, match="NaN or Inf"):
+        FP8B.quantize(torch.full((4, 4), float("inf")), name="x.weight")
+
+
+def test_fp8_block_amax_and_all_finite_exact_on_stored_bytes():
+    for shape in ((300, 200), (129, 257), (2, 130, 140)):
+        t = random_fp8_block(shape, seed=3)
+        t["weight_scale_inv"].view(-1)[0] = -t["weight_scale_inv"].view(-1)[0]   # |scale| counts
+        assert torch.equal(FP8B.amax(t), FP8B.dequantize(t).abs().amax()) and FP8B.all_finite(t)
+    assert float(FP8B.amax({"weight": torch.zeros(0, 5, dtype=torch.float8_e4m3fn),
+                            "weight_scale_inv": torch.zeros(0, 1)})) == 0.0
+    base = random_fp8_block((300, 200), seed=4)
+    nan_byte, neg_nan = ({**base, "weight": base["weight"].clone()} for _ in range(2))
+    nan_byte["weight"].view(U8)[299, 199] = 0x7F                         # in a partial edge tile
+    neg_nan["weight"].view(U8)[0, 0] = 0xFF
+    inf_scale = {**base, "weight_scale_inv": base["weight_scale_inv"].clone()}
+    inf_scale["weight_scale_inv"][1, 0] = float("inf")                  # 0 x Inf: NaN
+    inf_no_zero = {"weight": torch.full((130, 5), 0x38, dtype=U8).view(torch.float8_e4m3fn),
+                   "weight_scale_inv": torch.tensor([[1.0], [float("-inf")]])}  # Inf, no NaN
+    overflow = {**base, "weight_scale_inv": torch.full((3, 2), 1e37)}
+    for bad in (nan_byte, neg_nan, inf_scale, inf_no_zero, overflow):
+        assert not FP8B.all_finite(bad) and not torch.isfinite(FP8B.dequantize(bad)).all()
+        got, want = FP8B.amax(bad), FP8B.dequantize(bad).abs().amax()
+        assert bool(got.isnan() & want.isnan()) or torch.equal(got, want)
+    assert float(FP8B.amax(inf_no_zero)) == float("inf")
+
+
+def test_fp8_block_check_stored_refuses_bad_bytes_and_scales():
+    name, sname = "model.layers.1.mlp.experts.2.up_proj.weight", "model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"
+    FP8B.check_stored(random_fp8_block((300, 200)), name)
+    for byte in (0x7F, 0xFF):
+        t = random_fp8_block((300, 200))
+        t["weight"].view(U8)[200, 150] = byte
+        with pytest.raises(FormatError, match=r"NaN e4m3 byte.*\(200, 150\)") as e:
+            FP8B.check_stored(t, name)
+        assert e.value.tensor == name
+    for v in (float("nan"), float("inf"), float("-inf"), 0.0, -0.0, -1e-3):
+        t = random_fp8_block((300, 200))
+        t["weight_scale_inv"][2, 1] = v
+        with pytest.raises(FormatError, match=r"not finite and > 0.*tile \(2, 1\)") as e:
+            FP8B.check_stored(t, name)
+        assert e.value.tensor == sname and "up_proj.weight_scale_inv" in str(e.value)
+    with pytest.raises(FormatError, match="fp32 range") as e:
+        FP8B.check_stored({**random_fp8_block((300, 200)), "weight_scale_inv": torch.full((3, 2), 1e37)}, name)
+    assert e.value.tensor == name
+
+
+def test_fp8_block_is_a_source_format_only():
+    """Registered apart: nothing that iterates FORMATS (schemes, detect, value rules, suffixes,
+    quant_algo lookups) sees it."""
+    from inkling_quant.export import value_rules
+    from inkling_quant.formats import SCALE_SUFFIXES, detect, format_for_quant_algo
+    assert set(FORMATS) == {"nvfp4", "mxfp8", "passthrough"} and set(SOURCE_FORMATS) == {"fp8_block"}
+    assert isinstance(SOURCE_FORMATS["fp8_block"], FP8Block)
+    assert get_format("fp8_block", source=True) is SOURCE_FORMATS["fp8_block"]
+    assert get_format("nvfp4", source=True) is FORMATS["nvfp4"]
+    with pytest.raises(KeyError, match="unknown format 'fp8_block'"):
+        get_format("fp8_block")
+    assert "weight_scale_inv" not in SCALE_SUFFIXES and value_rules("weight_scale_inv") == set()
+    assert format_for_quant_algo("FP8_PB_WO") is None and FP8B.quant_algo is None and FP8B.layer_config() is None
+    t = random_fp8_block((256, 128))
+    observed = {k: (tuple(v.shape), v.dtype) for k, v in t.items()}
+    assert detect(observed, (256, 128), BF) is None and FP8B.matches(observed, (256, 128), BF)
+    assert FP8B.value_rule("weight_scale_inv") == "positive"
+    with pytest.raises(KeyError):
+        FP8B.config_group_bits()
+
+
+def test_config_group_bits_are_exports_table():
+    """(weight bits, activation bits) per quant_algo, ModelOpt's config_groups (ModelOpt 0.47
+    export/convert_hf_config.py:23-118): the formats answer it, export.modelopt asks them."""
+    table = {a: f.config_group_bits(a) for f in FORMATS.values() for a in f.quant_algos}
+    assert table == {"NVFP4": (4, 4), "W4A16_NVFP4": (4, None), "MXFP8": (8, 8)}
+    assert NVFP4().config_group_bits() == (4, 4) and MXFP8().config_group_bits() == (8, 8)
+    with pytest.raises(KeyError, match="nvfp4 has no config_groups entry for quant_algo 'MXFP8'"):
+        NVFP4().config_group_bits("MXFP8")
+    with pytest.raises(KeyError):
+        FORMATS["passthrough"].config_group_bits()
+
+
+def test_transcode_registry_lookup():
+    """One home for format-to-format fast paths, keyed by (source, target) names; nvfp4.py no
+    longer knows mxfp8.py."""
+    import ast
+    from pathlib import Path
+
+    import inkling_quant.formats.nvfp4 as nv_module
+    assert transcode.TRANSCODERS is TRANSCODERS
+    assert TRANSCODERS[("mxfp8", "nvfp4")] is transcode.nvfp4_from_mxfp8
+    assert transcode.find(MXFP8(), NVFP4()) is transcode.find("mxfp8", "nvfp4") is transcode.nvfp4_from_mxfp8
+    assert transcode.find("fp8_block", "nvfp4") is None and transcode.find("nvfp4", "mxfp8") is None
+    tree = ast.parse(Path(nv_module.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "mxfp8" not in imported and "requantize" not in NVFP4.__dict__
+    with pytest.raises(ValueError, match="registered already"):
+        transcode.transcoder("mxfp8", "nvfp4")(lambda *a, **k: None)
+
+
+def test_requantize_takes_a_registered_fast_path_and_falls_back(monkeypatch):
+    """Format.requantize asks TRANSCODERS first; a path that declines (None), or no path, gives
+    quantize(source.dequantize(...)) bit for bit; the registered MXFP8 -> NVFP4 path equals it."""
+    calls = []
+
+    def spy(tensors, source, target, *, input_amax=None, name=""):
+        calls.append((source.name, target.name, input_amax, name))
+        return {"weight": torch.zeros(1)}
+
+    monkeypatch.setitem(TRANSCODERS, ("fp8_block", "mxfp8"), spy)
+    stored = FP8B.quantize(outliers(300, 256))
+    assert MXFP8().requantize(stored, FP8B, input_amax=2.0, name="m.weight")["weight"].shape == (1,)
+    assert calls == [("fp8_block", "mxfp8", 2.0, "m.weight")]
+    monkeypatch.setitem(TRANSCODERS, ("fp8_block", "mxfp8"), lambda *a, **k: None)   # declines
+    for target in (MXFP8(), NVFP4()):                                  # declined, and none registered
+        got = target.requantize(stored, FP8B, input_amax=3.5)
+        want = target.quantize(FP8B.dequantize(stored), input_amax=3.5)
+        assert set(got) == set(want) and all(torch.equal(_bits(got[k]), _bits(want[k])) for k in want)
+    for stored in (random_mxfp8(rows=8, cols=512), MXFP8().quantize(outliers())):
+        fast = NVFP4().requantize(stored, MXFP8(), input_amax=3.5)
+        plain = NVFP4().quantize(MXFP8().dequantize(stored), input_amax=3.5)
+        assert set(fast) == set(plain) and all(torch.equal(_bits(fast[k]), _bits(plain[k])) for k in plain)

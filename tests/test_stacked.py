@@ -1,4 +1,4 @@
-"""The Inkling stacked expert form (inkling_quant/formats/stacked.py) against independent readers:
+"""The Inkling stacked expert form (inkling_quant/export/inkling.py) against independent readers:
 plain torch (round trip, interleave), transformers' own `inkling2_loop` dequantization (its ops
 called directly, and a tiny Inkling2Loop checkpoint loaded end to end), vLLM's input-amax
 expression, and experts quantized and exported by NVIDIA ModelOpt itself.

@@ -155,7 +155,7 @@ def _modelopt_slab(slab, proj: str, fmt: str) -> dict:
 def _child_modelopt(spec: dict) -> dict:
     """Our reader and writer, ModelOpt's quantizers, one expert at a time: each stacked expert
     tensor's slab quantized module by module, written in the Inkling stacked form as ours is
-    (formats.stacked.slab_slices), so the outputs compare name by name."""
+    (export.inkling.slab_slices), so the outputs compare name by name."""
     c0 = _cpu_s()
     import torch
 

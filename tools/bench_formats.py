@@ -8,7 +8,8 @@ for bit, and prints MB/s of bf16 input (best of --repeat runs; the machine is sh
 run is the one least disturbed). "MB per CPU-second" divides by the process's CPU time instead:
 with T threads on T otherwise idle cores, wall MB/s approaches T times it. Also times ``amax``
 (the extra pass the converter makes for the gate/up shared global scale), and NVFP4 from the
-MXFP8 release (`NVFP4.requantize`) against dequantize + quantize.
+MXFP8 release (`NVFP4.requantize`, which takes formats/transcode.py's fast path) against
+dequantize + quantize.
 
     python tools/bench_formats.py                      # 2 threads, both formats
     python tools/bench_formats.py --threads 1 --rows 1024
@@ -31,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inkling_quant.formats import FORMATS  # noqa: E402
+from inkling_quant.formats import FORMATS, transcode  # noqa: E402
 from inkling_quant.formats.nvfp4 import amax as tensor_amax  # noqa: E402
 
 
@@ -120,8 +121,11 @@ def speed(args) -> None:
 
 def requantize_speed(w: torch.Tensor, mb: float, repeat: int) -> None:
     """NVFP4 of the weight an MXFP8 release stores: read from its bytes (`NVFP4.requantize`, the
-    converter's path) against dequantizing to fp32 and quantizing that; MB/s of the bf16 weight."""
+    converter's path: transcode.nvfp4_from_mxfp8) against dequantizing to fp32 and quantizing
+    that; MB/s of the bf16 weight."""
     nv, mx = FORMATS["nvfp4"], FORMATS["mxfp8"]
+    if transcode.find(mx, nv) is None:
+        raise SystemExit("no fast path from mxfp8 to nvfp4 is registered (formats/transcode.py)")
     stored = mx.quantize(w)
     fused, plain = nv.requantize(stored, mx), nv.quantize(mx.dequantize(stored))
     same = all(torch.equal(fused[k].reshape(-1).view(torch.uint8), plain[k].reshape(-1).view(torch.uint8))

@@ -43,11 +43,6 @@ def quantization(module_formats: Iterable[tuple[str, Format]], weight_only: bool
             "quantized_layers": dict(sorted(layers.items(), key=lambda kv: natural_key(kv[0])))}
 
 
-# config_groups entries of ModelOpt's config.json form, per quant_algo: (weight bits, activation
-# bits or None for weight-only); ModelOpt 0.47 export/convert_hf_config.py:23-118
-_GROUP_BITS = {"NVFP4": (4, 4), "W4A16_NVFP4": (4, None), "MXFP8": (8, 8)}
-
-
 def modelopt_quantization_config(q: dict) -> dict:
     """config.json's `quantization_config` exactly as ModelOpt's exporter writes it for a
     MIXED_PRECISION `q` (hf_quant_config.json's `quantization`): layers grouped by their entry
@@ -59,7 +54,8 @@ def modelopt_quantization_config(q: dict) -> dict:
     groups = {}
     for i, (key, layers) in enumerate(by_entry.items()):
         entry = dict(key)
-        wbits, abits = _GROUP_BITS[entry["quant_algo"]]
+        algo = entry["quant_algo"]
+        wbits, abits = format_for_quant_algo(algo).config_group_bits(algo)  # ModelOpt 0.47 convert_hf_config.py:23-118
         gs = entry.get("group_size")
         group = {"input_activations": {"dynamic": False, "num_bits": abits, "type": "float", "group_size": gs}} \
             if abits is not None else {}

@@ -1,11 +1,18 @@
-"""Number formats, looked up by name: the single source of truth for every bit we write."""
+"""Number formats, looked up by name: the single source of truth for every bit we write (FORMATS)
+and for the source formats we only read (SOURCE_FORMATS)."""
 from __future__ import annotations
 
-from .base import MIN_INVERTIBLE_SCALE, Format, OutSpec, Passthrough, invertible
+from . import transcode
+from .base import MIN_INVERTIBLE_SCALE, TRANSCODERS, Format, OutSpec, Passthrough, invertible
+from .fp8_block import FP8Block
 from .mxfp8 import MXFP8
 from .nvfp4 import NVFP4
 
 FORMATS: dict[str, Format] = {f.name: f for f in (NVFP4(), MXFP8(), Passthrough())}
+#: formats only ever read from a source (`Format.source_only`), kept out of FORMATS: everything
+#: that iterates FORMATS (schemes, detect, value_rules, SCALE_SUFFIXES, quant_algo lookups, verify)
+#: is about what we write
+SOURCE_FORMATS: dict[str, Format] = {f.name: f for f in (FP8Block(),)}
 
 #: every suffix a quantized module adds beside `weight` (the tensor-name vocabulary of the formats)
 SCALE_SUFFIXES: tuple[str, ...] = tuple(dict.fromkeys(s for f in FORMATS.values() for s in f.suffixes
@@ -26,13 +33,15 @@ def detect(observed, shape: tuple[int, ...], dtype) -> Format | None:
     return next((f for f in FORMATS.values() if f.matches(observed, shape, dtype)), None)
 
 
-def get_format(name: str) -> Format:
+def get_format(name: str, *, source: bool = False) -> Format:
+    """The format called `name`: one we write, or with `source` also one we only read."""
+    known = {**FORMATS, **SOURCE_FORMATS} if source else FORMATS
     try:
-        return FORMATS[name]
+        return known[name]
     except KeyError:
-        raise KeyError(f"unknown format {name!r}; known: {sorted(FORMATS)}") from None
+        raise KeyError(f"unknown format {name!r}; known: {sorted(known)}") from None
 
 
 __all__ = ["FORMATS", "Format", "MIN_INVERTIBLE_SCALE", "OutSpec", "Passthrough", "NVFP4", "MXFP8", "SCALE_SUFFIXES",
-           "VALUE_RULES", "invertible",
+           "VALUE_RULES", "invertible", "SOURCE_FORMATS", "FP8Block", "TRANSCODERS", "transcode",
            "detect", "format_for_quant_algo", "get_format"]

@@ -1,4 +1,4 @@
-"""CPU helpers shared by the format kernels (nvfp4, mxfp8): dtype bit layouts, input checks,
+"""CPU helpers shared by the format kernels (nvfp4, mxfp8, fp8_block): dtype bit layouts, input checks,
 the thread pool that runs chunks of whole blocks, and per-thread scratch buffers. Private to
 formats/: nothing here is a format rule."""
 from __future__ import annotations
@@ -31,10 +31,22 @@ def _check_dtype(w: torch.Tensor, fmt: str, name: str) -> None:
         raise FormatError(f"{_where(name)}{fmt} quantizes bf16/fp16/fp32 weights, got {w.dtype}", tensor=name or None)
 
 
-def _check_shape(shape, block: int, fmt: str, name: str) -> None:
-    if len(shape) < 1 or shape[-1] % block != 0:
-        raise FormatError(f"{_where(name)}{fmt} needs the last (input) dimension divisible by "
-                          f"{block}, got shape {tuple(shape)}", tensor=name or None)
+def _check_shape(shape, block, fmt: str, name: str, partial: bool = False) -> None:
+    """`block`: the elements one scale covers, an int along the last dim or (rows, cols). A 2-D
+    block needs a weight of two dims or more; each dim it spans must be divisible by it unless
+    `partial` (the format takes partial edge tiles: a ceil grid of scales)."""
+    rows, cols = (1, block) if isinstance(block, int) else block
+    if rows == 1:
+        if len(shape) < 1 or (not partial and shape[-1] % cols != 0):
+            raise FormatError(f"{_where(name)}{fmt} needs the last (input) dimension divisible by "
+                              f"{cols}, got shape {tuple(shape)}", tensor=name or None)
+        return
+    if len(shape) < 2:
+        raise FormatError(f"{_where(name)}{fmt} needs a weight of two dimensions or more (one scale per "
+                          f"{rows}x{cols} tile), got shape {tuple(shape)}", tensor=name or None)
+    if not partial and (shape[-2] % rows != 0 or shape[-1] % cols != 0):
+        raise FormatError(f"{_where(name)}{fmt} needs the last two dimensions divisible by {rows}x{cols}, "
+                          f"got shape {tuple(shape)}", tensor=name or None)
 
 
 def _nonfinite(name: str) -> FormatError:

@@ -4,10 +4,12 @@ the error thresholds `verify` holds it to. Nothing outside formats/ re-derives a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
+
+from ._cpu import _check_shape
 
 # The smallest fp32 scale a serving engine can divide by: 1/x rounds to the largest finite fp32
 # below 2**128 * (1 - 2**-25); any smaller positive x (a deep subnormal) has an infinite reciprocal.
@@ -17,6 +19,14 @@ MIN_INVERTIBLE_SCALE = float(np.nextafter(np.float32(1 / 3.4028235677973366e38),
 def invertible(x: float) -> bool:
     """A scale that is finite, > 0 and has a finite fp32 reciprocal (engines compute 1/scale)."""
     return MIN_INVERTIBLE_SCALE <= x < float("inf")
+
+
+#: Format-to-format fast paths, (source name, target name) -> fn(tensors, source, target, *,
+#: input_amax, name) returning the target's tensors, or None where it does not apply (another
+#: device). Filled by formats/transcode.py, their one home; kept here because `Format.requantize`
+#: reads it and transcode.py imports the formats (base importing it would be a cycle).
+Transcoder = Callable[..., "dict[str, torch.Tensor] | None"]
+TRANSCODERS: dict[tuple[str, str], Transcoder] = {}
 
 
 @dataclass(frozen=True)
@@ -35,13 +45,17 @@ class OutSpec:
 
 
 class Format:
-    """Base class. Subclasses are stateless singletons registered in formats.FORMATS."""
+    """Base class. Subclasses are stateless singletons registered in formats.FORMATS (the formats
+    we write) or formats.SOURCE_FORMATS (`source_only`: read from a source, never written)."""
 
-    name: str                  # "nvfp4", "mxfp8", "passthrough"
+    name: str                  # "nvfp4", "mxfp8", "passthrough", "fp8_block"
     quant_algo: str | None     # ModelOpt quant_algo string, None for pass-through
     quant_algos: tuple[str, ...] = ()  # every quant_algo a ModelOpt config may name this format by
     suffixes: tuple[str, ...] = ("weight",)  # every tensor-name suffix it may write for a module
-    block_size: int = 1        # elements per scale along the input (last) dim
+    block_shape: tuple[int, int] = (1, 1)  # (rows, cols) of the elements one scale covers
+    block_size: int = 1        # block_shape's cols: elements per scale along the input (last) dim
+    partial_tiles: bool = False  # an edge block may be partial: ceil(M/rows) x ceil(N/cols) scales
+    source_only: bool = False  # only ever read from a source (formats.SOURCE_FORMATS)
     kernel: str | None = None  # the inkling_quant.kernels entry point computing x @ dequant(W)^T
     kernel_inputs: tuple[str, ...] = ()  # the tensors (suffixes) it takes after x, in order
     fuses_gate_up: bool = False        # an expert's gate and up share a scale (`fused_global_amax`)
@@ -50,6 +64,54 @@ class Format:
     # verify's numerics thresholds for y = x @ W^T against the BF16 source weight
     max_rel_error: float = 0.0
     min_cosine: float = 1.0
+    # quant_algo -> (weight bits, activation bits or None) of its config.json `config_groups` entry
+    _group_bits: Mapping[str, tuple[int, int | None]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        """`block_size` is derived from `block_shape` (an older subclass may give block_size only)."""
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__
+        if "block_size" in own and "block_shape" not in own:
+            cls.block_shape = (1, cls.block_size)
+        elif "block_size" in own and own["block_size"] != cls.block_shape[1]:
+            raise TypeError(f"{cls.__name__}: block_size {own['block_size']} is not block_shape's cols "
+                            f"{cls.block_shape}")
+        cls.block_size = cls.block_shape[1]
+
+    @property
+    def row_blocked(self) -> bool:
+        """Whether every block scale lies along one row (block_shape rows == 1). Only then may a
+        caller quantize a slab whose rows interleave two projections (Inkling's w13: gate row j at
+        2j, up row j at 2j+1) as stored and split the rows of weight and scales afterwards. A
+        format with 2-D blocks puts neighbouring rows under one scale, so gate and up would share
+        scales: callers must de-interleave the slab first and quantize each projection alone."""
+        return self.block_shape[0] == 1
+
+    def check_shape(self, shape: tuple[int, ...], name: str = "") -> None:
+        """FormatError naming `name` unless a weight of `shape` fits the blocks: each dim a block
+        spans divisible by it, or any size where the format takes partial edge tiles."""
+        _check_shape(tuple(shape), self.block_shape, self.name, name, self.partial_tiles)
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The grid of block scales for a weight of `shape` (checked): `[..., M, N/cols]` for
+        row blocks, `[..., ceil(M/rows), ceil(N/cols)]` for 2-D ones."""
+        self.check_shape(shape)
+        rows, cols = self.block_shape
+        shape = tuple(shape)
+        if rows == 1:
+            return (*shape[:-1], -(-shape[-1] // cols))
+        return (*shape[:-2], -(-shape[-2] // rows), -(-shape[-1] // cols))
+
+    def config_group_bits(self, quant_algo: str | None = None) -> tuple[int, int | None]:
+        """(weight bits, activation bits or None for weight-only) of the compressed-tensors
+        `config_groups` entry ModelOpt's config.json gives `quant_algo` (default: this format's;
+        nvidia-modelopt 0.47.0 modelopt/torch/export/convert_hf_config.py
+        `_quant_algo_to_group_config`). KeyError for a quant_algo this format has no entry for."""
+        algo = self.quant_algo if quant_algo is None else quant_algo
+        try:
+            return self._group_bits[algo]
+        except KeyError:
+            raise KeyError(f"{self.name} has no config_groups entry for quant_algo {algo!r}") from None
 
     def out_specs(self, shape: tuple[int, ...], dtype: torch.dtype,
                   activation_scale: bool = True) -> dict[str, OutSpec]:
@@ -95,7 +157,13 @@ class Format:
                    input_amax: float | None = None, name: str = "") -> dict[str, torch.Tensor]:
         """This format's tensors for the weight `tensors` store in `source`'s format: bit for bit
         ``quantize(source.dequantize(tensors, float32))`` (exact for the formats here: each
-        stored value is an fp32 number). A format may read the stored bytes directly instead."""
+        stored value is an fp32 number). A fast path for the pair (`TRANSCODERS`, filled by
+        formats/transcode.py) runs first and may read the stored bytes directly; where there is
+        none, or it declines (None), the weight is dequantized and quantized."""
+        fast = TRANSCODERS.get((source.name, self.name))
+        out = None if fast is None else fast(tensors, source, self, input_amax=input_amax, name=name)
+        if out is not None:
+            return out
         return self.quantize(source.dequantize(tensors, torch.float32), input_amax=input_amax, name=name)
 
     def layer_config(self, weight_only: bool = False) -> dict | None:

@@ -135,7 +135,7 @@ def amax_before_reading(q: np.ndarray, e8: np.ndarray) -> np.float32:
     """max |dequantized weight| of stored bytes (`stored_bytes`), exact where they are finite,
     read from the few blocks whose exponent can hold it (_jit.mxfp8_amax_by_scale; every block
     when those are not few). A NaN byte in a block not read is not seen: for a caller that reads
-    every value next anyway (NVFP4.requantize, whose kernel checks each block)."""
+    every value next anyway (formats.transcode's NVFP4 from MXFP8, whose kernel checks each block)."""
     g = _jit.mxfp8_amax_by_scale(q, e8, _E4M3_TO_F32, 4)
     return _amax_of_bytes(q, e8) if g < 0 else g  # < 0: the maximum could be in many blocks
 
@@ -147,7 +147,7 @@ class MXFP8(Format):
     quant_algo = "MXFP8"
     quant_algos = ("MXFP8",)
     suffixes = ("weight", "weight_scale")
-    block_size = BLOCK_SIZE
+    block_shape = (1, BLOCK_SIZE)
     kernel = "mxfp8_dequant_gemm"
     kernel_inputs = ("weight", "weight_scale")
     # verify's thresholds for y = x @ W^T vs the BF16 source (docs/formats.md "Error statistics",
@@ -155,6 +155,7 @@ class MXFP8(Format):
     # >= 0.9993 over 1200 Gaussian + outlier weights (an e4m3 element is off by <= 2^-4 relative).
     max_rel_error = 0.08
     min_cosine = 0.996
+    _group_bits = {"MXFP8": (8, 8)}  # ModelOpt 0.47 convert_hf_config.py (dynamic activations, 8 bits)
 
     def out_specs(self, shape, dtype=torch.bfloat16, activation_scale=True):
         shape = tuple(shape)

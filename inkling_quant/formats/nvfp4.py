@@ -39,7 +39,6 @@ from . import _jit
 from ._cpu import (_BITS, _E4M3_TO_F32, _buf, _check_dtype, _check_shape, _nonfinite, _np, _run_chunks,
                    _source_bits, _where, fp32_preimage)
 from .base import Format, OutSpec, invertible
-from .mxfp8 import MXFP8, amax_before_reading, stored_bytes
 
 __all__ = [
     "NVFP4", "amax", "pack_e2m1", "unpack_e2m1", "E2M1_VALUES", "E2M1_BOUNDS", "E2M1_MAX",
@@ -162,16 +161,6 @@ def _nvfp4_cpu(w: torch.Tensor, s2: torch.Tensor, name: str) -> tuple[torch.Tens
     return _nvfp4_chunks(blocks, src.size // BLOCK_SIZE, s2, name)
 
 
-def _nvfp4_from_mxfp8(q: np.ndarray, e8: np.ndarray, s2: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same for the weight stored MXFP8 bytes hold (e4m3 q, e8m0 e8), read once, never
-    dequantized whole (_jit.nvfp4_from_mxfp8)."""
-    def blocks(b0: int, b1: int, s2f, out, scratch) -> int:  # b0, b1 even: whole 32-blocks
-        return _jit.nvfp4_from_mxfp8(q[b0 * 16: b1 * 16], e8[b0 // 2: b1 // 2], s2f, _E4M3_TO_F32, *out,
-                                     _buf("nv:tmp8", (_NV_CHUNK_BLOCKS * 16,), np.uint8), *scratch,
-                                     _buf("nv:x", (_NV_CHUNK_BLOCKS * 16,), np.float32))
-    return _nvfp4_chunks(blocks, q.size // BLOCK_SIZE, s2, name)
-
-
 def _nvfp4_chunks(blocks, nblk: int, s2: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A compiled kernel over the blocks, in ranges the threads take in turn (_run_chunks):
     blocks(b0, b1, s2, (packed, scale) of those blocks, per-thread scratch) -> a _jit status."""
@@ -252,7 +241,7 @@ class NVFP4(Format):
     quant_algo = "NVFP4"
     quant_algos = ("NVFP4", "W4A16_NVFP4")
     suffixes = ("weight", "weight_scale", "weight_scale_2", "input_scale")
-    block_size = BLOCK_SIZE
+    block_shape = (1, BLOCK_SIZE)
     kernel = "nvfp4_dequant_gemm"
     kernel_inputs = ("weight", "weight_scale", "weight_scale_2")
     fuses_gate_up = True
@@ -264,6 +253,7 @@ class NVFP4(Format):
     # margin, far below what a broken scale or nibble order gives (relative error ~1).
     max_rel_error = 0.18
     min_cosine = 0.98
+    _group_bits = {"NVFP4": (4, 4), "W4A16_NVFP4": (4, None)}  # ModelOpt 0.47 convert_hf_config.py
 
     def out_specs(self, shape, dtype=torch.bfloat16, activation_scale=True):
         shape = tuple(shape)
@@ -297,21 +287,6 @@ class NVFP4(Format):
         s2 = _global_scale(g, name)
         packed, scale = _nvfp4_cpu(w, s2, name) if w.device.type == "cpu" else _nvfp4_torch(w, s2, name)
         return _tensors(tuple(w.shape), packed, scale, s2, input_amax, name)
-
-    def requantize(self, tensors, source, *, input_amax=None, name=""):
-        """From MXFP8 on CPU, the bytes are read once: the global amax from the blocks of the
-        largest exponents (`mxfp8.amax_before_reading`, exact), then each chunk decoded and
-        quantized while it is in the cache, no fp32 copy of the weight made. Bit-identical to
-        quantizing the dequantized weight (tests/test_formats.py)."""
-        if not isinstance(source, MXFP8) or tensors["weight"].device.type != "cpu":
-            return super().requantize(tensors, source, input_amax=input_amax, name=name)
-        q, e8, shape = stored_bytes(tensors)
-        g = amax_before_reading(q, e8)
-        if not np.isfinite(g):
-            raise _nonfinite(name)
-        s2 = _global_scale(g, name)
-        packed, scale = _nvfp4_from_mxfp8(q, e8, s2, name)
-        return _tensors(shape, packed, scale, s2, input_amax, name)
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``e2m1(weight) * (fp32(weight_scale) * weight_scale_2)`` per 16-block, in fp32, then cast

@@ -423,7 +423,7 @@ def original_name(hf: str) -> str:
 
 # --------------------------------------------------------------------------- what a name is
 # (regex on the original name, part); `layout.TensorName` records with the legacy parts where
-# one exists. Stacked experts: projection "w13" / "w2", suffix as formats.stacked writes it.
+# one exists. Stacked experts: projection "w13" / "w2", suffix as export.inkling writes it.
 _L = r"model\.llm\.layers\.(?P<layer>\d+)\."
 _EXPERT_SUFFIX = r"(?P<suffix>weight(?:_scale|_amax|_outer_scale_denominator|\.input_amax)?)"
 _RULES = [(re.compile(p), part) for p, part in [

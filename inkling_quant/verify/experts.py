@@ -4,7 +4,7 @@ holds the quantization configs to, and `numerics[layer L]`.
 The checkpoint's layout is detected once from its tensor names (layout.detect: the text prefix,
 where the routed experts are and how they are stored). The storage says what each layer's
 experts are, asked of the format for that storage:
-  interleaved  Inkling's stacked form `<module>.w13_*` / `w2_*` (formats.stacked.projection_specs)
+  interleaved  Inkling's stacked form `<module>.w13_*` / `w2_*` (export.inkling.projection_specs)
   per_expert   ModelOpt's export form (and a BF16 source's): `<module>.<e>.<proj>.<suffix>` under
                the family's projection names (Format.out_tensors)
   stacked      transformers' fused `gate_up_proj` / `down_proj`, unquantized only
@@ -23,7 +23,7 @@ converter's record) must agree with the tensors; the config check names a declar
 disagrees.
 
 `numerics` compares each sampled expert's quantized modules (ModelOpt's per-expert tensors, or
-its slices of the stacked ones: formats.stacked.unstack_expert) with the source expert's weights,
+its slices of the stacked ones: export.inkling.unstack_expert) with the source expert's weights,
 read for the source's storage (`_source_expert`)."""
 from __future__ import annotations
 

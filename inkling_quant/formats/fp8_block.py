@@ -1,0 +1,181 @@
+"""FP8 E4M3 with one fp32 scale per 128x128 tile: the weight format of DeepSeek-V3's release and
+of the checkpoints that copy its layout. A *source* format (`source_only`): read, checked,
+dequantized and requantized into a format we write; never written, so it is registered in
+formats.SOURCE_FORMATS, not formats.FORMATS (which schemes, `formats.detect`, value rules and
+quant_algo lookups iterate).
+
+Tensors for a weight ``W [M, N]`` (``[..., M, N]`` also accepted):
+
+====================  =============  ===================================  =======================
+suffix                dtype          shape                                value
+====================  =============  ===================================  =======================
+``weight``            float8_e4m3fn  ``[..., M, N]``                      ``e4m3(W / s)``
+``weight_scale_inv``  float32        ``[..., ceil(M/128), ceil(N/128)]``  ``s``, one per tile
+====================  =============  ===================================  =======================
+
+Edge tiles are partial (the grid is a ceiling; deepseek-ai/DeepSeek-V3 at commit 0623163, inference/kernel.py
+`weight_dequant` launches ``cdiv(M, 128) x cdiv(N, 128)`` programs and masks the edges). Despite
+its name ``weight_scale_inv`` is the multiplier: **dequantize** is ``fp32(weight) * s`` of the
+element's tile, computed in fp32 (`weight_dequant_kernel`: ``x = load(...).to(float32)``,
+``y = x * s``), returned in fp32 or cast to the dtype asked for (DeepSeek stores ``y`` in the
+default dtype, bf16 in its inference/generate.py).
+
+**quantize** (for tests and completeness: releases come quantized) follows DeepSeek's
+`weight_quant_kernel` in the same file: per tile ``s = fp32(max |w|) / 448`` in fp32, values
+``e4m3(fp32(w) / s)`` (round to nearest even). Two choices where that kernel writes a scale no
+reader can use: an all-zero tile takes ``s = 1.0`` (DeepSeek computes 0/0 = NaN; our NVFP4 makes
+the same choice), and a tile whose ``amax / 448`` is below `base.MIN_INVERTIBLE_SCALE` (only
+deep-subnormal tiles, amax < ~1.3e-36) takes that scale, so every scale is finite, > 0 and has a
+finite fp32 reciprocal. There is no floor of 1e-4 on the amax: that floor belongs to the FP8
+*activation* quantizer of later DeepSeek code (deepseek-ai/DeepSeek-V3.2-Exp inference/kernel.py
+`act_quant_kernel`), and on weights it would move every small tile's scale off weight_quant's rule.
+
+No ModelOpt quant_algo: nvidia-modelopt 0.47.0 names block-FP8 weight-only ``FP8_PB_WO``
+(modelopt/torch/export/model_config.py), but its HF export registers that block scale as
+``weight_scale`` (modelopt/torch/export/unified_export_hf.py) and
+modelopt/torch/export/convert_hf_config.py has no config_groups entry for it, so this layout,
+DeepSeek's, is not what a config naming FP8_PB_WO describes.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from ..errors import FormatError
+from ._cpu import _E4M3_TO_F32, _check_dtype, _nonfinite, _where
+from .base import MIN_INVERTIBLE_SCALE, Format, OutSpec
+
+__all__ = ["FP8Block", "TILE", "E4M3_MAX", "SCALE_SUFFIX"]
+
+TILE = 128                 # rows and cols of the elements one scale covers
+E4M3_MAX = 448.0           # largest float8_e4m3fn magnitude
+SCALE_SUFFIX = "weight_scale_inv"
+_E4M3_VALUES = torch.from_numpy(_E4M3_TO_F32)  # byte -> fp32 value; 0x7F and 0xFF are NaN
+
+
+def _tiles(x: torch.Tensor, fill=0) -> torch.Tensor:
+    """`x [..., M, N]` padded with `fill` to whole tiles, viewed ``[..., ceil(M/128), 128,
+    ceil(N/128), 128]`` (zeros leave every tile maximum as it is)."""
+    *lead, m, n = x.shape
+    gm, gn = -(-m // TILE), -(-n // TILE)
+    if (gm * TILE, gn * TILE) != (m, n):
+        padded = x.new_full((*lead, gm * TILE, gn * TILE), fill)
+        padded[..., :m, :n] = x
+        x = padded
+    return x.contiguous().reshape(*lead, gm, TILE, gn, TILE)
+
+
+def _untile(t: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """The inverse of `_tiles`: ``[..., M, N]``, the padding cropped."""
+    *lead, gm, _, gn, _ = t.shape
+    return t.reshape(*lead, gm * TILE, gn * TILE)[..., :m, :n].contiguous()
+
+
+def _scale_name(name: str) -> str:
+    """The checkpoint name of the scale beside the weight `name` (`<module>.weight_scale_inv`)."""
+    if not name:
+        return ""
+    return f"{name[: -len('.weight')]}.{SCALE_SUFFIX}" if name.endswith(".weight") else f"{name}_scale_inv"
+
+
+class FP8Block(Format):
+    """FP8 E4M3 weights, one fp32 multiplier per 128x128 tile (DeepSeek-V3's release)."""
+
+    name = "fp8_block"
+    quant_algo = None          # see the module doc: not ModelOpt's FP8_PB_WO layout
+    quant_algos = ()
+    suffixes = ("weight", SCALE_SUFFIX)
+    block_shape = (TILE, TILE)
+    partial_tiles = True
+    source_only = True
+    # no verify thresholds (base: nothing passes): verify never checks a checkpoint written in a
+    # source-only format
+
+    def out_specs(self, shape, dtype=torch.bfloat16, activation_scale=True):
+        shape = tuple(shape)
+        return {"weight": OutSpec(shape, torch.float8_e4m3fn),
+                SCALE_SUFFIX: OutSpec(self.scale_shape(shape), torch.float32)}
+
+    def quantize(self, weight, *, global_amax=None, input_amax=None, name: str = ""):
+        """suffix -> tensor (the module doc's rule). ``global_amax`` and ``input_amax`` do not
+        apply (no global scale, no activation scale) and are ignored. Raises FormatError for a
+        weight of fewer than two dims, another dtype, or NaN/Inf."""
+        _check_dtype(weight, self.name, name)
+        self.check_shape(weight.shape, name)
+        w = weight.detach().to(torch.float32)  # exact for bf16/fp16
+        if not bool(torch.isfinite(w).all()):
+            raise _nonfinite(name)
+        m, n = w.shape[-2:]
+        t = _tiles(w)
+        amax = t.abs().amax(dim=(-3, -1))
+        scale = torch.where(amax == 0, torch.ones_like(amax),
+                            (amax / E4M3_MAX).clamp(min=MIN_INVERTIBLE_SCALE))
+        q = (t / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        return {"weight": _untile(q, m, n), SCALE_SUFFIX: scale}
+
+    def _stored(self, tensors: Mapping[str, torch.Tensor], name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight as float8_e4m3fn, weight_scale_inv) of stored tensors, their dtypes and the
+        scale grid's shape checked against the weight's (FormatError naming the tensor)."""
+        if "weight" not in tensors or SCALE_SUFFIX not in tensors:
+            raise FormatError(f"{_where(name)}fp8_block needs weight and {SCALE_SUFFIX}, got {sorted(tensors)}",
+                              tensor=name or None)
+        w, s = tensors["weight"], tensors[SCALE_SUFFIX]
+        if w.dtype == torch.uint8:
+            w = w.view(torch.float8_e4m3fn)
+        if w.dtype != torch.float8_e4m3fn:
+            raise FormatError(f"{_where(name)}fp8_block weight must be float8_e4m3fn, got {w.dtype}",
+                              tensor=name or None)
+        self.check_shape(tuple(w.shape), name)
+        want, sname = self.scale_shape(tuple(w.shape)), _scale_name(name)
+        if s.dtype != torch.float32 or tuple(s.shape) != want:
+            raise FormatError(f"{_where(sname)}{SCALE_SUFFIX} is {s.dtype} {tuple(s.shape)}; a weight of shape "
+                              f"{tuple(w.shape)} needs float32 {want} (one scale per {TILE}x{TILE} tile, "
+                              f"edge tiles partial)", tensor=sname or None)
+        return w, s
+
+    def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``fp32(weight) * weight_scale_inv`` of each element's tile, in fp32, then cast to
+        ``dtype`` (DeepSeek-V3 inference/kernel.py `weight_dequant_kernel`)."""
+        w, s = self._stored(tensors)
+        m, n = w.shape[-2:]
+        deq = _tiles(w.to(torch.float32)) * s.to(w.device)[..., :, None, :, None]
+        return _untile(deq, m, n).to(dtype)
+
+    def amax(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """From the bytes: per tile the largest magnitude byte (e4m3 magnitudes order as their
+        bytes; 0x7F is NaN, the largest) times |scale|, exact since rounding keeps that order;
+        NaN where the dequantized weight holds one (a NaN byte or scale, 0 x Inf), else Inf where
+        it does (an infinite scale, overflow), as ``dequantize(tensors).abs().amax()``."""
+        w, s = self._stored(tensors)
+        if w.numel() == 0:
+            return torch.zeros((), dtype=torch.float32)
+        mag, s = w.view(torch.uint8) & 0x7F, s.to(w.device).abs()
+        per_tile = _E4M3_VALUES.to(w.device)[_tiles(mag).amax(dim=(-3, -1)).long()] * s
+        if bool(torch.isinf(s).any()):  # a zero in a tile of infinite scale is 0 x Inf = NaN
+            zero = _tiles(mag, fill=0x7E).amin(dim=(-3, -1)) == 0
+            per_tile = torch.where(zero & torch.isinf(s), torch.full_like(s, float("nan")), per_tile)
+        return per_tile.amax()
+
+    def check_stored(self, tensors: Mapping[str, torch.Tensor], name: str = "") -> None:
+        """FormatError naming the tensor unless stored tensors are a valid weight: dtypes and the
+        scale grid's shape, no NaN byte (0x7F/0xFF; e4m3fn has no Inf), every scale finite and
+        > 0, and no value past the fp32 range once dequantized."""
+        w, s = self._stored(tensors, name)
+        nan = (w.view(torch.uint8) & 0x7F) == 0x7F
+        if bool(nan.any()):
+            at = tuple(int(i) for i in nan.nonzero()[0])
+            raise FormatError(f"{_where(name)}holds {int(nan.sum())} NaN e4m3 byte(s), the first at {at}",
+                              tensor=name or None)
+        bad = ~torch.isfinite(s) | (s <= 0)
+        if bool(bad.any()):
+            sname = _scale_name(name)
+            at = tuple(int(i) for i in bad.nonzero()[0])
+            raise FormatError(f"{_where(sname)}{int(bad.sum())} scale(s) not finite and > 0, the first "
+                              f"{float(s[at]):g} at tile {at}", tensor=sname or None)
+        if not bool(torch.isfinite(self.amax(tensors))):
+            raise FormatError(f"{_where(name)}dequantizes past the fp32 range (a scale too large)",
+                              tensor=name or None)
+
+    def value_rule(self, suffix):
+        return "positive" if suffix == SCALE_SUFFIX else None
