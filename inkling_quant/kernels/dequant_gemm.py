@@ -27,10 +27,11 @@ import torch
 from ..errors import KernelError
 from ..formats import mxfp8, nvfp4
 from . import gemm_kernels as gk
+from . import paths as _paths
 from . import reference as _ref
 from .launch_table import LaunchConfig, launch_config
 from .paths import (DECODE_MAX_M, PATH_BF16_MMA, PATH_INTERPRETER, PATH_REFERENCE, PATH_SM100, PATH_SPLITK,
-                    PATHS, backend, backend_note, device_facts, interpreted, path_for, resolve_path,
+                    PATHS, backend, backend_note, device_facts, path_for, resolve_path,
                     select_path)
 from .triton_ops import triton
 
@@ -55,7 +56,7 @@ NVFP4_MIN_SCALE = nvfp4.MIN_BLOCK_SCALE
 # ----------------------------------------------------------------------------------------------
 def choose_config(path: str, fmt: str, kind: str, n: int, k: int, m: int, device: torch.device) -> LaunchConfig:
     """The launch config for this process and device (launch_table.launch_config)."""
-    if interpreted() or device.type != "cuda":
+    if _paths.interpreted() or device.type != "cuda":
         return launch_config(path, fmt, kind, n, k, m, interpreted=True)
     cap, sms, _ = device_facts(device.index if device.index is not None else torch.cuda.current_device())
     return launch_config(path, fmt, kind, n, k, m, capability=cap, sm_count=sms)
@@ -64,7 +65,7 @@ def choose_config(path: str, fmt: str, kind: str, n: int, k: int, m: int, device
 def tile_config(path: str, rows_per_tile: int, K: int, N: int = 4608, fmt: str = "nvfp4") -> dict:
     """The heuristic (or interpreter) launch config as the old dict of Triton meta-parameters:
     BLOCK_M/N/K, SPLIT_K, INNER, num_warps, num_stages."""
-    cfg = launch_config(path, fmt, "dense", N, K, rows_per_tile, interpreted=interpreted())
+    cfg = launch_config(path, fmt, "dense", N, K, rows_per_tile, interpreted=_paths.interpreted())
     return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
                 INNER=cfg.inner, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -74,7 +75,7 @@ def _inner_code(path: str, cfg: LaunchConfig) -> int:
         return gk.INNER_DOT_SCALED
     if cfg.inner == "fma":
         return gk.INNER_FMA
-    if path == PATH_INTERPRETER or interpreted():
+    if path == PATH_INTERPRETER or _paths.interpreted():
         return gk.INNER_DOT_F32
     return gk.INNER_DOT_BF16
 
@@ -190,7 +191,7 @@ def run_gemm(x: torch.Tensor, qw: QuantWeight, rows: Rows, out: torch.Tensor, cf
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         FMT=gk.FMT_NVFP4 if qw.fmt == "nvfp4" else gk.FMT_MXFP8, INNER=inner, ROWS=rows.mode,
         X_ROW_DIV=rows.x_row_div, EPU=epu, EVEN_K=qw.k % cfg.block_k == 0,
-        ROUND_BF16=interpreted() and out.dtype == torch.bfloat16,
+        ROUND_BF16=_paths.interpreted() and out.dtype == torch.bfloat16,
         SB=qw.scale_block, VMAX=E2M1_MAX if qw.fmt == "nvfp4" else E4M3_MAX, SMAX=E4M3_MAX, SMIN=NVFP4_MIN_SCALE,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -207,10 +208,10 @@ def split_layout(k: int, cfg: LaunchConfig) -> tuple[int, int]:
 def reduce_splits(partials: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """y = partials.sum(0) in fixed order (deterministic split-K), stored in y's dtype."""
     s, r, n = partials.shape
-    br, bn = (16, 256) if interpreted() else (16, 128)
+    br, bn = (16, 256) if _paths.interpreted() else (16, 128)
     gk._splitk_sum_kernel[(triton.cdiv(r, br), triton.cdiv(n, bn))](
         partials, y, r, n, s, partials.stride(0), partials.stride(1), y.stride(0),
-        BLOCK_R=br, BLOCK_N=bn, ROUND_BF16=interpreted() and y.dtype == torch.bfloat16)
+        BLOCK_R=br, BLOCK_N=bn, ROUND_BF16=_paths.interpreted() and y.dtype == torch.bfloat16)
     return y
 
 

@@ -51,8 +51,8 @@ class LaunchConfig:
             why.append(f"inner must be one of {INNERS}, got {self.inner!r}")
         if self.inner == "dot" and min(self.block_m, self.block_n, self.block_k) < 16:
             why.append("tl.dot needs block_m, block_n and block_k >= 16")
-        if self.block_k < 2 * scale_block:
-            why.append(f"block_k must be >= {2 * scale_block} (two scale blocks: 16-byte NVFP4 rows)")
+        if self.block_k < max(scale_block, 16):
+            why.append(f"block_k must be >= {max(scale_block, 16)} (whole scale blocks and int32 words)")
         if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1:
             why.append("split_k, num_warps and num_stages must be >= 1")
         if why:
@@ -145,9 +145,10 @@ def interpreter_config(path: str, fmt: str, kind: str, n: int, k: int, m: int) -
     otherwise), no split-K (tests ask for it explicitly)."""
     sb = 16 if fmt == "nvfp4" else 32
     bk = _pow2_clamp(k, 2 * sb, 512)
+    bn = min(_pow2_clamp(n, 16, 1024), _pow2_clamp(131072 // bk, 128, 1024))  # ~64-128 Ki weights a step
     if path == PATH_SPLITK and m <= 2:
-        return LaunchConfig(_pow2_clamp(m, 1, 2), 128, bk, 1, "fma", 4, 1).check(sb)
-    return LaunchConfig(_pow2_clamp(m, 16, 64), 128 if n <= 128 else 256, bk, 1, "dot", 4, 1).check(sb)
+        return LaunchConfig(_pow2_clamp(m, 1, 2), bn, bk, 1, "fma", 4, 1).check(sb)
+    return LaunchConfig(_pow2_clamp(m, 16, 64), bn, bk, 1, "dot", 4, 1).check(sb)
 
 
 def table_file() -> Path:
@@ -216,3 +217,17 @@ def heuristic_table(capability=(9, 0), sm_count: int = 132, device: str = "NVIDI
                                                    f"heuristic (not measured; {sm_count} SMs assumed)"))
     return dict(version=1, device=device, note="regenerate with tools/gpu_check.sh --tune on that GPU",
                 entries=entries)
+
+
+def write_table(table: dict, path: Path) -> None:
+    """Write a table as JSON with one entry per line (reviewable diffs when it is regenerated)."""
+    head = {k: v for k, v in table.items() if k != "entries"}
+    lines = ["{"] + [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()] + [' "entries": [']
+    entries = table["entries"]
+    lines += ["  " + json.dumps(e) + ("," if i < len(entries) - 1 else "") for i, e in enumerate(entries)]
+    Path(path).write_text("\n".join(lines + [" ]", "}"]) + "\n")
+
+
+if __name__ == "__main__":  # python -m inkling_quant.kernels.launch_table: rewrite the heuristic table
+    write_table(heuristic_table(), TABLE_FILE)
+    print(f"wrote {TABLE_FILE}")
