@@ -20,27 +20,29 @@ ULP_BF16 = 2.0 ** -7  # bf16 spacing relative to the value (upper bound)
 
 
 def random_encoded(fmt: str, experts: int | None, n: int, k: int, device="cpu", seed: int = 0) -> dict:
-    """Valid checkpoint tensors by suffix, filled at random: every e2m1 code / finite e4m3 value
-    (NaN codes replaced by 0), NVFP4 block scales in [0.5, 2.5) as e4m3 and weight_scale_2
-    around 1e-3, MXFP8 e8m0 exponents 118..123. experts None: one [n, k] matrix. Stacks of more
-    than 8 experts repeat 8 experts' weight bytes (cheap to make at 384 experts) under scales
-    drawn for every expert, so that each expert still computes something different."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    """Valid checkpoint tensors by suffix, filled at random on `device`: every e2m1 code / finite
+    e4m3 value (NaN codes replaced by 0), NVFP4 block scales in [0.5, 2.5) as e4m3 and
+    weight_scale_2 around 1e-3, MXFP8 e8m0 exponents 118..123. experts None: one [n, k] matrix.
+    Stacks of more than 8 experts repeat 8 experts' weight bytes (cheap at 384 experts) under
+    scales drawn for every expert, so that each expert still computes something different."""
+    g = torch.Generator(device=device).manual_seed(seed)
     lead = (experts,) if experts else ()
     uniq = (min(experts, 8),) if experts else ()
 
     def tiled(t):
         return t.repeat(-(-experts // uniq[0]), *([1] * (t.dim() - 1)))[:experts] if experts else t
 
+    def randint(lo, hi, shape):
+        return torch.randint(lo, hi, shape, dtype=torch.uint8, generator=g, device=device)
+
     if fmt == "nvfp4":
-        w = tiled(torch.randint(0, 256, (*uniq, n, k // 2), dtype=torch.uint8, generator=g))
-        s = (torch.rand(*lead, n, k // 16, generator=g) * 2 + 0.5).to(torch.float8_e4m3fn)
-        s2 = 1e-3 * (1 + torch.rand(lead, generator=g))
-        return {"weight": w.to(device), "weight_scale": s.to(device), "weight_scale_2": s2.to(device)}
-    b = torch.randint(0, 256, (*uniq, n, k), dtype=torch.uint8, generator=g)
+        w = tiled(randint(0, 256, (*uniq, n, k // 2)))
+        s = (torch.rand(*lead, n, k // 16, generator=g, device=device) * 2 + 0.5).to(torch.float8_e4m3fn)
+        s2 = 1e-3 * (1 + torch.rand(lead, generator=g, device=device))
+        return {"weight": w, "weight_scale": s, "weight_scale_2": s2}
+    b = randint(0, 256, (*uniq, n, k))
     b = tiled(torch.where((b & 0x7F) == 0x7F, torch.zeros_like(b), b))  # no NaN codes
-    e8 = torch.randint(118, 124, (*lead, n, k // 32), dtype=torch.uint8, generator=g)
-    return {"weight": b.view(torch.float8_e4m3fn).to(device), "weight_scale": e8.to(device)}
+    return {"weight": b.view(torch.float8_e4m3fn), "weight_scale": randint(118, 124, (*lead, n, k // 32))}
 
 
 def dequantized(fmt: str, tensors: dict, expert: int | None = None) -> torch.Tensor:
@@ -92,12 +94,13 @@ def moe_bound(fmt: str, x, topk_ids, topk_weights, gate_up: dict, down: dict, ou
     combine's roundings (2*top_k*u*sum|w_k y_k|) and a bf16 output rounding."""
     g2 = 2.0 if gpu else 1.0
     T, top_k = topk_ids.shape
-    xf = x.double().cpu()
-    tol = torch.zeros(T, down["weight"].shape[-2], dtype=torch.float64)
+    dev = x.device
+    xf = x.double()
+    tol = torch.zeros(T, down["weight"].shape[-2], dtype=torch.float64, device=dev)
     mag = torch.zeros_like(tol)
     for e in torch.unique(topk_ids).tolist():
-        t_idx, k_idx = torch.where(topk_ids.cpu() == e)
-        w13, w2 = dequantized(fmt, gate_up, e).double().cpu(), dequantized(fmt, down, e).double().cpu()
+        t_idx, k_idx = torch.where(topk_ids.to(dev) == e)
+        w13, w2 = dequantized(fmt, gate_up, e).double().to(dev), dequantized(fmt, down, e).double().to(dev)
         inter = w13.shape[0] // 2
         gu = (xf[t_idx] @ w13.T).float()
         a1 = xf[t_idx].abs() @ w13.abs().T
@@ -109,7 +112,7 @@ def moe_bound(fmt: str, x, topk_ids, topk_weights, gate_up: dict, down: dict, ou
         hb = h.to(torch.bfloat16).double()
         a2 = hb.abs() @ w2.abs().T
         ek = (2 * inter + 8) * U32 * a2 * g2 + dH @ w2.abs().T
-        wk = topk_weights.double().cpu()[t_idx, k_idx].abs()[:, None]
+        wk = topk_weights.double().to(dev)[t_idx, k_idx].abs()[:, None]
         tol.index_add_(0, t_idx, wk * ek)
         mag.index_add_(0, t_idx, wk * (hb @ w2.T).abs())
     tol = tol + 2 * top_k * U32 * mag

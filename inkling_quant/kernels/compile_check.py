@@ -26,7 +26,7 @@ _ARGS_PTR = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "ws2_ptr": "*fp3
              "p_ptr": "*fp32", "tw_ptr": "*fp32"}
 # integer arguments the runtime specializes as multiples of 16 at the real shapes (strides of
 # 4608- and 2304-wide rows, K and N): the divisibility the vectorizer relies on
-_DIV16 = {"N", "K", "k_per_split", "stride_xm", "stride_we", "stride_wn", "stride_se", "stride_sn",
+_DIV16 = {"N", "K", "stride_xm", "stride_we", "stride_wn", "stride_se", "stride_sn",
           "stride_os", "stride_om", "stride_ps", "stride_pm", "stride_ym", "stride_hm", "I"}
 
 

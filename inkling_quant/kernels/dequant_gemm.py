@@ -184,7 +184,7 @@ def run_gemm(x: torch.Tensor, qw: QuantWeight, rows: Rows, out: torch.Tensor, cf
     gk._dequant_gemm_kernel[grid](
         x, wv, qw.ws, dummy, as2, out, idx,
         rows.rows if rows.rows is not None else idx, rows.end if rows.end is not None else idx,
-        rows.valid, qw.n, qw.k, k_per_split,
+        rows.valid, qw.n, qw.k, k_per_split // cfg.block_k,
         x.stride(0), wv.stride(0) if qw.stacked else 0, wv.stride(-2),
         qw.ws.stride(0) if qw.stacked else 0, qw.ws.stride(-2),
         out.stride(0) if out.dim() == 3 else 0, out.stride(-2),

@@ -57,6 +57,11 @@ if triton is not None:
         return e, x_rows, rows, mask
 
     @triton.jit
+    def _step_inside(k0, k_hi, W: tl.constexpr):
+        """[1, W] all equal to k0 < k_hi (a mask constant along K keeps loads vectorized)."""
+        return (tl.zeros((1, W), dtype=tl.int32) + k0) < k_hi
+
+    @triton.jit
     def _load_weight(w_base, s_base, k0, k_hi, n_mask, BLOCK_K: tl.constexpr, EPU: tl.constexpr,
                      SB: tl.constexpr, EVEN_K: tl.constexpr):
         """One K step of weight units [BN, BK/EPU] (EPU elements per unit: int32 words of 8 e2m1 /
@@ -67,9 +72,11 @@ if triton is not None:
         # EPU / SB hides the 16-byte alignment the vectorizer needs
         offs_b = tl.multiple_of(k0 // EPU, BLOCK_K // EPU) + tl.arange(0, BLOCK_K // EPU)
         offs_s = tl.multiple_of(k0 // SB, BLOCK_K // SB) + tl.arange(0, BLOCK_K // SB)
-        if EVEN_K:
-            wb = tl.load(w_base + offs_b[None, :], mask=n_mask[:, None], other=0)
-            sb = tl.load(s_base + offs_s[None, :], mask=n_mask[:, None], other=0)
+        if EVEN_K:  # whole steps: only "is this step inside the slice", uniform along K
+            wb = tl.load(w_base + offs_b[None, :], mask=n_mask[:, None] & _step_inside(k0, k_hi, BLOCK_K // EPU),
+                         other=0)
+            sb = tl.load(s_base + offs_s[None, :], mask=n_mask[:, None] & _step_inside(k0, k_hi, BLOCK_K // SB),
+                         other=0)
         else:
             wb = tl.load(w_base + offs_b[None, :], mask=n_mask[:, None] & (offs_b < k_hi // EPU)[None, :], other=0)
             sb = tl.load(s_base + offs_s[None, :], mask=n_mask[:, None] & (offs_s < k_hi // SB)[None, :], other=0)
@@ -80,7 +87,7 @@ if triton is not None:
         """(K offsets of step k0, their mask)."""
         offs_k = tl.multiple_of(k0, BLOCK_K) + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            k_mask = offs_k >= 0
+            k_mask = tl.reshape(_step_inside(k0, k_hi, BLOCK_K), (BLOCK_K,))
         else:
             k_mask = offs_k < k_hi
         return offs_k, k_mask
@@ -140,7 +147,7 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _tile_loop(x_ptr, x_rows, m_mask, stride_xm, w_base, s_base, n_mask, k_lo, k_hi, a_s2,
+    def _tile_loop(x_ptr, x_rows, m_mask, stride_xm, w_base, s_base, n_mask, k_lo, k_hi, steps, a_s2,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
                    INNER: tl.constexpr, EPU: tl.constexpr, EVEN_K: tl.constexpr, SB: tl.constexpr, VMAX: tl.constexpr,
                    SMAX: tl.constexpr, SMIN: tl.constexpr):
@@ -148,7 +155,8 @@ if triton is not None:
         interpreter, bf16 on GPUs) or tl.dot_scaled (sm100)."""
         x_base = x_ptr + x_rows[:, None].to(tl.int64) * stride_xm
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for step in range(0, steps):  # trip count from an argument: any Triton, interpreter included
+            k0 = k_lo + step * BLOCK_K
             offs_k, k_mask = _offs_k(k0, k_hi, BLOCK_K, EVEN_K)
             x = tl.load(x_base + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             wb, sb = _load_weight(w_base, s_base, k0, k_hi, n_mask, BLOCK_K, EPU, SB, EVEN_K)
@@ -163,7 +171,7 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _fma_loop(x_ptr, x_rows, m_mask, stride_xm, w_base, s_base, n_mask, k_lo, k_hi,
+    def _fma_loop(x_ptr, x_rows, m_mask, stride_xm, w_base, s_base, n_mask, k_lo, k_hi, steps,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
                   EPU: tl.constexpr, EVEN_K: tl.constexpr, SB: tl.constexpr):
         """GEMV style for 1 or 2 rows, in the weight tile's own layout: per scale block an exact
@@ -175,7 +183,8 @@ if triton is not None:
         x_base = x_ptr + x_rows[None, :].to(tl.int64) * stride_xm  # [1, BM]: x loaded as [BK, BM]
         acc0 = tl.zeros((BLOCK_N, BLOCK_K // SB), dtype=tl.float32)
         acc1 = tl.zeros((BLOCK_N, BLOCK_K // SB), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for step in range(0, steps):  # trip count from an argument: any Triton, interpreter included
+            k0 = k_lo + step * BLOCK_K
             offs_k, k_mask = _offs_k(k0, k_hi, BLOCK_K, EVEN_K)
             xt = tl.load(x_base + offs_k[:, None], mask=k_mask[:, None] & m_mask[None, :], other=0.0).to(tl.float32)
             wb, sb = _load_weight(w_base, s_base, k0, k_hi, n_mask, BLOCK_K, EPU, SB, EVEN_K)
@@ -197,7 +206,7 @@ if triton is not None:
     def _dequant_gemm_kernel(
         x_ptr, w_ptr, ws_ptr, ws2_ptr, as2_ptr, out_ptr,
         blk_expert_ptr, blk_rows_ptr, blk_end_ptr,
-        M, N, K, k_per_split,
+        M, N, K, steps_per_split,
         stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_os, stride_om,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         FMT: tl.constexpr, INNER: tl.constexpr, ROWS: tl.constexpr, X_ROW_DIV: tl.constexpr,
@@ -216,13 +225,14 @@ if triton is not None:
             w_base = w_ptr + e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
             s_base = ws_ptr + e64 * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
             a_s2 = tl.load(as2_ptr)  # per-tensor activation scale (sm100 NVFP4 only)
-            k_lo = pid_k * k_per_split
-            k_hi = tl.minimum(K, k_lo + k_per_split)
+            k_lo = pid_k * steps_per_split * BLOCK_K
+            k_hi = tl.minimum(K, k_lo + steps_per_split * BLOCK_K)
             if INNER == 0:
-                acc = _fma_loop(x_ptr, x_rows, m_mask, stride_xm, w_base, s_base, n_mask, k_lo, k_hi,
+                acc = _fma_loop(x_ptr, x_rows, m_mask, stride_xm, w_base, s_base, n_mask, k_lo, k_hi, steps_per_split,
                                 BLOCK_M, BLOCK_N, BLOCK_K, FMT, EPU, EVEN_K, SB)
             else:
-                acc = _tile_loop(x_ptr, x_rows, m_mask, stride_xm, w_base, s_base, n_mask, k_lo, k_hi, a_s2,
+                acc = _tile_loop(x_ptr, x_rows, m_mask, stride_xm, w_base, s_base, n_mask, k_lo, k_hi, steps_per_split,
+                                 a_s2,
                                  BLOCK_M, BLOCK_N, BLOCK_K, FMT, INNER, EPU, EVEN_K, SB, VMAX, SMAX, SMIN)
             # per-tensor factors, once per output: NVFP4's weight_scale_2 (and the activation
             # scale of W4A4); MXFP8's 2^8 taken out of the weights by _e4m3_words_to_f32
