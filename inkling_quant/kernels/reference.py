@@ -121,3 +121,50 @@ def nvfp4_w4a4_grouped_gemm(x, w_packed, w_scale, w_scale_2, expert_offsets, inp
 
 def mxfp8_w8a8_grouped_gemm(x, w, w_scale, expert_offsets):
     return mxfp8_grouped_gemm(fake_quant_mxfp8_activations(x), w, w_scale, expert_offsets)
+
+
+# --- the fused MoE layer --------------------------------------------------------------------------
+def softcap(z: torch.Tensor, cap: float) -> torch.Tensor:
+    """tanh(z / cap) * cap: transformers' Inkling2Softcap (models/inkling2/modeling_inkling2.py:776-783)."""
+    return torch.tanh(z / cap) * cap
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "softcapped-swiglu",
+                     gate_softcap: float = 4.0, up_softcap: float = 25.0) -> torch.Tensor:
+    """h in fp32 from fp32 gate / up. "softcapped-swiglu": Inkling2SoftcappedSwiGLU
+    (modeling_inkling2.py:794-797), softcap(gate, 4) * sigmoid(gate) * softcap(up, 25), the
+    sigmoid on the raw gate; "silu": silu(gate) * up."""
+    gate, up = gate.float(), up.float()
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    if activation == "softcapped-swiglu":
+        return softcap(gate, gate_softcap) * torch.sigmoid(gate) * softcap(up, up_softcap)
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def _expert(fmt: str, tensors, e: int) -> torch.Tensor:
+    """fp32 W [N, K] of expert e of stacked tensors (the format's suffixes)."""
+    one = {k: (v.reshape(-1)[e] if k == "weight_scale_2" else v[e]) for k, v in tensors.items()}
+    return _fmt(fmt).dequantize(one, torch.float32)
+
+
+def fused_moe(fmt: str, x, topk_ids, topk_weights, gate_up, down, *, activation: str = "softcapped-swiglu",
+              gate_softcap: float = 4.0, up_softcap: float = 25.0) -> torch.Tensor:
+    """fp32 [T, H]: for each token t and slot k, e = topk_ids[t, k]: gate_up = x[t] @ W13_e^T
+    (fp32; gate = its first half, up = the second, as chunk(2, dim=-1)), h = act(gate, up)
+    rounded to bf16, y = h @ W2_e^T (fp32); out[t] = sum over k = 0, 1, ... in order of
+    topk_weights[t, k] * y (fp32). Weights dequantized with inkling_quant.formats."""
+    T, top_k = topk_ids.shape
+    n_out = down["weight"].shape[-2]
+    ys = torch.zeros(T, top_k, n_out, dtype=torch.float32, device=x.device)
+    for e in torch.unique(topk_ids).tolist():
+        t_idx, k_idx = torch.where(topk_ids == e)
+        gu = matmul_ref(x[t_idx], _expert(fmt, gate_up, e))
+        inter = gu.shape[-1] // 2
+        h = gated_activation(gu[:, :inter], gu[:, inter:], activation, gate_softcap, up_softcap).to(torch.bfloat16)
+        ys[t_idx, k_idx] = matmul_ref(h, _expert(fmt, down, e))
+    out = torch.zeros(T, n_out, dtype=torch.float32, device=x.device)
+    w = topk_weights.float()
+    for k in range(top_k):
+        out += w[:, k, None] * ys[:, k]
+    return out
