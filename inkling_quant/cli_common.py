@@ -67,3 +67,11 @@ def human_bytes(n: float, digits: int = 1) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1000
     return str(n)  # pragma: no cover - the loop returns at TB
+
+
+def device(text: str) -> str:
+    """--device: `cpu`, `cuda` or `cuda:N` (what the converter and the kernels run on)."""
+    kind, sep, index = text.partition(":")
+    if (kind == "cpu" and not sep) or (kind == "cuda" and (not sep or (index.isascii() and index.isdigit()))):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: expected cpu, cuda or cuda:N")

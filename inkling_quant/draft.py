@@ -28,9 +28,9 @@ from .formats import FORMATS
 from .io.checkpoint import HF_QUANT_CONFIG, INDEX_NAME, Checkpoint, read_json, safe_child, shard_name, write_json_atomic
 from .io.derive import carry_checksums, copy_other_files, rewrite_shard, source_checksums
 from .io.output import CHECKSUMS, check_paths, link_or_copy, staged_output, write_checksums, write_report
-from .io.safetensors import DTYPE_NAMES, ShardWriter, TensorBuffer, TensorEntry
+from .io.safetensors import DTYPE_NAMES, ShardWriter, TensorBuffer, TensorEntry, sha256_file
 from .io.shards import ShardReaders, plan_shards
-from .model.inkling2 import TEXT_PREFIX, Inkling2Config
+from .model.inkling2 import TEXT_PREFIX, Inkling2Config, transformers_name
 from .model.tensors import TensorSpec
 
 QUANT_CONFIG = HF_QUANT_CONFIG
@@ -105,6 +105,15 @@ def draft_specs(dc: dict, source: str = "draft config.json") -> list[TensorSpec]
 
 
 # --------------------------------------------------------------------------- extract
+def _check_draft_shards(source: Source) -> None:
+    """The shards holding the draft still match the source's checksums.sha256 (where it has one):
+    a corrupt draft is refused, not extracted and blessed with fresh checksums."""
+    sums = source_checksums(source.ckpt.root)
+    for shard in dict.fromkeys(s for s, _ in source.draft):
+        if sums is not None and shard in sums and sha256_file(source.ckpt.root / shard) != sums[shard]:
+            raise CheckpointError(f"does not match {CHECKSUMS}: the shard is corrupt", path=source.ckpt.root / shard)
+
+
 def extract(src: str | Path, out: str | Path, *, overwrite: bool = False, progress: bool = False,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
     """Write the bundled DSpark drafter of SRC to OUT as a standalone checkpoint."""
@@ -112,10 +121,14 @@ def extract(src: str | Path, out: str | Path, *, overwrite: bool = False, progre
         raise UsageError(f"--max-shard-size must be positive, got {max_shard_bytes}")
     source = open_source(src)
     root, headers = source.ckpt.root, source.headers
-    shared = list(shared_tensor_names().values())
-    for name in shared:
-        if name not in source.ckpt.weight_map:
-            raise CheckpointError(f"the drafter shares the target's {name!r}, which the checkpoint lacks", path=root)
+    shared = []
+    for name in shared_tensor_names().values():  # under the checkpoint's naming: original, or transformers'
+        found = next((n for n in (name, transformers_name(name)) if n in source.ckpt.weight_map), None)
+        if found is None:
+            raise CheckpointError(f"the drafter shares the target's {name!r} ({transformers_name(name)!r} under "
+                                  f"transformers' names), which the checkpoint lacks", path=root)
+        shared.append(found)
+    _check_draft_shards(source)
     # vLLM's speculators config, verbatim; the names without the bundle's prefix
     dconf = source.config[dspark.CONFIG_KEY]
 

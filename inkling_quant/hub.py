@@ -61,8 +61,8 @@ def _snapshot(src: str, **patterns) -> Path:
 
     try:
         return Path(snapshot_download(repo, revision=rev or None, **patterns))
-    except Exception as e:
-        raise hub_error(src, e) from None
+    except Exception as e:  # it may be a mistyped local path: say that it is none either
+        raise hub_error(src, e, doing="no such local directory; as a hub repo id: ") from None
 
 
 def _quiet_client() -> None:

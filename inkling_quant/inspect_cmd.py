@@ -37,9 +37,9 @@ from .export.modelopt import format_of, read_quantization
 from .formats import FORMATS, SCALE_SUFFIXES
 from .formats import detect as detect_format
 from .export.inkling import projection_specs
-from .model.inkling2 import Inkling2Config, classify, experts_module
+from .model.inkling2 import Inkling2Config, checkpoint_tensors, classify, experts_module
 from .model.layout import Layout, MoEConfig, detect, model_config, oriented, text_prefix
-from .model.naming import original_names
+from .model.naming import ORIGINAL, original_names
 from .io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child
 from .io.output import check_paths, write_report
 from .io.safetensors import TensorEntry
@@ -64,10 +64,11 @@ class Summary:
     layout: str = "original"                                     # the published Inkling 2 layout, or a model_type
     detected: dict | None = None                                 # other families: the detected layout
     incomplete: list[str] = field(default_factory=list)         # expert layers missing modules
+    disagreeing: list[str] = field(default_factory=list)        # Inkling 2: tensors config.json requires, missing or reshaped
 
     @property
     def ok(self) -> bool:
-        return not self.unknown and not self.unrecognized and not self.mismatched and not self.incomplete
+        return not (self.unknown or self.unrecognized or self.mismatched or self.incomplete or self.disagreeing)
 
     def to_dict(self) -> dict:
         return {"checkpoint": self.root, "shards": self.shards, "file_bytes": self.file_bytes,
@@ -75,7 +76,7 @@ class Summary:
                 "expert_layers": self.expert_layers, "draft": self.draft,
                 "unknown_tensors": self.unknown, "unrecognized_modules": self.unrecognized,
                 "format_mismatches": self.mismatched, "layout": self.layout, "detected": self.detected,
-                "incomplete_layers": self.incomplete}
+                "incomplete_layers": self.incomplete, "disagreeing_tensors": self.disagreeing}
 
 
 def summarize(root: str | Path) -> Summary:
@@ -156,7 +157,31 @@ def _summarize(root: Path, ckpt: Checkpoint, cfg: Inkling2Config) -> Summary:
         per_layer[layer].add(label)
     _finish(s, parts, {i: (" + ".join(sorted(f)), t.n_routed_experts) for i, f in per_layer.items()},
             cfg.draft is not None)
+    s.incomplete += [f"{experts_module(i)}: no routed experts, config.json implies {t.n_routed_experts}"
+                     for i in range(t.num_hidden_layers) if i not in per_layer][:_LISTED]
+    s.disagreeing = _disagreeing(cfg, ORIGINAL, {e.name: tuple(e.shape) for e in entries
+                                                 if e.name not in s.unknown and classify(e.name).part != "expert"})
     return s
+
+
+_LISTED = 1000  # problems listed at most: a config claiming 4096 layers over 4 is one disagreement, not 4092 lines
+
+
+def _disagreeing(cfg: Inkling2Config, naming, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The checkpoint's tensors besides the routed experts (`shapes`: name -> shape) against what an
+    Inkling 2 config requires of them (its strict spec, under the checkpoint's naming): each one
+    missing, of another shape, or not in the spec (a vision tower with no vision_config): what
+    convert and verify refuse."""
+    out, spec = [], set()
+    for want in checkpoint_tensors(cfg, include_experts=False):
+        s = naming.spec(cfg, want)
+        spec.add(s.name)
+        got = shapes.get(s.name)
+        if got != s.shape and len(out) < _LISTED:
+            out.append(f"{s.name} ({'missing' if got is None else f'shape {list(got)}'}, config.json implies "
+                       f"{list(s.shape)})")
+    out += [f"{n} (not a tensor of config.json's layout)" for n in shapes if n not in spec][:_LISTED]
+    return out
 
 
 # ============================================================================ other families
@@ -210,7 +235,10 @@ def _summarize_moe(root: Path, ckpt: Checkpoint, config: MoEConfig | Inkling2Con
                                 f"implies {want}")
     n = {i: cfg.num_experts if lay.experts.stacked else len(c) for i, c in counts.items()}
     _finish(s, parts, {i: (" + ".join(sorted(f)), n[i]) for i, f in per_layer.items()},
-            isinstance(config, Inkling2Config) and config.draft is not None)
+            lay.naming is not None and config.draft is not None)
+    if lay.naming is not None:  # Inkling 2 under transformers' names: its strict spec applies
+        s.disagreeing = _disagreeing(config, lay.naming, {e.name: tuple(e.shape) for e in entries
+                                                          if lay.classify(e.name).part != "expert"})
     return s
 
 
@@ -313,7 +341,8 @@ def render(s: Summary) -> str:
     for what, items in (("tensor(s) outside the layout", s.unknown),
                         ("module(s) no format would write", s.unrecognized),
                         ("module(s) not in the format the quantization config declares", s.mismatched),
-                        ("expert layer(s) missing modules", s.incomplete)):
+                        ("expert layer(s) missing modules", s.incomplete),
+                        ("tensor(s) that disagree with config.json", s.disagreeing)):
         if items:
             out.append(f"{len(items)} {what}: " + "; ".join(items[:5]) + (" ..." if len(items) > 5 else ""))
     return "\n".join(printable(line) for line in out)  # a name read from a file cannot forge a line

@@ -75,6 +75,15 @@ class Scheme:
         return {"name": self.name, "description": self.description,
                 "rules": [{"part": r.part, "layers": r.layers_text(), "format": r.format} for r in self.rules]}
 
+    def keeping(self, fmt: str, n_layers: int) -> "Scheme":
+        """This scheme as applied to a source whose routed experts are stored in `fmt` (the MXFP8
+        release): the experts it leaves unquantized keep `fmt`. Absolute layers, so an output
+        records (`record`) the rules its tensors follow."""
+        rules = [Rule(r.part, rng.start, rng.stop, fmt if r.format == "passthrough" else r.format, absolute=True)
+                 for r in self.rules if len(rng := r.layers(n_layers))]
+        return Scheme(f"{self.name} (the source's {fmt} kept)", self.description,
+                      (*rules, Rule("expert", 0, ALL_LAYERS, fmt, absolute=True)))
+
     def table(self, cfg) -> list[dict]:
         rows = [{"part": r.part, "layers": _span(r.layers(cfg.num_hidden_layers)), "format": r.format,
                  "quant_algo": FORMATS[r.format].quant_algo} for r in self.rules]

@@ -121,7 +121,9 @@ def _hand_quantized(root: Path, weight_only: bool = False) -> Path:
 
 def test_hand_quantized_shard_and_missing_draft(tmp_path):
     s = inspect_cmd.summarize(_hand_quantized(tmp_path / "q"))
-    assert s.ok, (s.unknown, s.unrecognized, s.mismatched)
+    assert not (s.unknown or s.unrecognized or s.mismatched), (s.unknown, s.unrecognized, s.mismatched)
+    # a partial checkpoint (two expert layers, the embedding): what convert and verify refuse is listed
+    assert len(s.incomplete) == 46 and s.disagreeing and not s.ok
     assert [(r["first"], r["last"], r["format"], r["experts"]) for r in s.expert_layers] == [
         (0, 0, "nvfp4", 4), (47, 47, "mxfp8", 4)]
     assert s.draft == {"present": False, "tensors": 0, "bytes": 0, "expected_by_config": False}
@@ -131,7 +133,7 @@ def test_hand_quantized_shard_and_missing_draft(tmp_path):
 
 def test_weight_only_nvfp4_is_labelled(tmp_path):
     s = inspect_cmd.summarize(_hand_quantized(tmp_path / "wo", weight_only=True))
-    assert s.ok and s.expert_layers[0]["format"] == "nvfp4 (weight-only)"
+    assert not (s.unknown or s.unrecognized or s.mismatched) and s.expert_layers[0]["format"] == "nvfp4 (weight-only)"
 
 
 def test_unknown_tensors_and_unrecognized_modules(tmp_path):

@@ -16,6 +16,7 @@ hostile file) meets it.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from test_safety import Result, assert_refused, call, changes, tree_digest
+from test_safety import Result, _children, _cmdline, assert_refused, call, changes, tree_digest
 
 from inkling_quant.synth import write_checkpoint
 
@@ -86,7 +87,7 @@ def test_part_of_another_conversion_refused_on_finished_output(finished, tmp_pat
     r = call("convert", finished.parent / "src", out, "--default-activation-amax", "5", "--quiet", *SMALL_SHARDS,
              "--part", "1/2")  # another amax: the same names and sizes, other bytes
     assert_refused(r, 2)
-    assert "finished conversion with another" in r.err
+    assert "finished conversion of another source, or with another" in r.err
     assert not changes(before, tree_digest(out))
 
 
@@ -431,3 +432,203 @@ def test_expert_count_claim_is_bounded_by_the_files(src, tmp_path, command):
     assert time.perf_counter() - t0 < HANG_S
     assert r.rc == (1 if command == "verify" else 2), r.out + r.err
     assert "config.json" in r.out + r.err and "65536" in r.out + r.err or "they disagree" in r.out + r.err
+
+
+# =========================================================================== 10. the second hostile pass
+def _corrupt_last_byte(p: Path) -> None:
+    b = bytearray(p.read_bytes())
+    b[-3] ^= 1
+    p.write_bytes(bytes(b))
+
+
+@pytest.fixture(scope="module")
+def converted(base, src) -> Path:
+    out = base / "converted"
+    assert call("convert", src, out, *AMAX).rc == 0
+    return out
+
+
+def test_verify_report_into_the_checkpoint_refused(converted, tmp_path):
+    ck = _copy(converted, tmp_path / "ck")
+    before = tree_digest(ck)
+    for flag, name in (("--json", "config.json"), ("--junit", "model-00001-of-00001.safetensors")):
+        r = call("verify", ck, flag, ck / name, "--quiet")
+        assert_refused(r, 2)
+        assert "would be written into the source" in r.err
+    assert not changes(before, tree_digest(ck))
+
+
+@pytest.mark.parametrize("command", ["convert", "synth", "draft-extract", "draft-strip"])
+def test_report_into_the_output_refused_before_any_work(command, src, tmp_path):
+    out = tmp_path / "out"
+    argv = {"convert": ["convert", src, out, *AMAX], "synth": ["synth", out, "--preset", "tiny", "--quiet"],
+            "draft-extract": ["draft", "extract", src, out, "--quiet"],
+            "draft-strip": ["draft", "strip", src, out, "--quiet"]}[command]
+    r = call(*argv, "--json", out / "config.json")
+    assert_refused(r, 2)
+    assert "into the output" in r.err and not out.exists()
+    r = call(*argv, "--json", tmp_path / "no" / "such" / "dir" / "r.json")
+    assert_refused(r, 2)
+    assert "no such directory" in r.err and not out.exists()
+
+
+def test_draft_extract_checks_the_source_checksums(converted, tmp_path):
+    ck = _copy(converted, tmp_path / "ck")
+    _corrupt_last_byte(_shard(ck))  # the draft's tensors are last in the shard
+    r = call("draft", "extract", ck, tmp_path / "out", "--quiet")
+    assert_refused(r, 2)
+    assert _shard(ck).name in r.err and "corrupt" in r.err and not (tmp_path / "out").exists()
+
+
+def test_resume_on_a_finished_output_of_another_source_or_damaged(src, converted, tmp_path):
+    other = write_checkpoint(tmp_path / "other", "tiny", experts=4, seed=2)  # the same shapes, other weights
+    r = call("convert", other, _copy(converted, tmp_path / "a"), *AMAX, "--resume")
+    assert_refused(r, 2)
+    assert "another source" in r.err
+    damaged = _copy(converted, tmp_path / "b")
+    (damaged / "checksums.sha256").unlink()
+    r = call("convert", src, damaged, *AMAX, "--resume")
+    assert_refused(r, 2)
+    assert "damaged" in r.err
+
+
+def test_mxfp8_release_kept_by_scheme_none_verifies(src, tmp_path):
+    release, out = tmp_path / "release", tmp_path / "none"
+    assert call("convert", src, release, "--scheme", "mxfp8", "--quiet").rc == 0
+    assert call("convert", release, out, "--scheme", "none", "--quiet").rc == 0
+    for args in ([], ["--against", release]):
+        r = call("verify", out, *args, "--quiet")
+        assert r.rc == 0, r.out
+
+
+def test_draft_extract_from_the_modelopt_form(src, tmp_path):
+    mo = tmp_path / "mo"
+    assert call("convert", src, mo, *AMAX, "--output-format", "modelopt-hf").rc == 0
+    r = call("draft", "extract", mo, tmp_path / "draft", "--json", tmp_path / "d.json", "--quiet")
+    assert r.rc == 0, r.err
+    shared = json.loads((tmp_path / "d.json").read_text())["shared_by_reference"]
+    assert shared == ["model.language_model.embed_tokens.weight", "lm_head.weight"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc to find the worker processes")
+def test_workers_exit_when_their_parent_is_killed(src, tmp_path):
+    proc = _popen("convert", src, tmp_path / "out", *AMAX, "--max-shard-size", "60KB", "--workers", "2")
+    workers: list[int] = []
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None and not workers:
+        workers = [k for k in _children(proc.pid) if "resource_tracker" not in _cmdline(k)
+                   and "multiprocessing" in _cmdline(k)]
+        time.sleep(0.01)
+    if not workers:
+        proc.kill()
+        pytest.skip("the conversion ended before its workers could be seen")
+    proc.kill()  # SIGKILL: the parent cannot stop them
+    proc.wait()
+    deadline = time.time() + 15
+    while time.time() < deadline and any(_alive(k) for k in workers):
+        time.sleep(0.1)
+    assert not any(_alive(k) for k in workers), "workers still running after their parent was killed"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_fifo_among_the_source_files_is_refused(src, tmp_path):
+    s = _copy(src, tmp_path / "s")
+    (s / "tokenizer.json").unlink()
+    os.mkfifo(s / "tokenizer.json")
+    r = call("convert", s, tmp_path / "out", *AMAX, limit_s=HANG_S)
+    assert_refused(r, 2)
+    assert "tokenizer.json" in r.err and "not a regular file" in r.err
+
+
+def test_device_checked_when_parsed(src, tmp_path):
+    for dev in ("tpu", "meta", "cuda:x"):
+        r = call("convert", src, tmp_path / "out", *AMAX, "--device", dev)
+        assert_refused(r, 2)
+        assert "expected cpu, cuda or cuda:N" in r.err and not (tmp_path / "out").exists()
+
+
+def test_inspect_fails_what_convert_refuses(src, tmp_path):
+    ck = _copy(src, tmp_path / "ck")
+    d = json.loads((ck / "config.json").read_text())
+    d["vision_config"] = None
+    (ck / "config.json").write_text(json.dumps(d))
+    r = call("inspect", ck, "--json", tmp_path / "i.json")
+    assert r.rc == 1
+    bad = json.loads((tmp_path / "i.json").read_text())["disagreeing_tensors"]
+    assert bad and all("model.visual." in b for b in bad)
+
+
+def test_write_checksums_that_cannot_take_the_lock_is_an_error_not_a_failure(converted, tmp_path, monkeypatch):
+    from inkling_quant.errors import OutputError
+    from inkling_quant.io import output
+
+    ck = _copy(converted, tmp_path / "ck")
+    (ck / "checksums.sha256").unlink()
+
+    def read_only(self):
+        raise OutputError("cannot take the output lock: Read-only file system", path=self.path)
+    monkeypatch.setattr(output.OutputLock, "acquire", read_only)
+    r = call("verify", ck, "--write-checksums", "--quiet")
+    assert r.rc == 2 and "Read-only file system" in r.out, r.out
+
+
+def test_adapter_flags_and_scales_checked(converted, tmp_path):
+    from inkling_quant.model.inkling2 import Inkling2Config
+    from test_safety import write_adapter
+
+    cfg = Inkling2Config.load(converted)
+    r = call("lora", "check", converted, write_adapter(tmp_path / "a", cfg, use_rslora="false"))
+    assert_refused(r, 2)
+    assert "'use_rslora' must be true or false" in r.err
+    r = call("lora", "check", converted, write_adapter(tmp_path / "b", cfg, lora_alpha=1e308))
+    assert_refused(r, 2)
+    assert "past what the checkpoint's BF16 holds" in r.err
+
+
+def test_messages_say_what_is_wrong(src, tmp_path):
+    s = _copy(src, tmp_path / "s")
+    shard = next(p for p in sorted(s.glob("*.safetensors")) if "model.llm.norm.weight" in load_file(p))
+    sd = load_file(shard)
+    sd["model.llm.norm.weight"] = sd["model.llm.norm.weight"].double()
+    save_file(sd, shard, metadata={"format": "pt"})
+    r = call("convert", s, tmp_path / "o1", *AMAX)
+    assert_refused(r, 2)
+    assert "not a dtype convert takes" in r.err and "already quantized" not in r.err
+    f = tmp_path / "scales.json"
+    f.write_text(json.dumps({"model.llm.layers.0.mlp.experts.w13_weight": 1e39}))
+    r = call("convert", src, tmp_path / "o2", "--activation-scales", f, *AMAX)
+    assert_refused(r, 2)
+    assert "past fp32's range" in r.err
+    r = call("convert", "no-such/checkpoint", tmp_path / "o3", *AMAX)
+    assert_refused(r, 2)
+    assert "no such local directory" in r.err
+    for empty in ("{}",):
+        f.write_text(empty)
+        r = call("convert", src, tmp_path / "o4", "--activation-scales", f, *AMAX)
+        assert_refused(r, 2)
+        assert "holds no activation amax" in r.err
+
+
+def test_verify_against_names_the_nested_config_key(converted, src, tmp_path):
+    ck = _copy(converted, tmp_path / "ck")
+    d = json.loads((ck / "config.json").read_text())
+    d["text_config"]["n_layers_per_attn_res_block"] += 1
+    (ck / "config.json").write_text(json.dumps(d))
+    r = call("verify", ck, "--against", src)
+    assert r.rc == 1 and "'text_config.n_layers_per_attn_res_block' differs" in r.out, r.out
+
+
+def test_draft_mask_token_outside_the_vocabulary_refused(src, tmp_path):
+    s = _copy(src, tmp_path / "s")
+    d = json.loads((s / "config.json").read_text())
+    d["dspark_config"]["mask_token_id"] = 10**6
+    (s / "config.json").write_text(json.dumps(d))
+    r = call("draft", "extract", s, tmp_path / "out", "--quiet")
+    assert_refused(r, 2)
+    assert "mask_token_id" in r.err

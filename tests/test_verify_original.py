@@ -169,7 +169,7 @@ def test_config_json_edited(broken, pair):
     _reseal(broken)
     r = verify(broken, against=pair[0])
     assert _failed(r) == {"source"}
-    assert "'text_config' differs" in _problem(r, "source", "config.json", None).message
+    assert "'text_config.rms_norm_eps' differs" in _problem(r, "source", "config.json", None).message
 
 
 def test_quantized_layers_name_the_wrong_format(broken, pair):

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__, hub
-from ..cli_common import int_range, parse_size, positive_float
+from ..cli_common import device, int_range, parse_size, positive_float
 from ..errors import CheckpointError, OutputError, UsageError
 from ..export import FORMS, form_for
 from ..formats import FORMATS
@@ -37,9 +37,9 @@ from ..schemes import get_scheme
 from .calibration import load_activation_amax, load_calibration
 from .planner import (FLOAT_SOURCES, Options, Prepared, ShardJob, SrcTensor, Unit, list_source, load_config, plan,
                       validate_source)
-from .runner import (FINGERPRINT_KEY, MANIFEST, MANIFEST_GLOB, confirm_complete, confirm_finalized, fingerprint, finished,
-                     manifest_path, manifests, part_jobs, previous_output, recorded_checksums, refuse_symlinks,
-                     remove_temps, run_jobs, start_output, writing)
+from .runner import (CONVERSION_KEY, MANIFEST, MANIFEST_GLOB, SOURCE_KEY, confirm_complete, confirm_finalized,
+                     fingerprint, finished, manifest_path, manifests, part_jobs, previous_output, recorded_checksums,
+                     refuse_symlinks, remove_temps, run_jobs, source_id, start_output, writing)
 from .worker import SHARD_METADATA, ShardResult, convert_shard
 
 __all__ = ["FLOAT_SOURCES", "MANIFEST", "MANIFEST_GLOB", "SHARD_METADATA", "Options", "Prepared", "ShardJob",
@@ -61,7 +61,7 @@ def prepare(src: str, opts: Options) -> Prepared:
     calibrated = {} if opts.weight_only else load_calibration(opts.activation_scales, tensors, layout, src)
     jobs = plan(cfg, layout, tensors, scheme, form, opts, calibrated, str(src))
     return Prepared(root, repo, revision, cfg, layout, jobs, other_files, fingerprint(jobs, opts, scheme, stat),
-                    fingerprint(jobs, opts, scheme, {}), form, scheme)
+                    fingerprint(jobs, opts, scheme, {}), source_id(stat), form, scheme)
 
 
 def convert(src: str, out: str | Path, opts: Options, *, resume: bool = False, overwrite: bool = False,
@@ -135,7 +135,8 @@ def _finalize(out: Path, prep: Prepared, opts: Options) -> dict:
     _write_checksums(out, sums, written + [p.name for p in prep.other_files])
     weight_map = {name: j.file for j in prep.jobs for name, _, _ in j.specs}
     write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": sum(j.out_bytes for j in prep.jobs),
-                                                      FINGERPRINT_KEY: prep.conversion},
+                                                      CONVERSION_KEY: prep.conversion,
+                                                      SOURCE_KEY: prep.source_id},
                                          "weight_map": weight_map})
     for m in manifests(out):
         m.unlink()
@@ -154,13 +155,21 @@ def _write_configs(out: Path, prep: Prepared, opts: Options) -> list[str]:
     """The output form's quantization config files (with who converted it where the form records
     it); a conversion that quantizes nothing (scheme `none`) writes config.json as the source has
     it, as ModelOpt leaves an unquantized model. Returns the names written."""
-    converter = {"name": "inkling-quant", "version": __version__, "scheme": prep.scheme.record(),
+    converter = {"name": "inkling-quant", "version": __version__, "scheme": _applied_scheme(prep).record(),
                  "weight_only": opts.weight_only}
     files = prep.form.config_files(prep.cfg, quantized_layers(prep), opts.weight_only, converter) \
         or {CONFIG_NAME: prep.cfg.raw}
     for name, obj in files.items():
         write_json_atomic(out / name, obj)
     return list(files)
+
+
+def _applied_scheme(prep: Prepared):
+    """The scheme as the output holds it: where a quantized source's experts (the MXFP8 release)
+    were left alone by the scheme they keep their stored format, and the record says so."""
+    kept = {u.source_format for j in prep.jobs for u in j.units if u.source_format
+            and prep.scheme.format_name(prep.cfg, prep.layout.classify(u.sources[0].name)) == "passthrough"}
+    return prep.scheme.keeping(kept.pop(), prep.cfg.num_hidden_layers) if kept else prep.scheme
 
 
 def _write_checksums(out: Path, shard_sums: dict[str, str], others: list[str]) -> None:
@@ -190,7 +199,7 @@ def _report(src, out: Path, opts: Options, jobs: list[ShardJob], todo: list[Shar
         "bytes_in": sum(j.src_bytes for j in jobs), "bytes_out": sum(j.out_bytes for j in jobs),
         "seconds": round(seconds, 3),
         "source_mb_per_s": round(sum(j.src_bytes for j in todo) / 1e6 / max(seconds, 1e-9), 1),
-        "workers": opts.workers, "peak_rss_mb": round(_peak_rss_mb(), 1),
+        "workers": min(opts.workers, max(1, len(todo))), "peak_rss_mb": round(_peak_rss_mb(), 1),
     }
 
 
@@ -206,7 +215,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output directory (must not exist, unless --resume or --overwrite)")
     p.add_argument("--scheme", default="default", help="conversion scheme (see `inkling-quant schemes`)")
     p.add_argument("--workers", type=int_range(1, 1024), default=1, help="shards converted in parallel processes")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (bit-identical results)")
+    p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (bit-identical results)")
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="output shard size (default 5GB)")
     p.add_argument("--buffered-io", action="store_true",
                    help="write shards through the page cache instead of O_DIRECT (docs/convert.md)")

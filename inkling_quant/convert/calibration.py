@@ -32,6 +32,8 @@ def _load(path: str | None) -> tuple[dict[str, float], dict[str, int]]:
         out = _amax_from_checkpoint(p, experts)
     else:
         out = _amax_from_safetensors(p) if p.suffix == ".safetensors" else _amax_from_json(p)
+    if not out:  # as a checkpoint without scales: every module would silently take the default
+        raise CheckpointError("holds no activation amax (an empty calibration file)", path=path)
     for k, v in out.items():
         if not (v > 0 and v < float("inf")):
             raise CheckpointError(f"module {k[:200]!r}: activation amax must be finite and positive, got {v}",

@@ -14,7 +14,7 @@ from .. import hub
 from ..errors import CheckpointError, ConfigError, FormatError, UsageError
 from ..export import INKLING, Copy, OutputForm, Writing
 from ..export.inkling import projection_specs
-from ..formats import FORMATS
+from ..formats import FORMATS, SCALE_SUFFIXES
 from ..io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child, shard_name
 from ..io.safetensors import DTYPE_NAMES, DTYPES
 from ..io.shards import plan_shards
@@ -107,6 +107,7 @@ class Prepared:
     other_files: list[Path]
     fingerprint: str  # what a resume or a part must share, the source files included (runner.fingerprint)
     conversion: str   # the same without the source files: what a finished OUT records of the conversion
+    source_id: str    # the source files' identity (runner.source_id), which a finished OUT records too
     form: OutputForm  # settled: the one asked for, else the source's own (export.form_for)
     scheme: Scheme
 
@@ -155,10 +156,11 @@ def validate_source(cfg: Inkling2Config | MoEConfig, listing: Listing, root: str
             continue
         quantized = spec.dtype not in FLOAT_SOURCES if spec is not None else False
         if (DTYPES[dtype] != spec.dtype) if quantized else (DTYPES[dtype] not in FLOAT_SOURCES):
-            raise CheckpointError(f"tensor {name!r}: dtype {dtype}: the source is already quantized, in a form "
-                                  f"convert does not take; it takes BF16/FP16/FP32 tensors, with Inkling's routed "
-                                  f"experts also as the MXFP8 release stores them (e4m3 weight + uint8 e8m0 scale)",
-                                  path=path, tensor=name)
+            why = "the source is already quantized, in a form convert does not take" \
+                if DTYPES[dtype].itemsize == 1 else "not a dtype convert takes"  # an 8/4-bit type: quantized
+            raise CheckpointError(f"tensor {name!r}: dtype {dtype}: {why}; it takes BF16/FP16/FP32 tensors, with "
+                                  f"Inkling's routed experts also as the MXFP8 release stores them (e4m3 weight + "
+                                  f"uint8 e8m0 scale)", path=path, tensor=name)
         if spec is None:
             _check_unlisted(cfg, layout.classify(name), path)
         elif shape != spec.shape:
@@ -190,9 +192,13 @@ def _check_unlisted(cfg: MoEConfig, rec: TensorName, path: str) -> None:
     the config does not require (a quantized source's scales, an expert past the count)."""
     if rec.part != "expert":
         return
-    if rec.suffix != "weight":
+    if rec.suffix in SCALE_SUFFIXES:
         raise CheckpointError(f"tensor {rec.name!r}: the source is already quantized; convert takes BF16/FP16/FP32 "
                               f"checkpoints of this family", path=path, tensor=rec.name)
+    if rec.suffix != "weight":
+        raise CheckpointError(f"tensor {rec.name!r}: a routed expert's {rec.suffix}: convert takes routed experts "
+                              f"with weights only (as the family's transformers model holds them)", path=path,
+                              tensor=rec.name)
     raise CheckpointError(f"tensor {rec.name!r}: expert {rec.expert}, config.json has {cfg.num_experts}", path=path,
                           tensor=rec.name)
 

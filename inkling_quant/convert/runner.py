@@ -10,6 +10,8 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import threading
+import time
 from concurrent.futures.process import BrokenProcessPool  # imported here: cf.process exists only once a pool ran
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -31,9 +33,10 @@ from .worker import SHARD_METADATA, ShardResult, convert_shard
 
 MANIFEST = RESUME_MANIFEST  # a part's: the same name with its part tag before ".json"
 MANIFEST_GLOB = MANIFEST.removesuffix(".json") + "*.json"
-# in a finished OUT's index metadata: what the conversion was (`fingerprint` without the source files'
-# sizes and times, so that the same conversion of a copied source, or of a hub repo, writes the same index)
-FINGERPRINT_KEY = "inkling_quant_conversion"
+# in a finished OUT's index metadata: what the conversion was (`fingerprint` without the source files:
+# the same conversion of a copied source, or of a hub repo, records the same), and which source files
+# it read (their sizes and times; a hub repo's revision): a finished OUT is confirmed only for both
+CONVERSION_KEY, SOURCE_KEY = "inkling_quant_conversion", "inkling_quant_source"
 
 
 # --------------------------------------------------------------------------- parts and manifests
@@ -64,6 +67,11 @@ def fingerprint(jobs: list[ShardJob], opts: Options, scheme: Scheme, stat: dict)
                        "jobs": [[j.file, list(j.specs), [[u.input_amax, u.source_format] for u in j.units]]
                                 for j in jobs], "sources": stat}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def source_id(stat: dict) -> str:
+    """The source files' identity (sizes and modification times; a hub repo's revision)."""
+    return hashlib.sha256(json.dumps(stat, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _write_manifest(path: Path, fp: str, done: dict[str, str]) -> None:
@@ -226,11 +234,28 @@ def confirm_complete(out: Path, prep: Prepared) -> None:
     planned = {name: j.file for j in prep.jobs for name, _, _ in j.specs}
     sizes_ok = all((out / j.file).is_file() and (out / j.file).stat().st_size == _shard_file_size(j)
                    for j in prep.jobs)
-    meta = index.get("metadata")
-    same = isinstance(meta, dict) and meta.get(FINGERPRINT_KEY) == prep.conversion  # options the names don't show
+    meta = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
+    same = (meta.get(CONVERSION_KEY), meta.get(SOURCE_KEY)) == (prep.conversion, prep.source_id)
     if index.get("weight_map") != planned or not sizes_ok or not same:
-        raise UsageError("holds a finished conversion with another source, scheme or options; it is left as "
-                         "it is: convert into another OUT, or replace it with a whole run (--overwrite)", path=out)
+        raise UsageError("holds a finished conversion of another source, or with another scheme or options; it "
+                         "is left as it is: convert into another OUT, or replace it with a whole run (--overwrite)",
+                         path=out)
+    _check_small_files(out, prep)
+
+
+def _check_small_files(out: Path, prep: Prepared) -> None:
+    """A finished OUT still holds what finalize wrote beside the shards, as checksums.sha256
+    recorded it (configs and copied files: small, so hashed here; the shards' sizes are checked)."""
+    try:
+        sums = read_checksums(safe_child(out, CHECKSUMS, "checksums"))
+    except CheckpointError as e:
+        raise UsageError(f"holds this conversion's shards and index, but {e.message}: it is damaged; replace "
+                         f"it with a whole run (--overwrite)", path=e.path or out) from None
+    for name in [n for n in sums if n not in {j.file for j in prep.jobs}] + [p.name for p in prep.other_files]:
+        p = out / name
+        if not p.is_file() or sha256_file(p) != sums.get(name):
+            raise UsageError(f"holds this conversion's shards and index, but {name} is missing or changed since it "
+                             f"was written: it is damaged; replace it with a whole run (--overwrite)", path=out)
 
 
 def confirm_finalized(out: Path, prep: Prepared) -> int:
@@ -263,7 +288,7 @@ def run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: d
     the largest being the stage that bounds the run."""
     args = (str(prep.root), prep.repo, prep.revision, str(out), opts.device, opts.buffered_io)
     pool = None
-    pooled = opts.workers if opts.workers > 1 and len(todo) > 1 else 0
+    pooled = min(opts.workers, len(todo)) if opts.workers > 1 and len(todo) > 1 else 0  # no idle workers
     needs = [[s.shard for u in j.units for s in u.sources] for j in todo]  # what a hub source prefetches
     stages: dict[str, float] = {}
     with _progress_bars(jobs, todo, done, quiet) as (bar_bytes, bar_shards), \
@@ -280,7 +305,7 @@ def run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: d
             if not pooled:
                 _convert_here(todo, args, record, bar_bytes.update)
             else:
-                pool = _start_pool(opts.workers)
+                pool = _start_pool(pooled)
                 _convert_in_pool(pool, todo, args, record, bar_bytes.update)
             _STOP.check()  # a signal during the last shard: stop before finalizing
         except KeyboardInterrupt as e:
@@ -328,13 +353,22 @@ def _convert_here(todo: list[ShardJob], args: tuple, record, progress) -> None:
 def _start_pool(workers: int) -> cf.ProcessPoolExecutor:
     threads = max(1, (os.cpu_count() or 1) // workers)
     ctx = mp.get_context("spawn")  # no fork after torch/OpenMP threads exist
-    return cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(threads,))
+    return cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(threads, os.getpid()))
 
 
-def _worker_init(threads: int) -> None:
+def _worker_init(threads: int, parent: int) -> None:
     torch.set_num_threads(threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it terminates us on interrupt
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit becomes an OSError
+    threading.Thread(target=_exit_with, args=(parent,), name="inkling-quant-parent-watch", daemon=True).start()
+
+
+def _exit_with(parent: int) -> None:
+    """A parent killed with -9 (the OOM killer, a scheduler) cannot stop its workers: each exits
+    on its own once its parent is gone, instead of holding its memory for ever."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _convert_in_pool(pool: cf.ProcessPoolExecutor, todo: list[ShardJob], args: tuple, record, progress) -> None:

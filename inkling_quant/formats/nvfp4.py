@@ -28,6 +28,7 @@ On other devices (CUDA) a plain-torch path runs the same formulas on the device.
 """
 from __future__ import annotations
 
+import math
 import threading
 from typing import Mapping
 
@@ -121,9 +122,12 @@ def _as_amax(v, what: str, name: str) -> np.float32:
         if v.numel() != 1:
             raise FormatError(f"{_where(name)}{what} must be a scalar, got shape {tuple(v.shape)}", tensor=name or None)
         v = v.detach().reshape(()).to(device="cpu", dtype=torch.float32).item()
-    f = np.float32(v)
+    with np.errstate(over="ignore"):
+        f = np.float32(v)
     if not np.isfinite(f) or f < 0:
-        raise FormatError(f"{_where(name)}{what} must be finite and >= 0, got {float(v)}", tensor=name or None)
+        past = " (past fp32's range, 3.4e38)" if math.isfinite(float(v)) and float(v) > 0 else ""
+        raise FormatError(f"{_where(name)}{what} must be finite and >= 0 in fp32, got {float(v):g}{past}",
+                          tensor=name or None)
     return f
 
 

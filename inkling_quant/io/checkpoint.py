@@ -170,7 +170,10 @@ class Checkpoint:
         return out
 
     def other_files(self) -> list[Path]:
-        """Non-weight files to carry over unchanged (tokenizer, chat template, configs...)."""
+        """Non-weight files to carry over unchanged (tokenizer, chat template, configs...): the
+        top-level files (subdirectories, such as the `original/` some repos carry, are another
+        form of the model and are not copied). Anything there that is neither a regular file nor
+        a directory (a FIFO, a device) is refused, naming it: it would be dropped silently."""
         skip = {INDEX_NAME, CONFIG_NAME, HF_QUANT_CONFIG, CHECKSUMS}
         out = []
         for p in sorted(self.root.iterdir()):
@@ -179,6 +182,9 @@ class Checkpoint:
             if p.is_file():
                 safe_child(self.root, p.name)
                 out.append(p)
+            elif not p.is_dir():
+                raise CheckpointError("not a regular file (a FIFO, socket or device? a checkpoint's files are "
+                                      "regular files)", path=p)
         return out
 
 

@@ -94,8 +94,8 @@ def copy_other_files(ckpt: Checkpoint, dst: Path, also: Iterable[str] = ()) -> N
     """Copy the source's non-weight files (`Checkpoint.other_files`) and those of `also` it has
     into dst, unchanged."""
     root = ckpt.root
-    for p in ckpt.other_files() + [safe_child(root, n) for n in also if (root / n).is_file()]:
-        copy_file_atomic(p, dst / p.name)
+    for p in ckpt.other_files() + [safe_child(root, n) for n in also if (root / n).exists()]:
+        copy_file_atomic(p, dst / p.name)  # a non-regular file is refused (open_regular), not dropped
 
 
 def carry_checksums(sums_in: dict[str, str], out_dir: Path, digests: dict[str, str],

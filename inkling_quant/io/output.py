@@ -112,6 +112,7 @@ def check_paths(out: str | Path | None, sources: Sequence[str | Path | None] = (
                     raise UsageError(f"its {'staging' if suffix == STAGING else 'backup'} directory "
                                      f"{n.name} is or holds the source {given}; rename the source or choose "
                                      f"another output", path=out)
+    outs = [] if out is None else [_real(out).with_name(_real(out).name + x) for x in ("", STAGING, BACKUP)]
     for r in reports:
         if r is None or r == "-":
             continue
@@ -122,6 +123,12 @@ def check_paths(out: str | Path | None, sources: Sequence[str | Path | None] = (
             if rr == s or rr.is_relative_to(s):
                 raise UsageError(f"the report would be written into the source {given}; name a file "
                                  f"outside it", path=r)
+        if any(rr == o or rr.is_relative_to(o) for o in outs):  # it would replace a file of the output
+            raise UsageError(f"the report would be written into the output {out}; name a file outside it", path=r)
+        parent = rr.parent
+        if not (parent.is_dir() and os.access(parent, os.W_OK)):  # found now, not after an hour of work
+            raise UsageError(f"cannot write the report: {'no such directory' if not parent.is_dir() else 'its directory is not writable'}"
+                             f" ({parent})", path=r)
 
 
 def write_report(dest: str | None, text: str) -> None:
@@ -183,7 +190,7 @@ class OutputLock:
                 if holder is None:
                     continue  # stale (its owner died: kill -9, reboot) and removed
                 raise UsageError(f"{self._what(self.part)} ({holder}) is writing this output; wait for it, or "
-                                 f"remove {self.path.name} if that process is gone", path=self.dir) from None
+                                 f"remove {self.path.name} if that process is gone", path=self.dir / self.name) from None
             except OSError as e:
                 raise OutputError(f"cannot take the output lock: {e.strerror or e}", path=self.path) from None
             with os.fdopen(fd, "w") as f:
@@ -200,7 +207,7 @@ class OutputLock:
             holder = _live_holder(path)
             if holder is not None:
                 raise UsageError(f"{self._what(part)} ({holder}) is writing this output; wait for it, or remove "
-                                 f"{path.name} if that process is gone", path=self.dir)
+                                 f"{path.name} if that process is gone", path=self.dir / self.name)
 
     def _others(self) -> list[tuple[Path, tuple[int, int] | None]]:
         parts = re.compile(rf"\.{re.escape(self.name)}-part-(\d+)-of-(\d+){re.escape(self.SUFFIX)}")

@@ -28,6 +28,7 @@ from .target import DTYPES, Target, merged_expert, merged_weight
 from .peft import Adapter, open_adapter, read_lora
 
 QUANT_CONFIG = HF_QUANT_CONFIG
+DELTA_LIMIT = float(torch.finfo(torch.bfloat16).max) / 2  # a merged weight W + delta stays finite in BF16
 PROVENANCE_KEY = "lora_merged"          # config.json: the adapters merged into this checkpoint
 
 
@@ -83,11 +84,18 @@ def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0,
         plan.warnings.append("fan_in_fan_out=true ignored, as PEFT does for nn.Linear layers: the projections are "
                              "stored [out, in], so the delta is B @ A")
     plan_targets(plan, dtype, scale)
-    # adapter values: finite (one tensor at a time; adapters are small beside the model)
+    # adapter values: finite, and a delta that stays in the checkpoint dtype's range (one module at a time;
+    # adapters are small beside the model): |scale * B @ A| <= |scale| * r * max|B| * max|A|
+    scales = {}
+    for t in plan.targets:
+        scales[t.adapter_module] = max(scales.get(t.adapter_module, 0.0), abs(t.scale) * t.rank)
     with ShardReader(adapter.path, adapter.header) as reader:
-        for a, b in adapter.modules.values():
-            read_lora(reader, a)
-            read_lora(reader, b)
+        for module, (a, b) in adapter.modules.items():
+            bound = scales.get(module, 0.0) * float(read_lora(reader, a).abs().max()) * float(read_lora(reader, b).abs().max())
+            if not bound <= DELTA_LIMIT:
+                raise UsageError(f"module {module!r}: its delta scale * B @ A can reach {bound:.3g}, past what the "
+                                 f"checkpoint's BF16 holds ({DELTA_LIMIT:.3g}): lora_alpha or --scale too large?",
+                                 path=adapter.path)
 
     if adapter.config.base_model:
         plan.warnings.append(f"adapter trained on {adapter.config.base_model!r} (base_model_name_or_path; shapes and "

@@ -193,13 +193,13 @@ class AdapterConfig:
                 re.compile(_layer_pattern(p))
             except (re.error, RecursionError, OverflowError) as e:
                 raise ConfigError(f"layers_pattern {p!r} is not a valid pattern: {e}", path=path) from None
-        return cls(r=int(r), lora_alpha=alpha, use_rslora=bool(d.get("use_rslora", False)),
+        return cls(r=int(r), lora_alpha=alpha, use_rslora=_flag(d, "use_rslora", path),
                    target_modules=list(targets) if isinstance(targets, list) else targets,
                    exclude_modules=list(excludes) if isinstance(excludes, list) else excludes,
                    layers_to_transform=layers, layers_pattern=pattern,
                    rank_pattern={k: int(v) for k, v in rank_pattern.items()},
                    alpha_pattern=dict(alpha_pattern), target_parameters=list(params),
-                   fan_in_fan_out=bool(d.get("fan_in_fan_out", False)),
+                   fan_in_fan_out=_flag(d, "fan_in_fan_out", path),
                    base_model=d.get("base_model_name_or_path"), raw=dict(d))
 
     # PEFT's own rules (peft.tuners.tuners_utils.check_target_module_exists, peft.utils.other.get_pattern_key)
@@ -366,3 +366,12 @@ def quantized_refusal(where: str, part: str, fmt: str, path, rule: str) -> Confi
 def _layer_pattern(p: str) -> str:
     """PEFT's regex around a `layers_pattern` entry (tuners_utils.check_target_module_exists)."""
     return rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\."
+
+
+def _flag(d: dict, key: str, path: str) -> bool:
+    """A true/false setting (absent: false); a string such as "false" would be truthy and, for
+    use_rslora, double the scale silently."""
+    v = d.get(key, False)
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key!r} must be true or false, got {v!r}", path=path)
+    return v

@@ -101,6 +101,8 @@ class DSparkConfig:
         t = ConfigFields(r.need("transformer_layer_config"), where + "transformer_layer_config.", source)
         hidden, heads = t.int("hidden_size"), t.int("num_attention_heads")
         vocab = t.int("vocab_size")
+        if d.get("mask_token_id") is not None:  # algos.py:164: the parallel-drafting mask token, a token id
+            r.int("mask_token_id", lo=0, hi=vocab - 1)
         ids = r.need("aux_hidden_state_layer_ids")  # algos.py:192 (required)
         if not isinstance(ids, list) or not ids or not all(type(i) is int and 0 <= i <= MAX_LAYERS for i in ids):
             raise ConfigError(f"{where}aux_hidden_state_layer_ids must be a non-empty list of layer numbers, "

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from .. import hub
+from ..cli_common import device
 from ..errors import HubError, UsageError
 from ..formats import FORMATS
 from ..io.output import CHECKSUMS, check_paths, write_report
@@ -160,7 +161,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"'default'; '{UNQUANTIZED}' for an unquantized checkpoint)")
     p.add_argument("--sample", type=int, default=DEFAULT_SAMPLE, metavar="N",
                    help=f"experts per layer checked numerically, chosen deterministically (0 = all; default {DEFAULT_SAMPLE})")
-    p.add_argument("--device", default="cpu", help="cpu (torch reference GEMM) or cuda (the Triton kernels)")
+    p.add_argument("--device", type=device, default="cpu",
+                   help="cpu (torch reference GEMM), cuda or cuda:N (the Triton kernels)")
     p.add_argument("--json", metavar="REPORT", help="write the full report (every check and figure) as JSON ('-': standard output)")
     p.add_argument("--junit", metavar="FILE", help="write a JUnit XML report (one testcase per check) for CI ('-': standard output)")
     p.add_argument("--quiet", action="store_true", help="print only failures and the result line")
@@ -172,7 +174,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    check_paths(args.ckpt if args.write_checksums else None, [args.against], reports=[args.json, args.junit])
+    # the checkpoint is read (a source of the reports' guard) or, with --write-checksums, written
+    check_paths(args.ckpt if args.write_checksums else None,
+                [args.against] + ([] if args.write_checksums else [args.ckpt]), reports=[args.json, args.junit])
     if args.json == "-" and args.junit == "-":
         raise UsageError("--json - and --junit - would both write to standard output: give one a file")
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import InklingQuantError
+from ..errors import InklingQuantError, OutputError, UsageError
 from ..io.checkpoint import safe_child
 from ..io.output import CHECKSUMS, OutputLock, read_checksums, write_checksums
 from .inventory import Inventory
@@ -115,6 +115,9 @@ def write_checksums_file(run: Recorder, root: Path, digests: dict[str, str]) -> 
     try:
         with OutputLock(root):  # the lock every writer of a checkpoint takes
             write_checksums(path, {n: digests[n] for n in files})
+    except (OutputError, UsageError) as e:  # the file system (read-only, full) or a live writer: not the checkpoint's fault
+        c.error(path, str(e))
+        return
     except InklingQuantError as e:  # a name that would forge a line, a symlink where the file goes
         c.fail(path, None, str(e))
         return

@@ -198,8 +198,16 @@ def _compare_source_config(c: Check, root: Path, conf: Conf, n_shards: int, n_te
     if conf.config is not None:
         mine = {k: v for k, v in conf.config.items() if k != "quantization_config"}
         theirs = {k: v for k, v in src_cfg.items() if k != "quantization_config"}
-        for k in sorted(set(mine) | set(theirs)):
-            if mine.get(k) != theirs.get(k):
-                c.fail(conf.root / "config.json", None, f"key {k!r} differs from the source's config.json "
-                       f"({short_repr(mine.get(k), 60)} vs {short_repr(theirs.get(k), 60)})")
+        for k, a, b in _differences(mine, theirs):
+            c.fail(conf.root / "config.json", None, f"key {k!r} differs from the source's config.json "
+                   f"({short_repr(a, 60)} vs {short_repr(b, 60)})")
     c.figures.update(shards=n_shards, tensors=n_tensors)
+
+
+def _differences(mine, theirs, key: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, mine, theirs) of every leaf where two config objects differ (`text_config.rms_norm_eps`),
+    so that a message names the key, not a nested object cut short."""
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        return [d for k in sorted(set(mine) | set(theirs), key=str)
+                for d in _differences(mine.get(k), theirs.get(k), f"{key}.{k}" if key else str(k))]
+    return [] if mine == theirs else [(key, mine, theirs)]
