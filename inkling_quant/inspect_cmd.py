@@ -21,8 +21,6 @@ Exit status 0, or 1 when a tensor is outside the layout, matches no format or no
 the quantization config declares, or a layer lacks experts (listed)."""
 from __future__ import annotations
 
-import argparse
-import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -31,7 +29,7 @@ from pathlib import Path
 import torch
 
 from . import hub
-from .cli_common import human_bytes
+from .units import human_bytes
 from .errors import ConfigError, InklingQuantError, printable
 from .export.modelopt import format_of, read_quantization
 from .formats import FORMATS, SCALE_SUFFIXES
@@ -41,7 +39,6 @@ from .model.inkling2 import Inkling2Config, checkpoint_tensors, classify, expert
 from .model.layout import Layout, MoEConfig, detect, model_config, oriented, text_prefix
 from .model.naming import ORIGINAL, original_names
 from .io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child
-from .io.output import check_paths, write_report
 from .io.safetensors import TensorEntry
 
 UNRECOGNIZED = "unrecognized"
@@ -84,7 +81,7 @@ def summarize(root: str | Path) -> Summary:
     root, ckpt = hub.open_checkpoint(str(root))  # a hub repo id: its headers, no shard downloaded
     path = safe_child(root, CONFIG_NAME)
     cfg = model_config(read_json(path, CONFIG_NAME, ConfigError), str(path))
-    if isinstance(cfg, Inkling2Config) and original_names(cfg, text_prefix(list(ckpt.weight_map))):
+    if original_names(cfg, text_prefix(list(ckpt.weight_map))):
         return _summarize(root, ckpt, cfg)
     return _summarize_moe(root, ckpt, cfg)  # Inkling 2 too under transformers' names
 
@@ -346,19 +343,3 @@ def render(s: Summary) -> str:
         if items:
             out.append(f"{len(items)} {what}: " + "; ".join(items[:5]) + (" ..." if len(items) > 5 else ""))
     return "\n".join(printable(line) for line in out)  # a name read from a file cannot forge a line
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="a local checkpoint directory or a hub repo id org/name[@revision] (its "
-                   "headers read over HTTP: no shard is downloaded)")
-    p.add_argument("--json", metavar="FILE", help="also write the summary as JSON ('-' for standard output only)")
-    p.add_argument("--quiet", action="store_true", help="print nothing (the exit code says whether it is clean)")
-
-
-def run(args) -> int:
-    check_paths(None, [args.checkpoint], reports=[args.json])
-    s = summarize(args.checkpoint)
-    write_report(args.json, json.dumps(s.to_dict(), indent=2) + "\n")
-    if not (args.quiet or args.json == "-"):
-        print(render(s))
-    return 0 if s.ok else 1

@@ -13,7 +13,6 @@ streams: one tensor in memory at a time, one expert of a stacked expert tensor.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import zlib
 from pathlib import Path
@@ -21,10 +20,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .cli_common import int_range, parse_size
 from .errors import UsageError
 from .io.checkpoint import INDEX_NAME, copy_file_atomic, shard_name, write_json_atomic
-from .io.output import check_paths, staged_output, write_report
+from .io.output import staged_output
 from .io.safetensors import ShardWriter
 from .io.shards import plan_shards
 from .model import dspark, inkling2
@@ -156,26 +154,3 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, layer
         for f in sorted(FILES.iterdir()):
             copy_file_atomic(f, tmp / f.name)
     return out
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("out", help="output directory")
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--layers", type=int_range(1, 4096), help="number of decoder layers (default: the preset's)")
-    p.add_argument("--experts", type=int_range(1, 65536), help="routed experts per layer (default: the preset's)")
-    p.add_argument("--seed", type=int_range(0, SEED_MAX), default=0)
-    p.add_argument("--max-shard-size", type=parse_size, help="e.g. 1MB, 5GB (default: the preset's)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
-    p.add_argument("--json", metavar="REPORT", help="write a JSON summary to REPORT ('-' for standard output)")
-
-
-def run(args) -> int:
-    check_paths(args.out, reports=[args.json])
-    quiet = args.quiet or args.json == "-"
-    out = write_checkpoint(args.out, args.preset, args.seed, args.layers, args.experts,
-                           args.max_shard_size, progress=not quiet, overwrite=args.overwrite)
-    write_report(args.json, json.dumps({"output": str(out), "preset": args.preset, "seed": args.seed}, indent=2) + "\n")
-    if not quiet:
-        print(f"wrote {out}")
-    return 0

@@ -11,18 +11,18 @@ PKG = Path(__file__).resolve().parents[1] / "inkling_quant"
 
 # bottom to top; a module's layer is that of the longest prefix listed; the rest are commands
 LAYERS = [
-    ("inkling_quant", "inkling_quant.errors", "inkling_quant.cli_common"),
+    ("inkling_quant", "inkling_quant.errors", "inkling_quant.units", "inkling_quant.cli.options"),
     ("inkling_quant.io", "inkling_quant.hub"),
     ("inkling_quant.model",),
     ("inkling_quant.formats",),
     ("inkling_quant.kernels",),
     ("inkling_quant.schemes",),
     ("inkling_quant.export",),
-    # plan/: on model knowledge, formats and schemes; the `plan` command at its top
+    # plan/: on model knowledge, formats and schemes (the `plan` command: cli/plan.py, with the others)
     ("inkling_quant.plan.units", "inkling_quant.plan.placement", "inkling_quant.plan.kvcache",
      "inkling_quant.plan.moe_checks"),
     ("inkling_quant.plan.hf", "inkling_quant.plan.inkling2"),
-    ("inkling_quant.plan", "inkling_quant.plan.cli"),
+    ("inkling_quant.plan",),
 ]
 COMMANDS = len(LAYERS)
 
@@ -51,15 +51,16 @@ def _is_type_checking(node: ast.If) -> bool:
         (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def imports_of(path: Path) -> set[str]:
-    """Every inkling_quant module `path` imports (absolute names)."""
+def imports_of(path: Path, type_only: bool = False) -> set[str]:
+    """Every inkling_quant module `path` imports (absolute names); `type_only`: those under
+    `if TYPE_CHECKING:` too."""
     me = module_name(path)
     package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
     out: set[str] = set()
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
+            if isinstance(child, ast.If) and _is_type_checking(child) and not type_only:
                 for n in child.orelse:
                     visit(n)
                 continue
@@ -88,8 +89,8 @@ def _exists(module: str) -> bool:
     return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
 
 
-def graph() -> dict[str, set[str]]:
-    return {module_name(p): imports_of(p) for p in sorted(PKG.rglob("*.py"))}
+def graph(type_only: bool = False) -> dict[str, set[str]]:
+    return {module_name(p): imports_of(p, type_only) for p in sorted(PKG.rglob("*.py"))}
 
 
 def test_imports_run_downward():
@@ -100,7 +101,9 @@ def test_imports_run_downward():
 
 
 def test_no_import_cycles():
-    g = graph()
+    """No circle, type-only imports (`if TYPE_CHECKING:`) included: a circle there is a circle of
+    concerns even where Python would not trip over it."""
+    g = graph(type_only=True)
     # a package's __init__ re-exporting its own modules is not a cycle between concerns
     edges = {m: {d for d in deps if d in g and not d.startswith(m + ".")} for m, deps in g.items()}
     state: dict[str, int] = {}
@@ -129,3 +132,48 @@ def test_the_checker_sees_imports():
     assert "inkling_quant.model.inkling2" not in g["inkling_quant.plan.kvcache"]  # under TYPE_CHECKING
     assert layer_of("inkling_quant.io.output") < layer_of("inkling_quant.model.layout") < layer_of("inkling_quant.formats")
     assert layer_of("inkling_quant.convert") == COMMANDS
+
+
+# The checkpoint form has one home: what a checkpoint is (its family, naming and expert storage)
+# is model/'s to answer, what convert writes is export/'s. Elsewhere no code switches on a storage
+# kind's or an output form's name, nor tests which config class (which family) it holds.
+FORM_HOMES = ("inkling_quant.model", "inkling_quant.export")
+KIND_NAMES = {"per_expert", "stacked", "interleaved", "inkling", "modelopt-hf"}
+FAMILY_CLASSES = {"Inkling2Config", "MoEConfig", "HFModel"}
+
+
+def form_switches(path: Path) -> list[str]:
+    """`x == "stacked"`-style comparisons with a storage kind or form name, `isinstance(x,
+    Inkling2Config)`-style family tests and `.generic` in one file."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(isinstance(o, ast.Constant) and o.value in KIND_NAMES for o in operands):
+                out.append(f"{path.name}:{node.lineno}: compares with {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+            classes = node.args[1] if len(node.args) > 1 else None
+            names = {n.id for n in ast.walk(classes) if isinstance(n, ast.Name)} if classes is not None else set()
+            if names & FAMILY_CLASSES:
+                out.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Attribute) and node.attr == "generic":
+            out.append(f"{path.name}:{node.lineno}: .generic")
+    return out
+
+
+def test_the_checkpoint_form_is_asked_not_switched_on():
+    bad = [s for p in sorted(PKG.rglob("*.py")) if not module_name(p).startswith(FORM_HOMES)
+           for s in form_switches(p)]
+    assert not bad, "form or family switches outside model/ and export/ (ask the Layout, the family or the form):\n" \
+        + "\n".join(bad)
+
+
+def test_the_form_checker_sees_switches(tmp_path):
+    """The checker itself: it finds each kind of switch, and leaves a question to the model alone."""
+    p = tmp_path / "sample.py"
+    p.write_text("if lay.experts.kind == 'stacked': pass\n"
+                 "if isinstance(cfg, (Inkling2Config, int)): pass\n"
+                 "if conf.generic: pass\n"
+                 "if lay.experts.stacked and lay.naming is not None: pass\n")
+    assert [s.split(":")[1] for s in form_switches(p)] == ["1", "2", "3"]
+

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from inkling_quant.plan import cli as plan_cmd
+from inkling_quant.cli import plan as plan_cmd
 from inkling_quant.errors import ConfigError, UsageError
 from inkling_quant.formats import FORMATS
 from inkling_quant.model.inkling2 import Inkling2Config, checkpoint_tensors, param_counts

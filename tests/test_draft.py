@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from inkling_quant import cli, draft
+from inkling_quant.cli import draft as draft_cli
 
 from inkling_quant.model import dspark
 from inkling_quant.errors import CheckpointError, ConfigError, InklingQuantError, UsageError
@@ -277,12 +278,12 @@ def test_corrupt_shard_is_named(src, tmp_path):
 
 
 def test_cli(src, tmp_path, capsys):
-    assert cli.COMMANDS["draft"][0] == "inkling_quant.draft"
+    assert cli.COMMANDS["draft"][0] == "inkling_quant.cli.draft"
     p = argparse.ArgumentParser()
-    draft.add_arguments(p)  # cli.main builds the same parser for `inkling-quant draft`
+    draft_cli.add_arguments(p)  # cli.main builds the same parser for `inkling-quant draft`
     args = p.parse_args(["extract", str(src), str(tmp_path / "d"), "--quiet", "--max-shard-size", "1MB"])
-    assert draft.run(args) == 0
+    assert draft_cli.run(args) == 0
     assert capsys.readouterr().out == ""
     args = p.parse_args(["strip", str(src), str(tmp_path / "d"), "--quiet"])
     with pytest.raises(InklingQuantError, match="already exists"):
-        draft.run(args)
+        draft_cli.run(args)

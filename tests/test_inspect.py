@@ -16,6 +16,7 @@ import torch
 from legacy_checkpoint import write_legacy_checkpoint
 
 from inkling_quant import inspect_cmd
+from inkling_quant.cli import inspect as inspect_cli
 
 from inkling_quant.model import dspark
 from inkling_quant.cli import main
@@ -45,8 +46,8 @@ def converted(source, tmp_path_factory) -> Path:
 
 def run_cli(*argv) -> int:
     p = argparse.ArgumentParser()
-    inspect_cmd.add_arguments(p)
-    return inspect_cmd.run(p.parse_args([str(a) for a in argv]))
+    inspect_cli.add_arguments(p)
+    return inspect_cli.run(p.parse_args([str(a) for a in argv]))
 
 
 def test_source_checkpoint(source):

@@ -104,7 +104,7 @@ def _child_ours(spec: dict) -> dict:
     """inkling_quant's convert(), exactly as `inkling-quant convert` calls it."""
     c0 = _cpu_s()
     sys.path.insert(0, str(ROOT))
-    from inkling_quant.cli_common import parse_size
+    from inkling_quant.cli.options import parse_size
     from inkling_quant.convert import Options, convert
 
     opts = Options(scheme=spec["scheme"], weight_only=spec["weight_only"],
@@ -312,7 +312,7 @@ def _child_compare(spec: dict) -> dict:
 # ============================================================================ driver
 def _child_synth(spec: dict) -> dict:
     sys.path.insert(0, str(ROOT))
-    from inkling_quant.cli_common import parse_size
+    from inkling_quant.cli.options import parse_size
     from inkling_quant.synth import write_checkpoint
 
     t0 = time.perf_counter()

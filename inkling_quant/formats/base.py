@@ -186,7 +186,7 @@ class Format:
 
     def value_rule(self, suffix: str) -> str | None:
         """What the values of the tensor `suffix` must be, as one of VALUE_RULES' keys (the
-        checks live in formats.values), or None when only finiteness applies."""
+        checks live in verify/values.py), or None when only finiteness applies."""
         return None
 
     def matches(self, observed: Mapping[str, tuple[tuple[int, ...], torch.dtype]], shape: tuple[int, ...],

@@ -19,6 +19,7 @@ from ..io.derive import carry_checksums, copy_other_files, rewrite_shard, source
 from ..io.output import link_or_copy, staged_output
 from ..io.safetensors import Header, ShardReader, TensorEntry
 from ..io.shards import ShardReaders
+from ..model.families import INKLING2
 from ..model.inkling2 import Inkling2Config
 from ..model.layout import MoEConfig, model_config
 from .hf import HFNaming
@@ -28,6 +29,7 @@ from .target import DTYPES, Target, merged_expert, merged_weight
 from .peft import Adapter, open_adapter, read_lora
 
 QUANT_CONFIG = HF_QUANT_CONFIG
+NAMINGS = {INKLING2: Inkling2Naming}  # a family's own adapter naming; every other family's is HFNaming (lora/hf.py)
 DELTA_LIMIT = float(torch.finfo(torch.bfloat16).max) / 2  # a merged weight W + delta stays finite in BF16
 PROVENANCE_KEY = "lora_merged"          # config.json: the adapters merged into this checkpoint
 
@@ -75,7 +77,7 @@ def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0,
     config_path = safe_child(ckpt.root, "config.json")
     config = read_json(config_path, "config.json")
     cfg = model_config(config, str(config_path))
-    naming = Inkling2Naming(cfg, ckpt.weight_map) if isinstance(cfg, Inkling2Config) else \
+    naming = NAMINGS[cfg.family](cfg, ckpt.weight_map) if cfg.family in NAMINGS else \
         HFNaming(cfg, ckpt.weight_map, headers, str(ckpt.root))
     adapter = open_adapter(adapter_spec)
     plan = Plan(ckpt, headers, config, cfg, naming, adapter, [], float(scale), [],

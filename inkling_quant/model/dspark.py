@@ -2,10 +2,11 @@
 tensors, named as vLLM 0.33's DSpark drafter names them.
 
 **Not published.** The published Inkling 2 config has no draft key and vLLM 0.33 has no
-Inkling 2 drafter (/work/research/inkling2-facts.md §1, §6), so the names below are our choice:
+Inkling 2 drafter (transformers 5.25 models/inkling2/ defines no draft; vLLM 0.33 has no
+`vllm/models/inkling2`), so the names below are our choice:
 the only DSpark drafter vLLM 0.33 loads from a checkpoint of its own is the Qwen3 one
 (`Qwen3DSparkModel`), and we name every draft tensor and config key exactly as it loads them.
-Line numbers: vLLM 0.33.0, `VL` = vllm/ (the source at /work/research/vllm/vllm).
+Line numbers: vLLM 0.33.0 (the PyPI wheel), `VL` = its package directory `vllm/`.
 
 * **Config** = a speculators-format config.json, as `SpeculatorsConfig` reads it
   (VL/transformers_utils/configs/speculators/base.py:46-63, 77-94) with the `dspark` updater

@@ -18,6 +18,7 @@ from typing import Iterator
 import torch
 
 from . import dspark
+from .families import INKLING2
 from .fields import MAX_LAYERS, ConfigFields
 from ..errors import ConfigError, UnknownTensorError
 from .tensors import TensorName
@@ -162,6 +163,8 @@ class Inkling2Config:
             draft = dspark.DSparkConfig.from_dict(d[dspark.CONFIG_KEY], source, dspark.CONFIG_KEY + ".")
             draft.check_target(text, source)
         return cls(text, vision, dict(d), draft)
+
+    family = INKLING2
 
     @property
     def num_hidden_layers(self) -> int:  # what a scheme's layer ranges are fractions of

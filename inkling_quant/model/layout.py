@@ -21,6 +21,7 @@ from typing import Iterator
 import torch
 
 from . import inkling2
+from .families import Family, family_of
 from .fields import MAX_LAYERS, ConfigFields
 from ..errors import CheckpointError, ConfigError
 from .inkling2 import Inkling2Config
@@ -83,6 +84,11 @@ class MoEConfig:
                    hidden_size=t.int("hidden_size"), num_hidden_layers=n, num_experts=experts,
                    num_experts_per_tok=t.int("num_experts_per_tok", hi=experts), expert_width=t.int(width_key),
                    dense_layers=_dense_layers(t, n), nested=nested, raw=dict(d))
+
+    @property
+    def family(self) -> Family:
+        """The record of its family (model/families.py): the text config's model_type, else the top level's."""
+        return family_of(self.model_type, self.raw.get("model_type"))
 
     @classmethod
     def of(cls, cfg: "MoEConfig | Inkling2Config") -> "MoEConfig":

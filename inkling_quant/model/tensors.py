@@ -12,7 +12,7 @@ class TensorName:
     """What a checkpoint tensor is. `module` is the name without its last component."""
 
     name: str
-    part: str                 # the layout's parts (layout.PARTS, inkling2.classify)
+    part: str                 # what it is: "expert", "attention", "router", ... (layout.classify, inkling2.classify)
     layer: int | None = None  # decoder layer, vision block or draft layer
     expert: int | None = None
     projection: str | None = None

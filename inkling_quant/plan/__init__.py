@@ -15,7 +15,8 @@ from .inkling2 import GPU, GPUS, ServingPlan, load_config, plan, recipe_rows
 from .kvcache import KVLayout, KVSpec
 from .moe_checks import Check, moe_checks
 from .placement import Weights
-from .units import GB, GiB, in_units
+from ..units import GB, GiB
+from .units import in_units
 
 __all__ = ["GB", "GPU", "GPUS", "Check", "GiB", "HFModel", "KVLayout", "KVSpec", "ServingPlan", "Weights", "in_units",
            "is_hf_moe", "load_config", "moe_checks", "plan", "recipe_rows"]

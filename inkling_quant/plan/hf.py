@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from ..model.families import family_of, tested_names
 from ..model.fields import ConfigFields
 from ..errors import ConfigError, UsageError
 from ..errors import short_repr as _short
@@ -42,9 +43,6 @@ UNMODELLED_KEYS = {
 }
 FULL_TYPES = ("full_attention", "attention")
 DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
-QK_NORM = ("qwen3_moe", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe")   # per-head q_norm/k_norm [head_dim]
-QKV_BIAS_DEFAULT = ("qwen2_moe",)            # Qwen2-MoE's q/k/v biases (config qkv_bias, default true)
-TESTED = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "qwen3_vl_moe", "llama4")
 
 
 @dataclass(frozen=True)
@@ -116,6 +114,11 @@ class HFModel:
                 else "no tensor of the checkpoint is under a known vision-tower or projector prefix"))
         return cls(d, text, source, vision, tuple(notes))
 
+    @property
+    def family(self):
+        """The record of its family (model/families.py)."""
+        return family_of(self.text.model_type, self.raw.get("model_type"))
+
     @classmethod
     def from_config(cls, d: dict, source: str, root: Path | None = None) -> "HFModel":
         """From config.json's object; `root`, a checkpoint directory, adds its vision tower."""
@@ -136,7 +139,7 @@ def _text(d: dict, source: str) -> tuple[HFText, list[str]]:
     _refuse_unmodelled(d, source)
     moe = MoEConfig.from_dict(d, source)
     t = ConfigFields(d["text_config"] if moe.nested else d, "text_config." if moe.nested else "", source)
-    o, mt, notes = t.obj, moe.model_type, []
+    o, mt, notes, family = t.obj, moe.model_type, [], moe.family
     heads = t.int("num_attention_heads")
     kv = heads if o.get("num_key_value_heads") is None else t.int("num_key_value_heads", hi=heads)
     if o.get("head_dim") is None and moe.hidden_size % heads:
@@ -147,13 +150,12 @@ def _text(d: dict, source: str) -> tuple[HFText, list[str]]:
         raise ConfigError(f"{t.where}moe_layer_freq {_short(o['moe_layer_freq'])}: MoE layers other than "
                           f"every layer after first_k_dense_replace are not modelled", path=source)
     dense = moe.dense_layers or frozenset()
-    llama4 = mt.startswith("llama4")
-    dense_key = "intermediate_size_mlp" if llama4 else "intermediate_size"
+    dense_key = family.dense_width_key
     dense_width = t.int(dense_key) if dense else None
     if dense and dense_key == "intermediate_size" and "moe_intermediate_size" not in o:
         raise ConfigError(f"{t.where}intermediate_size is the expert width here, and the config names dense "
                           f"layers {sorted(dense)}: their width is not in the config", path=source)
-    shared, gate = _shared(t, moe.expert_width, llama4)
+    shared, gate = _shared(t, moe.expert_width, family.shared_expert_per_layer)
     mla = _mla(t) if o.get("kv_lora_rank") is not None else None
     if mla is not None:
         notes.append("MLA: vLLM's MLAAttentionSpec caches one latent of kv_lora_rank + qk_rope_head_dim per token "
@@ -167,14 +169,14 @@ def _text(d: dict, source: str) -> tuple[HFText, list[str]]:
         num_hidden_layers=moe.num_hidden_layers, num_attention_heads=heads, num_key_value_heads=kv,
         head_dim=head_dim, n_routed_experts=moe.num_experts, num_experts_per_tok=moe.num_experts_per_tok,
         moe_intermediate_size=moe.expert_width, dense_layers=dense, dense_width=dense_width, shared_width=shared,
-        shared_gate=gate, qk_norm=mt in QK_NORM, qkv_bias=t.bool("qkv_bias", mt in QKV_BIAS_DEFAULT) or bias,
+        shared_gate=gate, qk_norm=family.qk_norm, qkv_bias=t.bool("qkv_bias", family.qkv_bias) or bias,
         o_bias=bias,
-        score_bias=mt == "deepseek_v3" or o.get("topk_method") == "noaux_tc", mla=mla, sliding_window=window,
+        score_bias=family.score_bias or o.get("topk_method") == "noaux_tc", mla=mla, sliding_window=window,
         tie_word_embeddings=_tie(d, t, source), dtype=_dtype(d, t, source),
         max_position_embeddings=t.int("max_position_embeddings", hi=1 << 40))
-    if mt not in TESTED and d.get("model_type") not in TESTED:
+    if not family.tested:
         notes.append(f"model_type {mt!r}: not one of the families whose counts were checked against transformers "
-                     f"({', '.join(TESTED)}); the generic rules apply (docs/budget.md)")
+                     f"({', '.join(tested_names())}); the generic rules apply (docs/budget.md)")
     if isinstance(d.get("quantization_config"), dict) or isinstance(o.get("quantization_config"), dict):
         notes.append("config.json has a quantization_config: the figures are for converting the BF16 model "
                      "with --scheme, not for this checkpoint's own quantization")
@@ -228,12 +230,12 @@ def _count(t: ConfigFields, key: str) -> int:
     return 0 if t.obj.get(key) is None else t.int(key, lo=0)
 
 
-def _shared(t: ConfigFields, width: int, llama4: bool) -> tuple[int, bool]:
+def _shared(t: ConfigFields, width: int, per_layer: bool) -> tuple[int, bool]:
     if n := _count(t, "n_shared_experts"):  # DeepSeek: one MLP of n x moe_intermediate_size
         return n * width, False
     if w := _count(t, "shared_expert_intermediate_size"):  # Qwen2-MoE (and vLLM's Qwen3-MoE)
         return w, True
-    return (width, False) if llama4 else (0, False)  # Llama 4: one shared expert per MoE layer
+    return (width, False) if per_layer else (0, False)  # Llama 4: one shared expert per MoE layer
 
 
 def _mla(t: ConfigFields) -> MLADims:

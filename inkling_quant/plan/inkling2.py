@@ -39,7 +39,8 @@ from .hf import weight_bytes as hf_weight_bytes
 from .kvcache import DEFAULT_BLOCK_SIZE, KINDS, KVLayout, hf_layer_specs, kv_layout, layer_specs
 from .moe_checks import Check, moe_checks
 from .placement import HEADS, HIDDEN, KV_HEADS, REPLICATED, VOCAB, Weights, add_experts, rank_bytes  # noqa: F401
-from .units import GB, GiB, MiB, cdiv, in_units
+from ..units import GB, GiB, MiB, cdiv
+from .units import in_units
 
 if TYPE_CHECKING:
     from ..model.inkling2 import Inkling2Config, ParamCounts
@@ -377,7 +378,7 @@ def plan(cfg: Inkling2Config | HFModel, gpu: str = "gb200", tp: int = 4, *, ep: 
     length = upper if max_model_len is None else max_model_len
     if not 1 <= length <= upper:
         raise UsageError(f"--max-model-len must be between 1 and max_position_embeddings ({upper}), got {length}")
-    hf = isinstance(cfg, HFModel)
+    hf = not cfg.family.strict  # planned from the family's rules (plan.hf), not from a published spec
     if hf:
         hf_check_parallel(cfg.text, tp)
         include_draft = False

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import UsageError
-from .units import cdiv
+from ..units import cdiv
 
 if TYPE_CHECKING:
     from ..model.inkling2 import TextConfig

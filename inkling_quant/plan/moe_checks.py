@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from .units import cdiv
+from ..units import cdiv
 
 
 class ExpertDims(Protocol):

@@ -8,7 +8,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .units import cdiv
+from ..units import cdiv
 
 REPLICATED, HEADS, KV_HEADS, HIDDEN, VOCAB = "replicated", "heads", "KV heads", "hidden", "vocab"
 TP_SPLIT = "intermediate"     # a dense or shared-expert MLP: gate/up by columns, down by rows

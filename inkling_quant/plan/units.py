@@ -1,15 +1,7 @@
-"""The units the plans count in, and the rounding-up division every split and page uses: a module
-of its own so that placement, kvcache and moe_checks share it without importing one another."""
+"""How the plans print byte counts (the units themselves: inkling_quant.units)."""
 from __future__ import annotations
 
-GiB = 1 << 30
-MiB = 1 << 20
-GB = 10 ** 9
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
+from ..units import GB, GiB
 
 UNIT_BYTES = {"GiB": GiB, "GB": GB}
 

@@ -158,7 +158,7 @@ def check_config_files(ckpt: str | Path, *, scheme: str | None = None, weight_on
     report = VerifyReport(str(ckpt), None, scheme or "?", "cpu")
     run = Recorder(report, root)
     conf = load_config(run, root, scheme)
-    usable = conf.usable and not conf.generic
+    usable = conf.usable and conf.strict
     check_config(run, conf, weight_only, scheme_layers(conf, weight_only) if usable else None)
     return report
 

@@ -54,9 +54,8 @@ Weights = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 def dims(cfg) -> tuple[int, int, int]:
     """(experts E, hidden size H, expert width I) of an Inkling 2 or another family's config."""
-    if isinstance(cfg, Inkling2Config):
-        return cfg.text.n_routed_experts, cfg.text.hidden_size, cfg.text.moe_intermediate_size
-    return cfg.num_experts, cfg.hidden_size, cfg.expert_width
+    moe = MoEConfig.of(cfg)
+    return moe.num_experts, moe.hidden_size, moe.expert_width
 
 
 # ============================================================================ layout
@@ -78,7 +77,7 @@ def check_layout(run: Recorder, files: Files, conf: Conf, source: Source | None)
 
 def _check(c: Check, files: Files, conf: Conf, source: Source | None) -> Expected:
     spec = None
-    if not conf.generic:  # Inkling 2: its strict spec but the routed experts
+    if conf.strict:  # Inkling 2: its strict spec but the routed experts
         spec = _spec(c, files, conf)
         if spec is None:
             return Expected(DISAGREES)

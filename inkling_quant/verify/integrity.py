@@ -46,7 +46,7 @@ def required(inv: Inventory) -> bool:
     Under transformers' or ModelOpt's names, as for other families, the tools that write such
     checkpoints record none."""
     conf, lay = inv.conf, inv.expected.layout
-    if conf.generic:
+    if not conf.strict:
         return False
     return lay.original_names if lay is not None else not conf.modelopt_hf
 

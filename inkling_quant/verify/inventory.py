@@ -68,7 +68,7 @@ def converter_of(hf_quant):
 class Conf:
     """config.json, hf_quant_config.json and the scheme. `cfg`/`scheme` None: not usable. `cfg`
     is the published Inkling 2 model's (its strict spec applies) or another Hugging Face MoE
-    family's (`generic`). Either way the layout is detected from the tensor names (experts.py)."""
+    family's (not `strict`). Either way the layout is detected from the tensor names (experts.py)."""
 
     root: Path
     config: dict | None = None
@@ -88,9 +88,10 @@ class Conf:
         return converter_of(self.hf_quant)
 
     @property
-    def generic(self) -> bool:
-        """A Hugging Face MoE family other than Inkling 2 (layout.MoEConfig)."""
-        return isinstance(self.cfg, MoEConfig)
+    def strict(self) -> bool:
+        """config.json lists every tensor (the family's record says so: Inkling 2's published
+        spec), not only the routed experts (model/families.py)."""
+        return self.cfg is None or self.cfg.family.strict  # no usable config: read as Inkling 2's
 
     @functools.cached_property
     def modelopt_hf(self) -> bool:
@@ -100,7 +101,7 @@ class Conf:
         (`model.language_model.layers.N.mlp.experts`)."""
         if self.cfg is None:
             return False
-        if self.generic:
+        if not self.strict:
             return True
         hq = self.hf_quant.get("quantization") if isinstance(self.hf_quant, dict) else None
         for q in (self.config.get("quantization_config"), hq):
@@ -112,7 +113,7 @@ class Conf:
     def classify(self, name: str) -> TensorName:
         """The Inkling 2 layout's classify, memoized for this run: what the checks read a name
         as when no layout was detected (`Inventory.classify`)."""
-        if self.generic:
+        if not self.strict:
             raise CheckpointError(f"tensor {name!r}: the layout of this {self.cfg.model_type} checkpoint was not "
                                   f"detected (see the layout check)", tensor=name)
         t = self._names.get(name)

@@ -14,7 +14,7 @@ from typing import Iterator
 from xml.etree import ElementTree as ET
 
 from .. import __version__
-from ..cli_common import human_bytes
+from ..units import human_bytes
 from ..errors import InklingQuantError, printable, short_repr
 from ..formats import FORMATS
 

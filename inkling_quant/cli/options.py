@@ -1,6 +1,7 @@
 """Option types shared by every command: each numeric option is range-checked when it is parsed,
 so a value like `nan`, `inf`, `1e308` or `2**80` ends in argparse's usage error (exit 2), never
-in a traceback deep inside a command. Light: no torch import."""
+in a traceback deep inside a command; and the one spelling of `--quiet` and `--json FILE|-`.
+Light: no torch import."""
 from __future__ import annotations
 
 import argparse
@@ -60,18 +61,18 @@ def float_range(lo: float, hi: float, *, lo_open: bool = False):
 positive_float = float_range(0.0, 3.0e38, lo_open=True)  # finite, > 0, and representable in fp32
 
 
-def human_bytes(n: float, digits: int = 1) -> str:
-    """1234567 -> '1.2 MB' (decimal units, as disks and `ls -h --si` count)."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
-        n /= 1000
-    return str(n)  # pragma: no cover - the loop returns at TB
-
-
 def device(text: str) -> str:
     """--device: `cpu`, `cuda` or `cuda:N` (what the converter and the kernels run on)."""
     kind, sep, index = text.partition(":")
     if (kind == "cpu" and not sep) or (kind == "cuda" and (not sep or (index.isascii() and index.isdigit()))):
         return text
     raise argparse.ArgumentTypeError(f"{text!r}: expected cpu, cuda or cuda:N")
+
+
+def add_output_options(p: argparse.ArgumentParser, report: str = "the summary",
+                       quiet: str = "no progress bars or summary") -> None:
+    """`--quiet` and `--json FILE|-`, with one meaning in every command: `--json -` writes the
+    report to standard output (and nothing else there), a file is written atomically."""
+    p.add_argument("--quiet", action="store_true", help=quiet)
+    p.add_argument("--json", metavar="REPORT", help=f"write {report} as JSON to REPORT ('-': standard output)")
+

@@ -6,13 +6,13 @@ import argparse
 import json
 from collections import defaultdict
 
-from ..cli_common import float_range, int_range
 from ..errors import UsageError
-from .inkling2 import (ASYNC_BATCHES, DEFAULT_BLOCK_SIZE, DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION, GPUS, ServingPlan,
-                       load_config, plan, recipe_rows)
-from .kvcache import CONV, FULL, MLA
-from .placement import KV_HEADS, REPLICATED
-from .units import in_units
+from ..plan.inkling2 import (ASYNC_BATCHES, DEFAULT_BLOCK_SIZE, DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION, GPUS,
+                             ServingPlan, load_config, plan, recipe_rows)
+from ..plan.kvcache import CONV, FULL, MLA
+from ..plan.placement import KV_HEADS, REPLICATED
+from ..plan.units import in_units
+from .options import add_output_options, float_range, int_range
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"kernel workspaces, the draft's KV cache (default {DEFAULT_RESERVE_GIB:g})")
     parser.add_argument("--block-size", type=int_range(1, 1 << 20), default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--no-draft", action="store_true", help="leave out the DSpark draft (the recipe's 3.2 GB)")
-    parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-' for standard output only)")
-    parser.add_argument("--quiet", action="store_true", help="print nothing (the exit code says whether it fits)")
+    add_output_options(parser, report="the plan", quiet="print nothing (the exit code says whether it fits)")
 
 
 def run(args) -> int:

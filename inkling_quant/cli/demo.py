@@ -9,23 +9,23 @@ import json
 import tempfile
 from pathlib import Path
 
-from . import draft
-from .convert import Options, convert, print_summary
-from .inspect_cmd import render as render_inspect
-from .inspect_cmd import summarize
-from .model.inkling2 import Inkling2Config
-from .cli_common import int_range
-from .io.output import check_paths, write_report
-from .plan import plan, recipe_rows
-from .synth import SEED_MAX, write_checkpoint
-from .verify import verify
+from .. import draft
+from ..convert import Options, convert
+from ..inspect_cmd import render as render_inspect
+from ..inspect_cmd import summarize
+from ..io.output import check_paths, write_report
+from ..model.inkling2 import Inkling2Config
+from ..plan import plan, recipe_rows
+from ..synth import SEED_MAX, write_checkpoint
+from ..verify import verify
+from .convert import print_summary
+from .options import add_output_options, int_range
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", metavar="DIR", help="work in DIR and keep the checkpoints (default: a temp dir)")
     p.add_argument("--seed", type=int_range(0, SEED_MAX), default=0)
-    p.add_argument("--quiet", action="store_true", help="print nothing (the exit code says whether it passed)")
-    p.add_argument("--json", metavar="REPORT", help="write every step's result as JSON to REPORT ('-': standard output)")
+    add_output_options(p, report="every step's result", quiet="print nothing (the exit code says whether it passed)")
 
 
 def run(args) -> int:

@@ -1,26 +1,27 @@
-"""`inkling-quant` command line. Each subcommand lives in its own module, which defines
-`add_arguments(parser)` and `run(args) -> int`; this file only dispatches and turns our
-errors into a message and an exit code (never a traceback)."""
+"""`inkling-quant` command line. Each subcommand's parsing lives in its own module of this
+package, which defines `add_arguments(parser)`, `run(args) -> int` and `DESCRIPTION` (its --help
+text, the library module's docstring); the library modules know nothing of argparse. This file
+only dispatches and turns our errors into a message and an exit code (never a traceback)."""
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
 
-from . import __version__
-from .errors import InklingQuantError, printable
+from .. import __version__
+from ..errors import InklingQuantError, printable
 
-# subcommand -> (module, one-line help)
+# subcommand -> (its module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "synth": ("inkling_quant.synth", "write a synthetic Inkling-2-Small-shaped BF16 checkpoint"),
-    "schemes": ("inkling_quant.schemes", "print the conversion scheme table"),
-    "convert": ("inkling_quant.convert", "convert a BF16 checkpoint to NVFP4/MXFP8 (streaming, resumable)"),
-    "verify": ("inkling_quant.verify", "check a converted checkpoint: structure, values, checksums, numerics (exit 0/1/2)"),
-    "draft": ("inkling_quant.draft", "extract the bundled DSpark draft as its own checkpoint, or strip it off"),
-    "lora": ("inkling_quant.lora", "merge a PEFT LoRA adapter into the BF16 attention projections, or check one"),
-    "demo": ("inkling_quant.demo", "synthesize a tiny checkpoint and run the whole pipeline on it"),
-    "plan": ("inkling_quant.plan.cli", "plan a vLLM deployment: disk, weights and KV cache per GPU, fits or not"),
-    "inspect": ("inkling_quant.inspect_cmd", "summarize a checkpoint from its safetensors headers (no tensor data read)"),
+    "synth": ("inkling_quant.cli.synth", "write a synthetic Inkling-2-Small-shaped BF16 checkpoint"),
+    "schemes": ("inkling_quant.cli.schemes", "print the conversion scheme table"),
+    "convert": ("inkling_quant.cli.convert", "convert a BF16 checkpoint to NVFP4/MXFP8 (streaming, resumable)"),
+    "verify": ("inkling_quant.cli.verify", "check a converted checkpoint: structure, values, checksums, numerics (exit 0/1/2)"),
+    "draft": ("inkling_quant.cli.draft", "extract the bundled DSpark draft as its own checkpoint, or strip it off"),
+    "lora": ("inkling_quant.cli.lora", "merge a PEFT LoRA adapter into the BF16 attention projections, or check one"),
+    "demo": ("inkling_quant.cli.demo", "synthesize a tiny checkpoint and run the whole pipeline on it"),
+    "plan": ("inkling_quant.cli.plan", "plan a vLLM deployment: disk, weights and KV cache per GPU, fits or not"),
+    "inspect": ("inkling_quant.cli.inspect", "summarize a checkpoint from its safetensors headers (no tensor data read)"),
 }
 
 
@@ -36,7 +37,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             sub.add_parser(name, help=help_)
             continue
         mod = importlib.import_module(module)
-        p = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip(),
+        described = getattr(mod, "DESCRIPTION", None) or mod.__doc__ or help_
+        p = sub.add_parser(name, help=help_, description=described.strip(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
@@ -59,7 +61,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"inkling-quant {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
