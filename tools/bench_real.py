@@ -35,6 +35,11 @@ the baseline (cases alternate within a run: a busy moment hits them all).
 
     python tools/bench_real.py --repeat 2 --json bench-out/real.json      # the recorded run
     python tools/bench_real.py --skip-peer --experts-input 1,2 --passthrough-input 1,1 --max-gb 1
+
+``--baseline DIR`` (a checkout of another revision, e.g. ``git worktree add DIR REV``) adds, on the
+expert-heavy input, ``convert --scheme default`` and ``verify --against`` (of a default conversion
+made once, untimed) run by that checkout's inkling_quant, alternating with ours: a change's cost,
+side by side in one run (targets: within 5 %).
 """
 from __future__ import annotations
 
@@ -68,7 +73,7 @@ def child(spec: dict) -> None:
 
 def _child_cli(spec: dict) -> dict:
     """`inkling-quant ARGV` in-process, timed after the imports (torch, the command's module)."""
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, spec.get("root", str(ROOT)))  # a --baseline case: that checkout's inkling_quant
     import importlib
 
     importlib.import_module("torch")  # before the clock starts (every command imports it)
@@ -127,6 +132,18 @@ def our_cases(scheme_args: dict) -> list[tuple[str, str, list[str]]]:
 
 
 CP = ("cp", "cp -r + sha256sum", "cp -r {src} {out} && sha256sum {out}/*.safetensors > /dev/null")
+VERIFY = ["verify", "{converted}", "--against", "{src}", "--quiet"]
+
+
+def with_baseline(cases: list[dict], cli, root: str) -> list[dict]:
+    """`cases` plus verify --against, each of convert --scheme default and verify followed at once by the
+    --baseline checkout's run of it (adjacent: the same disk state for both)."""
+    out = []
+    for c in cases + [cli("verify", "verify --against (of the default conversion)", VERIFY)]:
+        out.append(c)
+        if c["id"] in ("default", "verify"):
+            out.append({**c, "id": f"{c['id']}@baseline", "label": f"{c['label']} (baseline)", "root": root})
+    return out
 
 
 def plan_cases(args, peer: bool) -> dict[str, list[dict]]:
@@ -146,7 +163,8 @@ def plan_cases(args, peer: bool) -> dict[str, list[dict]]:
            "spec": {"kind": "lc", "lc_scheme": "NVFP4A16", "workers": args.workers}, "bytes": "src"}] if peer else []
     ours = [cli(c) for c in ("none", "default", "nvfp4", "mxfp8")]
     return {
-        "experts": ours + [cli("default-hf"), shell] + (mo if not args.skip_modelopt else []) + lc,
+        "experts": (with_baseline(ours, cli, args.baseline) if args.baseline else ours) + [cli("default-hf"), shell]
+        + (mo if not args.skip_modelopt else []) + lc,
         "release": [cli("none", "convert --scheme none (the release's copy floor)"),
                     cli("default", "convert --scheme default (MXFP8 release -> default)"), shell],
         "passthrough": ours + [shell,
@@ -163,7 +181,8 @@ def run_case(case: dict, inp: dict, work: Path, lc_py: str | None) -> dict:
     out = work / "out"
     for d in (out, out.with_name("out.partial")):
         shutil.rmtree(d, ignore_errors=True)
-    fill = {"src": str(inp["dir"]), "out": str(out), "adapter": str(inp.get("adapter", ""))}
+    fill = {"src": str(inp["dir"]), "out": str(out), "adapter": str(inp.get("adapter", "")),
+            "converted": str(inp.get("converted", ""))}
     log = work / "logs" / f"{inp['key']}-{case['id']}-{time.monotonic_ns()}.log"
     res_path = work / "res.json"
     sync_disk()
@@ -172,13 +191,15 @@ def run_case(case: dict, inp: dict, work: Path, lc_py: str | None) -> dict:
         res = {"work_s": meas["wall_s"], "work_cpu_s": meas["cpu_s"]}
     else:
         if case["kind"] == "cli":
-            cmd = [sys.executable, str(ME), "--child", json.dumps({"kind": "cli", "result": str(res_path),
-                                                                   "argv": [a.format(**fill) for a in case["argv"]]})]
+            spec = {"kind": "cli", "result": str(res_path), "argv": [a.format(**fill) for a in case["argv"]]}
+            cmd = [sys.executable, str(ME), "--child", json.dumps({**spec, **({"root": case["root"]} if "root" in case
+                                                                               else {})})]
         else:
             src = inp["lc_dir"] if case["kind"] == "lc" else inp["dir"]
             spec = {**case["spec"], "src": str(src), "out": str(out), "result": str(res_path)}
             cmd = [lc_py if case["kind"] == "lc" else sys.executable, str(BC), "--child", json.dumps(spec)]
-        meas = run_measured(cmd, log, env=lc_env() if case["kind"] == "lc" else ours_env())
+        env = lc_env() if case["kind"] == "lc" else ours_env(case.get("root"))
+        meas = run_measured(cmd, log, env=env)
         res = json.loads(res_path.read_text())
         res_path.unlink()
     for d in (out, out.with_name("out.partial")):
@@ -264,6 +285,8 @@ TARGETS = [  # (what, input, case, baseline input, baseline case, at least this 
     ("nvfp4 >= 10x llm-compressor NVFP4A16 (expert-heavy)", "experts", "nvfp4", "experts", "lc-nvfp4", 10.0),
     ("nvfp4 >= 10x llm-compressor NVFP4A16 (pass-through-heavy)", "passthrough", "nvfp4", "passthrough", "lc-nvfp4",
      10.0),
+    ("convert --scheme default within 5% of --baseline", "experts", "default", "experts", "default@baseline", 0.95),
+    ("verify --against within 5% of --baseline", "experts", "verify", "experts", "verify@baseline", 0.95),
 ]
 
 
@@ -352,6 +375,8 @@ def parse_args(argv):
     p.add_argument("--venv", default=str(ROOT / "bench-out" / "lc-venv"), help="llm-compressor's venv")
     p.add_argument("--skip-peer", action="store_true", help="no llm-compressor (no venv)")
     p.add_argument("--skip-modelopt", action="store_true", help="no ModelOpt loop")
+    p.add_argument("--baseline", metavar="DIR", help="a checkout of another revision: its convert and verify "
+                   "beside ours (a change's cost)")
     p.add_argument("--json", metavar="OUT", help="write every run, the ratios and the targets as JSON")
     return args_or_child(p, argv, child)
 
@@ -375,6 +400,11 @@ def run_inputs(args, work: Path, env: dict, lc_py: str | None) -> tuple[list[dic
     if which & {"experts", "release"}:
         inp = inputs["experts"] = make_input("experts", *_pair(args.experts_input), work, args, env)
         describe(inp, env, work)
+        if args.baseline:  # what the verify cases read: one default conversion, untimed
+            inp["converted"] = work / "converted"
+            helper(ME, {"kind": "cli", "argv": ["convert", str(inp["dir"]), str(inp["converted"]), "--quiet",
+                                                 "--default-activation-amax", str(args.activation_amax)]},
+                   work / "h.json", env)
         if "experts" in which:
             with_lc(inp)
             rows += bench_input(inp, cases["experts"], args, work, lc_py)

@@ -115,10 +115,11 @@ def helper(script: str | Path, spec: dict, result: Path, env: dict | None = None
 
 
 # ============================================================================ environments
-def ours_env() -> dict:
-    """This checkout's inkling_quant first on the path (a worktree wins over an editable install)."""
+def ours_env(root: str | Path | None = None) -> dict:
+    """This checkout's inkling_quant (or ROOT's, another revision's) first on the path: a worktree wins over an
+    editable install."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(root or ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
