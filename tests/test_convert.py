@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import inkling_quant
 from inkling_quant.cli import main
 from inkling_quant.export.inkling import projection_specs
 from inkling_quant.model.inkling2 import Inkling2Config, checkpoint_tensors, classify
@@ -24,6 +25,8 @@ from inkling_quant.io.checkpoint import Checkpoint
 from inkling_quant.io.safetensors import sha256_file
 from inkling_quant.schemes import get_scheme
 from inkling_quant.synth import write_checkpoint
+
+import release_reference
 
 AMAX = 4.0
 LAYERS, EXPERTS, NVFP4_LAYERS = 48, 4, 40  # the tiny preset; the default scheme's first 5/6
@@ -53,15 +56,26 @@ def _experts(layer: int) -> str:
     return f"model.llm.layers.{layer}.mlp.experts."
 
 
-@pytest.fixture(scope="module")
-def converted(tiny_src, tmp_path_factory):
+def _convert(tiny_src, tmp_path_factory, *extra: str) -> Path:
     out = tmp_path_factory.mktemp("conv") / "tiny-default"
     before = _files(tiny_src)
     rc = main(["convert", str(tiny_src), str(out), "--scheme", "default", "--default-activation-amax", str(AMAX),
-               "--quiet", "--json", str(out.parent / "report.json")])
+               "--quiet", "--json", str(out.parent / "report.json"), *extra])
     assert rc == 0
     assert _files(tiny_src) == before  # the source is never modified
     return out
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_src, tmp_path_factory):
+    """The default: the inkling form, written by the release's encoders."""
+    return _convert(tiny_src, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def converted_modelopt(tiny_src, tmp_path_factory):
+    """The inkling form written by ModelOpt's encoders (--encoder modelopt)."""
+    return _convert(tiny_src, tmp_path_factory, "--encoder", "modelopt")
 
 
 def test_every_tensor_has_the_prescribed_dtype_and_shape(tiny_src, converted):
@@ -86,21 +100,21 @@ def test_every_tensor_has_the_prescribed_dtype_and_shape(tiny_src, converted):
         "w13_weight", "w13_weight_scale", "w13_weight_amax", "w13_weight_outer_scale_denominator",
         "w13_weight.input_amax")} == {
         "w13_weight": ((4, 192, 32), torch.uint8), "w13_weight_scale": ((4, 192, 4), torch.float8_e4m3fn),
-        "w13_weight_amax": ((4,), torch.float32), "w13_weight_outer_scale_denominator": ((4,), torch.float32),
+        "w13_weight_amax": ((4,), torch.float32), "w13_weight_outer_scale_denominator": ((), torch.float32),
         "w13_weight.input_amax": ((4,), torch.float32)}
     assert {k: (tuple(got[mx + k].shape), got[mx + k].dtype) for k in ("w2_weight", "w2_weight_scale")} == {
         "w2_weight": ((4, 64, 96), torch.float8_e4m3fn), "w2_weight_scale": ((4, 64, 3), torch.uint8)}
 
 
-def test_passthrough_byte_identical_and_quantized_bit_identical_to_modelopt(tiny_src, converted):
-    """Every non-expert tensor bit-exact; every expert's gate (w13 rows 0, 2, ...), up (rows 1,
-    3, ...) and down (w2) what ModelOpt's NVFP4QTensor / MXFP8QTensor make of them, read straight
-    from the stacked output: rows interleaved as in the source, NVFP4's global scale (gate and up
-    share max(amax(gate), amax(up)) / 2688, ModelOpt's sync_moe_gate_up_amax) as amax /
-    outer_scale_denominator, the activation scale as input_amax."""
+def test_passthrough_byte_identical_and_quantized_bit_identical_to_modelopt(tiny_src, converted_modelopt):
+    """--encoder modelopt: every non-expert tensor bit-exact; every expert's gate (w13 rows 0, 2,
+    ...), up (rows 1, 3, ...) and down (w2) what ModelOpt's NVFP4QTensor / MXFP8QTensor make of
+    them, read straight from the stacked output: rows interleaved as in the source, NVFP4's global
+    scale (gate and up share max(amax(gate), amax(up)) / 2688, ModelOpt's sync_moe_gate_up_amax) as
+    amax / outer_scale_denominator, the activation scale as input_amax."""
     from modelopt.torch.quantization.qtensor import MXFP8QTensor, NVFP4QTensor
 
-    src, out = _load_all(tiny_src), _load_all(converted)
+    src, out = _load_all(tiny_src), _load_all(converted_modelopt)
     for name, w in src.items():
         if ".mlp.experts." not in name:
             assert out[name].dtype == w.dtype and torch.equal(_bits(out[name]), _bits(w)), name
@@ -120,7 +134,7 @@ def test_passthrough_byte_identical_and_quantized_bit_identical_to_modelopt(tiny
                     where = (layer, e, proj, row)
                     assert torch.equal(out[p + f"{proj}_weight"][e, rows], qt._quantized_data), where
                     assert torch.equal(_bits(out[p + f"{proj}_weight_scale"][e, rows]), _bits(s)), where
-                    got_s2 = out[p + f"{proj}_weight_amax"][e] / out[p + f"{proj}_weight_outer_scale_denominator"][e]
+                    got_s2 = out[p + f"{proj}_weight_amax"][e] / out[p + f"{proj}_weight_outer_scale_denominator"]
                     assert torch.equal(got_s2, s2.float()), where
                     got_in = out[p + f"{proj}_weight.input_amax"][e] / SCALE_DIV
                     assert torch.equal(got_in, torch.tensor(AMAX / SCALE_DIV, dtype=torch.float32)), where
@@ -137,6 +151,30 @@ def test_passthrough_byte_identical_and_quantized_bit_identical_to_modelopt(tiny
     assert n_nvfp4 == NVFP4_LAYERS * EXPERTS * 3 and n_mxfp8 == (LAYERS - NVFP4_LAYERS) * EXPERTS * 3
 
 
+def test_quantized_bits_are_the_release_encoders(tiny_src, converted):
+    """The default (inkling form): every expert slab, as stored (gate/up rows interleaved, one
+    amax per expert over both), is what the release's encoders write, held to the reference
+    written apart from formats/ (tests/release_reference.py); every other tensor bit-exact."""
+    src, out = _load_all(tiny_src), _load_all(converted)
+    for name, w in src.items():
+        if ".mlp.experts." not in name:
+            assert out[name].dtype == w.dtype and torch.equal(_bits(out[name]), _bits(w)), name
+    for layer in range(LAYERS):
+        p = _experts(layer)
+        for proj in ("w13", "w2"):
+            for e in range(EXPERTS):
+                slab, where = src[p + f"{proj}_weight"][e], (layer, proj, e)
+                got_w, got_s = out[p + f"{proj}_weight"][e], out[p + f"{proj}_weight_scale"][e]
+                if layer < NVFP4_LAYERS:
+                    packed, scale, amax = release_reference.nvfp4_nearest(slab)
+                    assert torch.equal(out[p + f"{proj}_weight_amax"][e], torch.as_tensor(amax).float()), where
+                    assert float(out[p + f"{proj}_weight_outer_scale_denominator"]) == 2688.0
+                else:
+                    packed, scale = release_reference.mxfp8_nearest(slab)
+                assert torch.equal(_bits(got_w), _bits(packed)), where
+                assert torch.equal(_bits(got_s), _bits(scale)), where
+
+
 def test_gate_and_up_share_the_global_scale(tiny_src, converted):
     """One NVFP4 global scale per expert for gate and up together: w13's amax is the BF16 amax
     over both (so gate's and up's weight_scale_2 are one value), over the 2688 divisor."""
@@ -146,7 +184,7 @@ def test_gate_and_up_share_the_global_scale(tiny_src, converted):
         for proj in ("w13", "w2"):
             want = src[p + f"{proj}_weight"].float().abs().amax(dim=(1, 2))
             assert torch.equal(out[p + f"{proj}_weight_amax"], want), (layer, proj)
-            assert torch.equal(out[p + f"{proj}_weight_outer_scale_denominator"], torch.full((EXPERTS,), 2688.0))
+            assert torch.equal(out[p + f"{proj}_weight_outer_scale_denominator"], torch.tensor(2688.0))
 
 
 def test_configs_are_modelopt_mixed_precision(tiny_src, converted):
@@ -154,10 +192,14 @@ def test_configs_are_modelopt_mixed_precision(tiny_src, converted):
     qc = cfg["quantization_config"]
     assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "MIXED_PRECISION"
     assert qc["quantized_layers"] == {
-        f"model.llm.layers.{i}.mlp.experts": {"quant_algo": "NVFP4", "group_size": 16} if i < NVFP4_LAYERS
-        else {"quant_algo": "MXFP8", "group_size": 32} for i in range(LAYERS)}
+        f"model.llm.layers.{i}.mlp.experts":
+        {"quant_algo": "NVFP4", "group_size": 16, "encoder": "nvfp4_nearest", "scales": "amax_denominator"}
+        if i < NVFP4_LAYERS else
+        {"quant_algo": "MXFP8", "group_size": 32, "encoder": "mxfp8_nearest", "scales": "ue8m0"} for i in range(LAYERS)}
     hf = json.loads((converted / "hf_quant_config.json").read_text())
-    assert hf["producer"]["name"] == "modelopt" and hf["quantization"] == {k: v for k, v in qc.items() if k != "quant_method"}
+    assert hf["producer"] == {"name": "inkling-quant", "version": inkling_quant.__version__}
+    assert hf["converter"]["encoder"] == "release"
+    assert hf["quantization"] == {k: v for k, v in qc.items() if k != "quant_method"}
     src_cfg = json.loads((tiny_src / "config.json").read_text())
     assert {k: v for k, v in cfg.items() if k != "quantization_config"} == src_cfg
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",

@@ -61,9 +61,10 @@ def test_everything_but_the_experts_is_bit_exact_and_experts_are_stacked(pair):
 
 
 def test_expert_values_equal_quantizing_gate_up_down_apart(pair):
-    """Unstacked, every expert's tensors are bit for bit what the format writes for its gate, up
-    (under their fused amax) and down taken out of the source on their own, with the activation
-    amax given."""
+    """Unstacked, every expert's tensors are bit for bit what the format's release encoder (the
+    inkling form's) writes for its gate, up (under their fused amax) and down taken out of the
+    source on their own, with the activation amax given: quantizing the interleaved slab as stored
+    is quantizing gate and up apart."""
     src, out, _ = pair
     s, o = tensors(src), tensors(out)
     for layer in range(LAYERS):
@@ -75,13 +76,16 @@ def test_expert_values_equal_quantizing_gate_up_down_apart(pair):
         for e in range(w13.shape[0]):
             gate, up = w13[e, 0::2].contiguous(), w13[e, 1::2].contiguous()
             ga = fmt.fused_global_amax([gate, up])
-            want = {"gate_proj": fmt.quantize(gate, global_amax=ga, input_amax=ia),
-                    "up_proj": fmt.quantize(up, global_amax=ga, input_amax=ia),
-                    "down_proj": fmt.quantize(w2[e].contiguous(), input_amax=ia)}
+            want = {"gate_proj": fmt.quantize(gate, global_amax=ga, input_amax=ia, encoder="release"),
+                    "up_proj": fmt.quantize(up, global_amax=ga, input_amax=ia, encoder="release"),
+                    "down_proj": fmt.quantize(w2[e].contiguous(), input_amax=ia, encoder="release")}
             got = unstack_expert(fmt, stacked, e)
             for mod in want:
-                assert set(got[mod]) == set(want[mod])
-                for k in want[mod]:
+                assert set(got[mod]) == set(want[mod]) - {"weight_amax"}  # stored as the stacked amax
+                if "weight_amax" in want[mod]:
+                    proj = "w2" if mod == "down_proj" else "w13"
+                    assert torch.equal(stacked[f"{proj}_weight_amax"][e], want[mod]["weight_amax"])
+                for k in got[mod]:
                     assert torch.equal(bits(got[mod][k]), bits(want[mod][k])), (layer, e, mod, k)
 
 
@@ -111,9 +115,10 @@ def test_quantization_config_names_each_layers_experts(pair):
     src, out, _ = pair
     q = json.loads((out / "config.json").read_text())["quantization_config"]
     assert q["quant_algo"] == "MIXED_PRECISION"
-    assert q["quantized_layers"] == {f"model.llm.layers.{i}.mlp.experts": {"quant_algo": "NVFP4", "group_size": 16}
-                                     for i in range(5)} | {"model.llm.layers.5.mlp.experts":
-                                                           {"quant_algo": "MXFP8", "group_size": 32}}
+    nv = {"quant_algo": "NVFP4", "group_size": 16, "encoder": "nvfp4_nearest", "scales": "amax_denominator"}
+    mx = {"quant_algo": "MXFP8", "group_size": 32, "encoder": "mxfp8_nearest", "scales": "ue8m0"}
+    assert q["quantized_layers"] == {f"model.llm.layers.{i}.mlp.experts": nv for i in range(5)} | \
+        {"model.llm.layers.5.mlp.experts": mx}
     assert "model.llm.layers.*.attn*" in q["exclude_modules"]
     hq = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
     assert hq["quantized_layers"] == q["quantized_layers"]
@@ -155,7 +160,8 @@ def release(pair, tmp_path_factory):
 
 def test_default_from_the_mxfp8_release(pair, release, tmp_path):
     """MXFP8 experts of the MXFP8 layers are copied bit-exact; the others are dequantized exactly
-    and quantized to NVFP4: bit for bit what NVFP4 makes of the dequantized gate, up and down."""
+    and quantized to NVFP4: bit for bit what NVFP4's release encoder makes of the dequantized
+    gate, up and down."""
     src, from_bf16, _ = pair
     convert(release, tmp_path / "out", Options(default_activation_amax=AMAX, max_shard_bytes=1 << 17), quiet=True)
     r, o, b = tensors(release), tensors(tmp_path / "out"), tensors(from_bf16)
@@ -173,13 +179,15 @@ def test_default_from_the_mxfp8_release(pair, release, tmp_path):
             stored = unstack_expert(mx, rel, e)
             deq = {m: mx.dequantize(stored[m], torch.float32) for m in stored}
             ga = nv.fused_global_amax([deq["gate_proj"], deq["up_proj"]])
-            want = {"gate_proj": nv.quantize(deq["gate_proj"], global_amax=ga, input_amax=AMAX),
-                    "up_proj": nv.quantize(deq["up_proj"], global_amax=ga, input_amax=AMAX),
-                    "down_proj": nv.quantize(deq["down_proj"], input_amax=AMAX)}
+            want = {"gate_proj": nv.quantize(deq["gate_proj"], global_amax=ga, input_amax=AMAX, encoder="release"),
+                    "up_proj": nv.quantize(deq["up_proj"], global_amax=ga, input_amax=AMAX, encoder="release"),
+                    "down_proj": nv.quantize(deq["down_proj"], input_amax=AMAX, encoder="release")}
             got = unstack_expert(nv, stacked, e)
             for m in want:
-                for k in want[m]:
+                assert set(got[m]) == set(want[m]) - {"weight_amax"}
+                for k in got[m]:
                     assert torch.equal(bits(got[m][k]), bits(want[m][k])), (layer, e, m, k)
+            assert torch.equal(stacked["w13_weight_amax"][e], want["gate_proj"]["weight_amax"])
 
 
 def test_nvfp4_from_the_release_costs_little_against_nvfp4_from_bf16(pair, release, tmp_path):
@@ -260,3 +268,59 @@ def test_a_failure_in_a_fresh_process_reports_itself(pair, tmp_path):
     r = subprocess.run([sys.executable, "-m", "inkling_quant.cli", "convert", str(bad), str(tmp_path / "o"),
                         "--default-activation-amax", "4", "--quiet"], capture_output=True, text=True)
     assert r.returncode == 2 and f"tensor '{name}': contains NaN or Inf" in r.stderr, r.stderr
+
+
+# --------------------------------------------------------------------------- encoders
+def _rewrite_json(path, edit) -> None:
+    obj = json.loads(path.read_text())
+    edit(obj)
+    path.write_text(json.dumps(obj))
+
+
+def test_verify_holds_the_inkling_form_to_the_release_encoders_fixed_point(pair, tmp_path):
+    """verify's `encoder` check: our default output is a fixed point of the release's rules and
+    the check names them per layer; written by ModelOpt's encoder and declared so, the check is
+    skipped (not a fixed point); the same bytes with a config that names no encoder (another
+    writer's) fail, naming an MXFP8 tensor (ModelOpt's MXFP8 scales differ on ~5 % of blocks)."""
+    from inkling_quant.verify import verify
+
+    src, out, _ = pair
+    r = verify(out, sample=2)
+    enc = next(c for c in r.checks if c.id == "encoder")
+    assert r.exit_code == 0 and enc.status == "pass"
+    assert enc.figures["encoder"] == {str(i): "nvfp4_nearest" for i in range(5)} | {"5": "mxfp8_nearest"}
+    mo = tmp_path / "mo"
+    convert(src, mo, Options(default_activation_amax=AMAX, encoder="modelopt"), quiet=True)
+    hq = json.loads((mo / "hf_quant_config.json").read_text())
+    assert hq["converter"]["encoder"] == "modelopt"
+    assert "encoder" not in hq["quantization"]["quantized_layers"]["model.llm.layers.0.mlp.experts"]
+    r = verify(mo, sample=2)
+    assert r.exit_code == 0 and next(c for c in r.checks if c.id == "encoder").status == "skip"
+    _rewrite_json(mo / "hf_quant_config.json", lambda h: h.pop("converter"))
+    (mo / "checksums.sha256").unlink()
+    r = verify(mo, sample=0)
+    enc = next(c for c in r.checks if c.id == "encoder")
+    assert r.exit_code == 1 and enc.status == "fail"
+    p = enc.problems[0]
+    assert p.tensor.startswith("model.llm.layers.5.mlp.experts.w") and "mxfp8_nearest" in p.message
+    assert "no documented encoder reproduces these bytes" in p.message
+
+
+def test_encoder_flag_records_itself_and_modelopt_hf_with_the_release_encoder(pair, tmp_path):
+    """--encoder release on the ModelOpt form: its tensors are the release's bits under ModelOpt's
+    names (weight_scale_2 = amax / 2688) and hf_quant_config.json says so in a `converter` entry;
+    the ModelOpt form's own default adds nothing of ours."""
+    src, out, _ = pair
+    convert(src, tmp_path / "rel", Options(output_format="modelopt-hf", default_activation_amax=AMAX,
+                                           encoder="release"), quiet=True)
+    convert(src, tmp_path / "mo", Options(output_format="modelopt-hf", default_activation_amax=AMAX), quiet=True)
+    rel, mo = (json.loads((tmp_path / d / "hf_quant_config.json").read_text()) for d in ("rel", "mo"))
+    assert rel["converter"]["encoder"] == "release" and "converter" not in mo
+    ink, hf = tensors(out), tensors(tmp_path / "rel")
+    stacked = {k[len("model.llm.layers.0.mlp.experts."):]: v for k, v in ink.items()
+               if k.startswith("model.llm.layers.0.mlp.experts.")}
+    got = unstack_expert(FORMATS["nvfp4"], stacked, 1)  # the inkling output's expert 1, per module
+    p = "model.language_model.layers.0.mlp.experts.1."
+    for mod in ("gate_proj", "up_proj", "down_proj"):
+        for k in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
+            assert torch.equal(bits(hf[p + f"{mod}.{k}"]), bits(got[mod][k])), (mod, k)

@@ -17,7 +17,7 @@ from inkling_quant.formats import FORMATS, MXFP8, NVFP4, get_format
 from inkling_quant.formats import _jit
 from inkling_quant.formats import MIN_INVERTIBLE_SCALE, SOURCE_FORMATS, TRANSCODERS, Format, FP8Block, invertible, transcode
 from inkling_quant.formats.mxfp8 import _mxfp8_torch, e8m0_exponent
-from inkling_quant.formats.nvfp4 import (E2M1_BOUNDS, E2M1_VALUES, _e2m1_codes_torch, _nvfp4_torch, amax, pack_e2m1,
+from inkling_quant.formats.nvfp4 import (_MODELOPT, E2M1_BOUNDS, E2M1_VALUES, _e2m1_codes_torch, _nvfp4_torch, amax, pack_e2m1,
                                          unpack_e2m1)
 
 BF = torch.bfloat16
@@ -152,7 +152,7 @@ def test_nvfp4_bit_exact(mo, case):
     ours = NVFP4().quantize(w)
     assert_nvfp4_equal(ours, qt, s, s2)
     # the plain-torch path (used on GPUs) gives the same bits
-    p, sc = _nvfp4_torch(w.contiguous(), ours["weight_scale_2"], "")
+    p, sc = _nvfp4_torch(w.contiguous(), ours["weight_scale_2"], _MODELOPT, "")
     assert torch.equal(p.reshape(qt._quantized_data.shape), qt._quantized_data)
     assert torch.equal(sc.reshape(s.shape), _bits(s))
 
@@ -839,7 +839,7 @@ def test_requantize_takes_a_registered_fast_path_and_falls_back(monkeypatch):
     quantize(source.dequantize(...)) bit for bit; the registered MXFP8 -> NVFP4 path equals it."""
     calls = []
 
-    def spy(tensors, source, target, *, input_amax=None, name=""):
+    def spy(tensors, source, target, *, input_amax=None, name="", encoder="modelopt"):
         calls.append((source.name, target.name, input_amax, name))
         return {"weight": torch.zeros(1)}
 

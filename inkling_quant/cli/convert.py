@@ -28,6 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "experts, the release's form) or 'modelopt-hf' (exactly what ModelOpt's exporter writes: "
                         "transformers' names, per-expert tensors, its config); every other source (Inkling 2 under "
                         "transformers' names too): 'modelopt-hf' only (its own names)")
+    p.add_argument("--encoder", choices=("release", "modelopt"), default=None,
+                   help="whose rules write the quantized bits: 'release' (the Inkling 2 release's nvfp4_nearest / "
+                        "mxfp8_nearest; the default of --output-format inkling) or 'modelopt' (NVIDIA ModelOpt 0.47's; "
+                        "the default of modelopt-hf, bit-identical to its export); recorded in the output's config")
     a = p.add_argument_group("NVFP4 activation scales (W4A4 needs one input_scale per expert projection)")
     a.add_argument("--activation-scales", metavar="FILE|DIR",
                    help="calibration amax per module: JSON {module: amax}, safetensors {module.input_amax}, or a "
@@ -52,7 +56,7 @@ def run(args) -> int:
                    default_activation_amax=args.default_activation_amax,
                    activation_scales=args.activation_scales, max_shard_bytes=args.max_shard_size,
                    workers=args.workers, device=args.device, buffered_io=args.buffered_io,
-                   output_format=args.output_format)
+                   output_format=args.output_format, encoder=args.encoder)
     if args.finalize:
         if args.part:
             raise UsageError("--finalize runs once, after all --part runs: drop --part")

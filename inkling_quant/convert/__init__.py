@@ -53,7 +53,7 @@ def prepare(src: str, opts: Options) -> Prepared:
     listing, other_files, stat = list_source(root, repo, revision)
     tensors, layout = validate_source(cfg, listing, str(src))
     form = form_for(cfg, layout, opts.output_format)
-    opts = dataclasses.replace(opts, output_format=form.name)
+    opts = dataclasses.replace(opts, output_format=form.name, encoder=opts.encoder or form.encoder)
     calibrated = {} if opts.weight_only else load_calibration(opts.activation_scales, tensors, layout, src)
     jobs = plan(cfg, layout, tensors, scheme, form, opts, calibrated, str(src))
     return Prepared(root, repo, revision, cfg, layout, jobs, other_files, fingerprint(jobs, opts, scheme, stat),
@@ -152,7 +152,7 @@ def _write_configs(out: Path, prep: Prepared, opts: Options) -> list[str]:
     it); a conversion that quantizes nothing (scheme `none`) writes config.json as the source has
     it, as ModelOpt leaves an unquantized model. Returns the names written."""
     converter = {"name": "inkling-quant", "version": __version__, "scheme": _applied_scheme(prep).record(),
-                 "weight_only": opts.weight_only}
+                 "weight_only": opts.weight_only, "encoder": opts.encoder or prep.form.encoder}
     files = prep.form.config_files(prep.cfg, quantized_layers(prep), opts.weight_only, converter) \
         or {CONFIG_NAME: prep.cfg.raw}
     for name, obj in files.items():

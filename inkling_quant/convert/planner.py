@@ -54,6 +54,7 @@ class Unit:
     source_format: str | None = None  # a quantized source's format (the MXFP8 release); None: float
     storage: ExpertStorage | None = None
     writing: Writing = Copy()
+    encoder: str = "modelopt"  # which rule writes a quantized unit's bits (formats' `encoders`)
 
     @property
     def activation_scale(self) -> bool:
@@ -92,6 +93,7 @@ class Options:
     device: str = "cpu"
     buffered_io: bool = False  # how the bytes are written, not which: left out of the resume fingerprint
     output_format: str | None = None  # "inkling" (stacked, original names) or "modelopt-hf"; None: the source's
+    encoder: str | None = None  # "release" or "modelopt"; None: the output form's own (OutputForm.encoder)
 
 
 @dataclass
@@ -295,7 +297,8 @@ def _expert_unit(layout: Layout, form: OutputForm, group: list[SrcTensor], fmt: 
         origin.append(o)
     if len(group) == 2 and None not in amax:
         amax = [max(amax)] * 2
-    u = Unit(tuple(group), fmt, tuple(amax), tuple(origin), storage=layout.experts, writing=form.per_expert(layout))
+    u = Unit(tuple(group), fmt, tuple(amax), tuple(origin), storage=layout.experts, writing=form.per_expert(layout),
+             encoder=opts.encoder or form.encoder)
     for g in group:  # the weight's own checks (block divisibility), naming it
         try:
             Unit((g,), fmt, (None,), writing=u.writing).specs()
@@ -323,7 +326,7 @@ def _stacked_unit(cfg, layout: Layout, form: OutputForm, t: SrcTensor, scale: Sr
         if a is None:
             missing_amax.append(t.name)
     u = Unit((t,) if scale is None else (t, scale), fmt, (a,), (o,), source_format=source_format,
-             storage=layout.experts, writing=writing)
+             storage=layout.experts, writing=writing, encoder=opts.encoder or form.encoder)
     try:
         u.specs()
     except FormatError as e:

@@ -249,10 +249,11 @@ def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, co
         try:
             if stored is not None:
                 q = fmt.requantize({k: v.to(device) for k, v in stored.items()}, FORMATS[u.source_format],
-                                   input_amax=u.input_amax[0])
+                                   input_amax=u.input_amax[0], encoder=u.encoder)
             else:
                 x = slab if device == "cpu" else slab.to(device)
-                q = fmt.quantize(x, global_amax=fmt.fused_global_amax([x]), input_amax=u.input_amax[0])
+                q = fmt.quantize(x, global_amax=fmt.fused_global_amax([x]), input_amax=u.input_amax[0],
+                                 encoder=u.encoder)
         except FormatError as err:
             raise FormatError(f"tensor {src.name!r}, expert {e}: {err.message}", path=path, tensor=src.name) from None
         q = {k: v.cpu() for k, v in q.items()}
@@ -278,11 +279,13 @@ def _per_expert_unit(u: Unit, sources: ShardReaders, device: str, counts: dict[s
         outputs = []
         for src, w, path, ia in zip(u.sources, ws, paths, u.input_amax):
             try:
-                out = fmt.quantize(w, global_amax=global_amax, input_amax=ia)
+                out = fmt.quantize(w, global_amax=global_amax, input_amax=ia, encoder=u.encoder)
             except FormatError as e:
                 raise FormatError(f"tensor {src.name!r}: {e.message}", path=path, tensor=src.name) from None
+            # the format's own tensors: what a per-module (ModelOpt) form names; an encoder's extra
+            # (the release rule's weight_amax) is for the stacked form, and weight_scale_2 carries it here
             outputs += [(fmt.tensor_name(src.name, suffix), t.cpu() if device != "cpu" else t, True)
-                        for suffix, t in out.items()]
+                        for suffix, t in out.items() if suffix in fmt.suffixes]
             _count(counts, u.format)
             if progress is not None:
                 progress(w.numel() * w.element_size())

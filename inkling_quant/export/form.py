@@ -81,6 +81,7 @@ class OutputForm:
 
     name: str
     files: tuple[str, ...] = (CONFIG_NAME, HF_QUANT_CONFIG)  # the config files it may write
+    encoder: str = "modelopt"  # whose rule writes its quantized bits unless --encoder says otherwise
 
     def check_source(self, cfg, layout: "Layout") -> None:
         """UsageError when this form cannot be written from a source of `layout`."""

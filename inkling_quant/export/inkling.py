@@ -14,7 +14,7 @@ name                                    dtype          shape            read by
 NVFP4 ``w13_weight``                    uint8          ``[E, 2I, H/2]``   transformers, vLLM
 NVFP4 ``w13_weight_scale``              float8_e4m3fn  ``[E, 2I, H/16]``  transformers, vLLM
 NVFP4 ``w13_weight_amax``               float32        ``[E]``            transformers
-NVFP4 ``w13_weight_outer_scale_denominator``  float32  ``[E]``            transformers
+NVFP4 ``w13_weight_outer_scale_denominator``  float32  ``[]``             transformers
 NVFP4 ``w13_weight.input_amax``         float32        ``[E]``            vLLM (transformers ignores)
 NVFP4 ``w2_weight``                     uint8          ``[E, H, I/2]``    transformers, vLLM
 NVFP4 ``w2_weight_scale``               float8_e4m3fn  ``[E, H, I/16]``   transformers, vLLM
@@ -38,14 +38,15 @@ Rules (line numbers: transformers 5.25.0 ``TF``, vLLM 0.33.0 ``VL``):
   (transformers applies ``2 ** (scale - 127)``, TF/core_model_loading.py:810, and its ue8m0 FP8
   quantizer reinterprets uint8 ``*scale_inv`` as e8m0, TF/quantizers/quantizer_finegrained_fp8.py:
   142-148; vLLM's MXFP8 scales are uint8, VL/model_executor/layers/quantization/utils/mxfp8_utils.py:9-11).
-* **Global scale (NVFP4).** ModelOpt's ``weight_scale_2`` (shared by gate and up) becomes the
-  per-expert pair ``amax``/``outer_scale_denominator``: transformers multiplies each expert by
-  ``amax.float() / denominator.float()`` (TF/core_model_loading.py:804, 814). We store
-  ``denominator = 6 * 448`` and an ``amax`` with ``fp32(amax / 2688) == weight_scale_2`` bit for
-  bit (every ``weight_scale_2`` ModelOpt or our formats compute is such a quotient, so one
-  exists; of several, the shortest mantissa, i.e. a BF16 weight's true amax); only for a scale
-  no fp32 ``amax`` reaches this way ``amax = weight_scale_2`` with denominator 1.0. The inverse
-  is transformers' own division.
+* **Global scale (NVFP4).** One ``amax`` per expert (gate and up share it: the w13 slab's) and
+  one ``outer_scale_denominator`` per tensor (NeMo AutoModel's and Megatron-Bridge's documents of
+  the release: "one amax per expert and one denominator per tensor"): transformers multiplies
+  each expert by ``amax.float() / denominator.float()`` (TF/core_model_loading.py:804, 814). The
+  denominator is ``6 * 448`` (its released value is not public). The release encoder (the form's
+  default) stores the amax it encoded with; ModelOpt's (``--encoder modelopt``) gives
+  ``weight_scale_2``, stored as the ``amax`` with ``fp32(amax / 2688) == weight_scale_2`` bit for
+  bit (every ``weight_scale_2`` ModelOpt or our formats compute is such a quotient; of several,
+  the shortest mantissa, i.e. a BF16 weight's true amax). The inverse is transformers' own division.
 * **Activation scale (NVFP4 W4A4).** ``input_scale`` becomes ``<w13|w2>_weight.input_amax``
   ``[E]`` with ``fp32(input_amax / 2688) == input_scale``: vLLM takes ``max(input_amax) /
   (448 * 6)`` for any key ending in ``.input_amax`` (VL/models/inkling/nvidia/moe.py:57,
@@ -78,21 +79,22 @@ import torch
 from ..errors import FormatError, UsageError
 from ..formats import FORMATS, Format, OutSpec
 from ..formats._cpu import fp32_preimage
-from ..formats.nvfp4 import GLOBAL_DIV
+from ..formats.nvfp4 import GLOBAL_DIV, RELEASE_DENOMINATOR
 from ..io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG
 from ..io.safetensors import DTYPE_NAMES, DTYPES
 from ..model.layout import Layout
 from .form import ExpertWriter, OutputForm, Outputs, Spec, Writing, row_suffixes
-from .modelopt import PRODUCER_VERSION, QUANT_METHOD, quantization
+from .modelopt import QUANT_METHOD, quantization
 
 __all__ = ["PROJECTIONS", "OUTER_SCALE_DENOMINATOR", "INKLING", "InklingForm", "InklingStacked", "stacked_specs",
-           "projection_specs", "expert_slices", "slab_slices", "write_expert", "stack_experts", "unstack_expert",
+           "projection_specs", "expert_slices", "slab_slices", "stored_projection", "write_expert", "stack_experts",
+           "unstack_expert",
            "unstack_experts", "value_rule"]
 
 #: stacked projection -> the per-expert modules it holds, in row-interleave order
 PROJECTIONS: dict[str, tuple[str, ...]] = {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}
-#: the denominator stored beside an NVFP4 amax (6 * 448, ModelOpt's global-scale divisor)
-OUTER_SCALE_DENOMINATOR = GLOBAL_DIV
+#: the denominator stored beside NVFP4 amaxes, one per tensor (6 * 448: the release rule's, ours)
+OUTER_SCALE_DENOMINATOR = RELEASE_DENOMINATOR
 _AMAX, _DEN, _INPUT = "_weight_amax", "_weight_outer_scale_denominator", "_weight.input_amax"
 _F32 = torch.float32
 
@@ -116,7 +118,7 @@ def stacked_specs(fmt: Format, num_experts: int, intermediate: int, hidden: int,
                 out[f"{proj}_{suffix}"] = OutSpec((E, rows, *o.shape[1:]), o.dtype)
             elif suffix == fmt.global_scale:
                 out[proj + _AMAX] = OutSpec((E,), _F32)
-                out[proj + _DEN] = OutSpec((E,), _F32)
+                out[proj + _DEN] = OutSpec((), _F32)  # one per tensor
             elif suffix == "input_scale":
                 out[proj + _INPUT] = OutSpec((E,), _F32)
             else:
@@ -146,12 +148,16 @@ def value_rule(fmt: Format, suffix: str) -> str | None:
     return fmt.value_rule(per) if per is not None else None
 
 
-def _global_pair(s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(amax, denominator) with transformers' ``amax.float() / denominator.float()`` == s2."""
+def _global_pair(s2: torch.Tensor, amax: torch.Tensor | None, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax, denominator) with transformers' ``amax.float() / denominator.float()`` == s2: the
+    release encoder's own amax, or for ModelOpt's the amax whose quotient s2 is."""
     den = torch.tensor(OUTER_SCALE_DENOMINATOR, dtype=_F32)
+    if amax is not None:
+        return amax.reshape(()).to(_F32), den
     a = fp32_preimage(s2, lambda x: x / den, GLOBAL_DIV)
-    if a is None:  # a scale no fp32 amax / 2688 gives (not one ModelOpt writes): exact all the same
-        return s2.reshape(()).to(_F32).clone(), torch.tensor(1.0, dtype=_F32)
+    if a is None:  # not a scale ModelOpt or our formats compute (each is some amax / 2688)
+        raise FormatError(f"{name}weight_scale_2 {float(s2):.9g} is no fp32 amax / {OUTER_SCALE_DENOMINATOR:g}: the "
+                          f"stacked form's amax and per-tensor denominator cannot hold it")
     return a, den
 
 
@@ -181,18 +187,19 @@ def expert_slices(fmt: Format, expert: PerExpert, *, name: str = "") -> dict[str
             out[f"{proj}_{suffix}"] = rows
         out.update(_scalar_slices(fmt, proj,
                                   _shared(expert, mods, fmt.global_scale, name) if fmt.global_scale else None,
+                                  _shared(expert, mods, "weight_amax", name) if "weight_amax" in first else None,
                                   _shared(expert, mods, "input_scale", name) if "input_scale" in first else None,
                                   name))
     return out
 
 
-def _scalar_slices(fmt: Format, proj: str, scale2: torch.Tensor | None, input_scale: torch.Tensor | None,
-                   name: str) -> dict[str, torch.Tensor]:
-    """The per-expert scalars of one stacked projection: the global scale as (amax, denominator)
-    and the activation scale as its input_amax."""
+def _scalar_slices(fmt: Format, proj: str, scale2: torch.Tensor | None, amax: torch.Tensor | None,
+                   input_scale: torch.Tensor | None, name: str) -> dict[str, torch.Tensor]:
+    """The scalars of one stacked projection: the global scale as (this expert's amax, the
+    tensor's denominator) and the activation scale as its input_amax."""
     out: dict[str, torch.Tensor] = {}
     if scale2 is not None:
-        out[proj + _AMAX], out[proj + _DEN] = _global_pair(scale2)
+        out[proj + _AMAX], out[proj + _DEN] = _global_pair(scale2, amax, name)
     if input_scale is not None:
         a = fp32_preimage(input_scale, lambda x: fmt.activation_scale(float(x), name), GLOBAL_DIV)
         if a is None:
@@ -211,17 +218,35 @@ def slab_slices(fmt: Format, proj: str, quantized: Mapping[str, torch.Tensor], *
     out = {f"{proj}_{suffix}": quantized[suffix] for suffix in row_suffixes(fmt)}
     scale2 = quantized[fmt.global_scale].reshape(()).to(_F32) if fmt.global_scale else None
     inp = quantized["input_scale"].reshape(()).to(_F32) if "input_scale" in quantized else None
-    out.update(_scalar_slices(fmt, proj, scale2, inp, name))
+    out.update(_scalar_slices(fmt, proj, scale2, quantized.get("weight_amax"), inp, name))
+    return out
+
+
+def stored_projection(fmt: Format, stacked: Mapping[str, torch.Tensor], e: int, proj: str) -> dict[str, torch.Tensor]:
+    """Expert ``e``'s tensors of the stacked projection ``proj`` as the format names them, the slab
+    as stored (w13: gate and up rows interleaved, as it was encoded): the weight, its block scales,
+    and for NVFP4 the expert's ``weight_amax`` and the tensor's ``weight_outer_scale_denominator``
+    (what `Format.fixed_point_misses` reads). ``stacked`` maps names without the module (as
+    stacked_specs) to the tensors or to expert e's slices kept as [1, ...] (e = 0 then); a
+    per-tensor scalar is 0-d either way."""
+    out = {suffix: stacked[f"{proj}_{suffix}"][e] for suffix in row_suffixes(fmt)}
+    if fmt.global_scale is not None:
+        out["weight_amax"] = stacked[proj + _AMAX][e]
+        out[_DEN[1:]] = stacked[proj + _DEN].reshape(-1)[0 if stacked[proj + _DEN].dim() == 0 else e]
     return out
 
 
 def write_expert(stacked: MutableMapping[str, torch.Tensor], e: int, slices: Mapping[str, torch.Tensor]) -> None:
     """``stacked[name][e] = slices[name]`` for every stacked tensor (preallocated, e.g. from
-    ``stacked_specs``); names, shapes and dtypes must match exactly (no silent cast)."""
+    ``stacked_specs``); names, shapes and dtypes must match exactly (no silent cast). A per-tensor
+    scalar (the denominator, one constant) is copied whole."""
     if set(stacked) != set(slices):
         raise FormatError(f"stacked tensors {sorted(stacked)} and expert slices {sorted(slices)} differ")
     for k, s in slices.items():
         dst = stacked[k]
+        if dst.dim() == 0 and s.dim() == 0 and dst.dtype == s.dtype:
+            dst.copy_(s)
+            continue
         if tuple(dst.shape[1:]) != tuple(s.shape) or dst.dtype != s.dtype:
             raise FormatError(f"{k}: slice {tuple(s.shape)} {s.dtype} does not fit {tuple(dst.shape)} {dst.dtype}")
         dst[e] = s
@@ -233,7 +258,8 @@ def stack_experts(fmt: Format, experts: Sequence[PerExpert], *, name: str = "") 
     if not experts:
         raise FormatError(f"{name}no experts to stack")
     first = expert_slices(fmt, experts[0], name=name)
-    out = {k: torch.empty((len(experts), *v.shape), dtype=v.dtype) for k, v in first.items()}
+    out = {k: torch.empty((len(experts), *v.shape) if k[-len(_DEN):] != _DEN else (), dtype=v.dtype)
+           for k, v in first.items()}
     write_expert(out, 0, first)
     for e in range(1, len(experts)):
         write_expert(out, e, expert_slices(fmt, experts[e], name=f"{name}expert {e}: "))
@@ -250,7 +276,8 @@ def unstack_expert(fmt: Format, stacked: Mapping[str, torch.Tensor], e: int) -> 
             for i, m in enumerate(mods):
                 per[m][suffix] = rows[i::len(mods)].contiguous()
         if fmt.global_scale is not None:
-            s2 = stacked[proj + _AMAX][e].to(_F32) / stacked[proj + _DEN][e].to(_F32)  # transformers' division
+            den = stacked[proj + _DEN]
+            s2 = stacked[proj + _AMAX][e].to(_F32) / (den if den.dim() == 0 else den[e]).to(_F32)  # transformers' division
             for m in mods:
                 per[m][fmt.global_scale] = s2.clone()
         if proj + _INPUT in stacked:
@@ -279,8 +306,9 @@ def config_with_quantization(config: dict, q: dict) -> dict:
 
 
 def hf_quant_config(q: dict, converter: dict) -> dict:
-    """hf_quant_config.json: ModelOpt's producer record, the config, and who converted it."""
-    return {"producer": {"name": QUANT_METHOD, "version": PRODUCER_VERSION}, "quantization": q,
+    """hf_quant_config.json: who produced it (inkling-quant and its version), the config, and how
+    (the scheme, the encoder)."""
+    return {"producer": {"name": converter["name"], "version": converter["version"]}, "quantization": q,
             "converter": converter}
 
 
@@ -321,7 +349,9 @@ class _Spooled(ExpertWriter):
         self.weight = f"{w.proj}_weight"
         self.specs = projection_specs(self.fmt, w.proj, src.shape, dtype=DTYPES[src.dtype],
                                       activation_scale=u.activation_scale)
-        self.spools = {k: tempfile.SpooledTemporaryFile(SPOOL, dir=out_dir) for k in self.specs if k != self.weight}
+        self.spools = {k: tempfile.SpooledTemporaryFile(SPOOL, dir=out_dir) for k, o in self.specs.items()
+                       if k != self.weight and o.shape}
+        self.whole: dict[str, torch.Tensor] = {}  # per-tensor scalars (the denominator): one value, checked per expert
 
     def expert(self, e: int, q: dict[str, torch.Tensor], path) -> Outputs:
         try:
@@ -330,11 +360,19 @@ class _Spooled(ExpertWriter):
             raise FormatError(f"tensor {self.name!r}, expert {e}: {err.message}", path=path, tensor=self.name) from None
         for k, spool in self.spools.items():
             spool.write(slices[k].contiguous().reshape(-1).view(torch.uint8).numpy())
+        for k in self.specs.keys() - self.spools.keys() - {self.weight}:
+            if self.whole.setdefault(k, slices[k]) is not slices[k] and not torch.equal(self.whole[k], slices[k]):
+                raise FormatError(f"tensor {self.name!r}, expert {e}: {k} {float(slices[k]):g} differs from the "
+                                  f"tensor's one value {float(self.whole[k]):g}", path=path, tensor=self.name)
         return [(self.w.prefix + self.weight, slices[self.weight], False)]
 
     def after(self) -> Iterator[Callable[[], Outputs]]:
-        for k, spool in self.spools.items():
-            o = self.specs[k]
+        for k, o in self.specs.items():  # in the specs' order, which the shard's header has
+            if k in self.whole:
+                yield lambda k=k: [(self.w.prefix + k, self.whole[k].clone(), True)]
+            if k not in self.spools:
+                continue
+            spool = self.spools[k]
             per = math.prod(o.shape[1:]) * o.dtype.itemsize  # one expert's slice
             n = max(1, SPOOL // max(per, 1))  # experts per piece read back: memory stays at SPOOL
             for a in range(0, o.shape[0], n):
@@ -350,6 +388,7 @@ class _Spooled(ExpertWriter):
 
 class InklingForm(OutputForm):
     name = "inkling"
+    encoder = "release"  # the release's own encoders (nvfp4_nearest, mxfp8_nearest): its bytes
 
     def check_source(self, cfg, layout: Layout) -> None:
         if layout.original_names:
@@ -371,7 +410,7 @@ class InklingForm(OutputForm):
     def config_files(self, cfg, layers: dict, weight_only: bool, converter: dict) -> dict[str, dict]:
         """config.json with ModelOpt's MIXED_PRECISION `quantization_config` keyed by the original
         experts modules, and hf_quant_config.json with a `converter` entry naming who wrote it."""
-        q = quantization(layers.items(), weight_only, EXCLUDE_MODULES_ORIGINAL)
+        q = quantization(layers.items(), weight_only, EXCLUDE_MODULES_ORIGINAL, converter.get("encoder", self.encoder))
         if not q["quantized_layers"]:
             return {}
         return {CONFIG_NAME: config_with_quantization(cfg.raw, q), HF_QUANT_CONFIG: hf_quant_config(q, converter)}

@@ -36,9 +36,10 @@ QUANT_METHOD = "modelopt"
 PRODUCER_VERSION = "0.47.0"  # the ModelOpt export whose layout we write (docs/formats.md)
 _NVFP4 = FORMATS["nvfp4"]
 def quantization(module_formats: Iterable[tuple[str, Format]], weight_only: bool,
-                 exclude: Iterable[str] = ()) -> dict:
-    """The MIXED_PRECISION config: every quantized module listed with its format's entry."""
-    layers = {m: e for m, f in module_formats if (e := f.layer_config(weight_only)) is not None}
+                 exclude: Iterable[str] = (), encoder: str = "modelopt") -> dict:
+    """The MIXED_PRECISION config: every quantized module listed with its format's entry (which
+    names the encoder where it is not ModelOpt's)."""
+    layers = {m: e for m, f in module_formats if (e := f.layer_config(weight_only, encoder)) is not None}
     return {"quant_algo": MIXED_PRECISION, "kv_cache_quant_algo": None, "exclude_modules": list(exclude),
             "quantized_layers": dict(sorted(layers.items(), key=lambda kv: natural_key(kv[0])))}
 
@@ -214,6 +215,15 @@ def _check_layer(fail: Callable[[str | None, str], None], key: str, module: str,
     if gs is not None and gs != block:
         fail(tensor, f"{key}.quantized_layers[{module!r}].group_size is {gs}, "
                f"the tensors use blocks of {block}")
+    rule = got.get("encoder")
+    if rule is not None and fmt is not None:  # the release form's entries name the encoder and its scales
+        by_rule = {r: e for e, r in fmt.encoders.items()}
+        if rule not in by_rule:
+            fail(tensor, f"{key}.quantized_layers[{module!r}].encoder is {rule!r}; {fmt.name} is written by "
+                 f"{', '.join(repr(r) for r in by_rule)}")
+        elif got.get("scales") != fmt.encoder_scales.get(by_rule[rule]):
+            fail(tensor, f"{key}.quantized_layers[{module!r}].scales is {got.get('scales')!r}; {rule} writes "
+                 f"{fmt.encoder_scales.get(by_rule[rule])!r} scales")
 
 
 def _activation_note(quant_algo) -> str:
@@ -337,12 +347,15 @@ class ModelOptForm(OutputForm):
         return ExpertModules(module, projection, layout.experts)
 
     def config_files(self, cfg, layers: dict, weight_only: bool, converter: dict) -> dict[str, dict]:
-        """Exactly ModelOpt's two files, nothing of ours."""
+        """Exactly ModelOpt's two files, nothing of ours; where another encoder than ModelOpt's
+        wrote the bits (--encoder release), hf_quant_config.json says so in a `converter` entry."""
         q = quantization(layers.items(), weight_only)
         if not q["quantized_layers"]:
             return {}
         q.pop("exclude_modules")
         hq = modelopt_hf_quant_config(q)
+        if converter.get("encoder", self.encoder) != self.encoder:
+            hq["converter"] = converter
         return {HF_QUANT_CONFIG: hq,
                 CONFIG_NAME: {**cfg.raw, "quantization_config": modelopt_quantization_config(hq["quantization"])}}
 

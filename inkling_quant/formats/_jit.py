@@ -10,7 +10,11 @@ unsigned bit patterns (bf16 as uint16, `shift` 16 turning one into the fp32 patt
 value; fp32 as uint32, shift 0). Each chunk runs as flat loops over whole arrays, indexed by the
 loop variable only, so that LLVM vectorizes each (a computed index costs numba's negative-index
 check, which blocks that; so does Python's zero-division check, hence error_model "numpy"). It
-returns OK or a status its caller turns into a FormatError naming the tensor."""
+returns OK or a status its caller turns into a FormatError naming the tensor.
+
+Two encoders per format share the kernels (an argument picks the block rule; the per-element
+loops stay branch-free): ModelOpt's, and the release's (`nvfp4_nearest` / `mxfp8_nearest`, whose
+rules nvfp4.py and mxfp8.py document)."""
 from __future__ import annotations
 
 import math
@@ -21,6 +25,7 @@ import numpy as np
 _jit = nb.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
 
 OK, NONFINITE, SCALE_UNDERFLOW = 0, 1, 2
+MODELOPT, GIVEN, RELEASE = 0, 1, 2  # the MXFP8 block rule: ModelOpt's, the caller's scales, the release's
 _INF_BITS = 0x7F800000
 _MIN_NORMAL_BITS = 0x3C800000    # 2^-6, the smallest normal float8_e4m3fn
 E4M3_MAX = np.float32(448.0)
@@ -62,24 +67,30 @@ def e4m3_bytes(a, out):
 
 
 @_jit
+def e2m1_magnitude(a):
+    """The e2m1 magnitude index (0..7) of |y| = a: round half to even onto {0, .5, 1, 1.5, 2, 3, 4,
+    6}, saturating at 6 (strictly above the even-below midpoints, at or above the odd-below ones)."""
+    return np.uint32((a > np.float32(0.25)) + (a >= np.float32(0.75)) + (a > np.float32(1.25))
+                     + (a >= np.float32(1.75)) + (a > np.float32(2.5)) + (a >= np.float32(3.5)) + (a > np.float32(5.0)))
+
+
+@_jit
 def e2m1_code(y):
     """ModelOpt's `_cast_fp4` of one float32: bounds strictly below |y| (searchsorted) plus one on
     the odd bounds 0.75, 1.75, 3.5 (its tie fix): round half to even onto {0, .5, 1, 1.5, 2, 3, 4, 6},
     saturating at 6; bit 3 the sign of y (-0.0 gives 0). In uint32 lanes, which vectorize best."""
-    a = abs(y)
-    c = ((a > np.float32(0.25)) + (a >= np.float32(0.75)) + (a > np.float32(1.25)) + (a >= np.float32(1.75))
-         + (a > np.float32(2.5)) + (a >= np.float32(3.5)) + (a > np.float32(5.0)))
-    return np.uint32(c) + np.uint32(8) * np.uint32(y < 0)
+    return e2m1_magnitude(abs(y)) + np.uint32(8) * np.uint32(y < 0)
 
 
 @_jit
-def nvfp4_blocks(src, shift, mask, s2, e4m3_values, packed, scale, tmp, top, pbs, d, dd, codes, u):
-    """_nvfp4_chunk over src in chunks of top.size blocks (the scratch's size)."""
+def nvfp4_blocks(src, shift, mask, s2, rel, e4m3_values, packed, scale, tmp, top, pbs, d, dd, codes, u):
+    """_nvfp4_chunk over src in chunks of top.size blocks (the scratch's size). rel: the release
+    rule's (amax, denominator, denominator / amax) as float32[3], or an empty array for ModelOpt's."""
     M = top.size
     for b0 in range(0, scale.size, M):
         m = min(M, scale.size - b0)
         a, n = b0 * 16, m * 16
-        status = _nvfp4_chunk(src[a: a + n], shift, mask, s2, e4m3_values, packed[a // 2: (a + n) // 2],
+        status = _nvfp4_chunk(src[a: a + n], shift, mask, s2, rel, e4m3_values, packed[a // 2: (a + n) // 2],
                               scale[b0: b0 + m], tmp[:n], top[:m], pbs[:m], d[:m], dd[:n], codes[:n], u[:n])
         if status != OK:
             return status
@@ -87,11 +98,11 @@ def nvfp4_blocks(src, shift, mask, s2, e4m3_values, packed, scale, tmp, top, pbs
 
 
 @_jit
-def _nvfp4_chunk(src, shift, mask, s2, e4m3_values, packed, scale, tmp, top, pbs, d, dd, codes, u):
+def _nvfp4_chunk(src, shift, mask, s2, rel, e4m3_values, packed, scale, tmp, top, pbs, d, dd, codes, u):
     """The blocks of 16 in src: scale[b] = e4m3(clamp(amax / (6 * s2), 2^-9, 448)) (amax 0 -> 1),
     packed[8b + j] = code(x[2j] / d) | code(x[2j+1] / d) << 4 with d = fp32(scale) * s2.
     Scratch: tmp like src; top, pbs (uint32) and d (float32) one per block; dd (float32), u and
-    codes (uint32) one per element."""
+    codes (uint32) one per element. With `rel` the release's rule instead (nvfp4_encode)."""
     block_top(src, shift, mask, tmp, top)
     if top.max() >= _INF_BITS:
         return NONFINITE
@@ -100,17 +111,17 @@ def _nvfp4_chunk(src, shift, mask, s2, e4m3_values, packed, scale, tmp, top, pbs
         x = u.view(np.float32)
     else:
         x = src.view(np.float32)
-    return nvfp4_encode(x, top, s2, e4m3_values, packed, scale, pbs, d, dd, codes)
+    return nvfp4_encode(x, top, s2, rel, e4m3_values, packed, scale, pbs, d, dd, codes)
 
 
 @_jit
-def nvfp4_from_mxfp8(q, e8, s2, e4m3_values, packed, scale, tmp, top, pbs, d, dd, codes, x):
+def nvfp4_from_mxfp8(q, e8, s2, rel, e4m3_values, packed, scale, tmp, top, pbs, d, dd, codes, x):
     """_nvfp4_from_mxfp8_chunk over q in chunks of top.size blocks of 16 (even: whole 32-blocks)."""
     M = top.size
     for b0 in range(0, scale.size, M):
         m = min(M, scale.size - b0)
         a, n = b0 * 16, m * 16
-        status = _nvfp4_from_mxfp8_chunk(q[a: a + n], e8[a // 32: (a + n) // 32], s2, e4m3_values,
+        status = _nvfp4_from_mxfp8_chunk(q[a: a + n], e8[a // 32: (a + n) // 32], s2, rel, e4m3_values,
                                          packed[a // 2: (a + n) // 2], scale[b0: b0 + m], tmp[:n], top[:m],
                                          pbs[:m], d[:m], dd[:n], codes[:n], x[:n])
         if status != OK:
@@ -119,7 +130,7 @@ def nvfp4_from_mxfp8(q, e8, s2, e4m3_values, packed, scale, tmp, top, pbs, d, dd
 
 
 @_jit
-def _nvfp4_from_mxfp8_chunk(q, e8, s2, e4m3_values, packed, scale, tmp, top, pbs, d, dd, codes, x):
+def _nvfp4_from_mxfp8_chunk(q, e8, s2, rel, e4m3_values, packed, scale, tmp, top, pbs, d, dd, codes, x):
     """nvfp4_blocks of the fp32 weight that MXFP8 bytes q (e4m3) and e8 (e8m0, one per 32 of q)
     hold, reading the bytes once: each block's maximum from its largest byte, each value decoded
     as mxfp8_dequantize does. Scratch: tmp like q; x (float32) one per element; the rest as in
@@ -134,57 +145,88 @@ def _nvfp4_from_mxfp8_chunk(q, e8, s2, e4m3_values, packed, scale, tmp, top, pbs
         return NONFINITE
     for i in range(x.size):
         x[i] = e4m3_values[q[i]] * factor[i >> 5]
-    return nvfp4_encode(x, top, s2, e4m3_values, packed, scale, pbs, d, dd, codes)
+    return nvfp4_encode(x, top, s2, rel, e4m3_values, packed, scale, pbs, d, dd, codes)
 
 
 @_jit
-def nvfp4_encode(x, top, s2, e4m3_values, packed, scale, pbs, d, dd, codes):
+def nvfp4_encode(x, top, s2, rel, e4m3_values, packed, scale, pbs, d, dd, codes):
     """The rest of nvfp4_blocks, from the blocks' maxima (top: fp32 patterns, finite) and the
     values x (float32). codes: uint32 scratch, one per element (a code per element first, then
-    packed in pairs: faster than coding the pairs directly, and fastest in uint32 lanes)."""
+    packed in pairs: faster than coding the pairs directly, and fastest in uint32 lanes).
+
+    ModelOpt's rule (rel empty): scale = e4m3(clamp(bmax / (6 * s2), 2^-9, 448)), bmax 0 -> 1;
+    divisor fp32(scale) * s2; code sign y < 0. The release's (rel = amax, den, den / amax): scale
+    = e4m3(min(bmax / 6 * (den / amax), 448)), subnormal scales kept, 0 where it rounds there;
+    divisor (fp32(scale) * amax) / den, left to right; code sign the sign bit of x (-0.0 -> code
+    8); a block whose divisor is 0 holds sign-only zero codes (its values decode to +-0 whatever
+    the codes: these are the ones decoding and encoding again reproduces)."""
     amax, p = top.view(np.float32), pbs.view(np.float32)
-    denom = np.float32(6.0) * s2
-    for b in range(scale.size):
-        r = amax[b] / denom
-        p[b] = min(max(np.float32(1.0) if r == 0 else r, np.float32(2.0 ** -9)), E4M3_MAX)
+    release = rel.size > 0
+    if release:
+        k = rel[2]
+        for b in range(scale.size):
+            p[b] = min(amax[b] / np.float32(6.0) * k, E4M3_MAX)
+    else:
+        denom = np.float32(6.0) * s2
+        for b in range(scale.size):
+            r = amax[b] / denom
+            p[b] = min(max(np.float32(1.0) if r == 0 else r, np.float32(2.0 ** -9)), E4M3_MAX)
     e4m3_bytes(pbs, scale)
-    for b in range(scale.size):
-        d[b] = e4m3_values[scale[b]] * s2
-    if d.min() == 0:
-        return SCALE_UNDERFLOW
+    if release:
+        for b in range(scale.size):
+            v = e4m3_values[scale[b]] * rel[0] / rel[1]
+            d[b] = v if v > 0 else np.float32(np.inf)  # x / inf: a zero code of x's sign
+    else:
+        for b in range(scale.size):
+            d[b] = e4m3_values[scale[b]] * s2
+        if d.min() == 0:
+            return SCALE_UNDERFLOW
     for i in range(dd.size):
         dd[i] = d[i >> 4]
-    for i in range(x.size):
-        codes[i] = e2m1_code(x[i] / dd[i])
+    if release:
+        xb = x.view(np.uint32)
+        for i in range(x.size):
+            codes[i] = e2m1_magnitude(abs(x[i] / dd[i])) | ((xb[i] >> np.uint32(28)) & np.uint32(8))
+    else:
+        for i in range(x.size):
+            codes[i] = e2m1_code(x[i] / dd[i])
     for i in range(packed.size):
         packed[i] = np.uint8(codes[2 * i] | (codes[2 * i + 1] << 4))
     return OK
 
 
 @_jit
-def mxfp8_blocks(src, shift, mask, given, scale, q, tmp, top, u, f):
+def mxfp8_blocks(src, shift, mask, rule, scale, q, tmp, top, u, f):
     """_mxfp8_chunk over src in chunks of top.size blocks (the scratch's size)."""
     M = top.size
     for b0 in range(0, scale.size, M):
         m = min(M, scale.size - b0)
         a, n = b0 * 32, m * 32
-        if _mxfp8_chunk(src[a: a + n], shift, mask, given, scale[b0: b0 + m], q[a: a + n], tmp[:n], top[:m],
+        if _mxfp8_chunk(src[a: a + n], shift, mask, rule, scale[b0: b0 + m], q[a: a + n], tmp[:n], top[:m],
                         u[:n], f[:n]) != OK:
             return NONFINITE
     return OK
 
 
 @_jit
-def _mxfp8_chunk(src, shift, mask, given, scale, q, tmp, top, u, f):
-    """The blocks of 32 in src: scale[b] = E = ceil(log2(amax / 448)) + 127 by the integer rule
-    (exact for bf16/fp16 sources: mxfp8._e8m0_from_bits), or as given when `given`; q = e4m3
-    bytes of x * 2^(127 - E), clamped to +-448 (a no-op for bf16/fp16, ModelOpt's clamp for fp32).
-    Scratch: tmp like src; top (uint32) one per block; u (uint32) and f (float32) one per element."""
+def _mxfp8_chunk(src, shift, mask, rule, scale, q, tmp, top, u, f):
+    """The blocks of 32 in src: scale[b] = E, by `rule`: MODELOPT ceil(log2(amax / 448)) + 127 by
+    the integer rule (exact for bf16/fp16 sources: mxfp8._e8m0_from_bits); GIVEN as the caller
+    filled it; RELEASE the smallest E with amax / 2^(E - 127) <= 464, exact on amax's bits
+    (mxfp8.release_exponent). q = e4m3 bytes of x * 2^(127 - E), clamped to +-448 (a no-op for
+    bf16/fp16 under ModelOpt's rule, its clamp for fp32; under the release's, values in (448, 464]
+    round to 448 either way). Scratch: tmp like src; top (uint32) one per block; u (uint32) and f
+    (float32) one per element."""
     m = scale.size
     block_top(src, shift, mask, tmp, top)
     if top.max() >= _INF_BITS:
         return NONFINITE
-    if not given:
+    if rule == RELEASE:
+        for b in range(m):
+            t = top[b]
+            e = np.int64(t >> np.uint32(23)) - (np.int64(8) if (t & np.uint32(0x7FFFFF)) <= 0x680000 else np.int64(7))
+            scale[b] = np.uint8(max(e, np.int64(0)))  # 0x680000: 464's mantissa; below 2^-119: E 0 (s = -127)
+    elif rule == MODELOPT:
         amax, dv = top.view(np.float32), f[:m]
         for b in range(m):
             dv[b] = amax[b] / E4M3_MAX                 # fp32, as ModelOpt; then its bits

@@ -66,6 +66,10 @@ class Format:
     min_cosine: float = 1.0
     # quant_algo -> (weight bits, activation bits or None) of its config.json `config_groups` entry
     _group_bits: Mapping[str, tuple[int, int | None]] = {}
+    #: encoder ("modelopt", "release") -> the name of its rule as a quantization config records it;
+    #: a format with one way to write its bits (pass-through) has none
+    encoders: Mapping[str, str] = {}
+    encoder_scales: Mapping[str, str] = {}  # encoder -> how its config names its scales' kind
 
     def __init_subclass__(cls, **kwargs):
         """`block_size` is derived from `block_shape` (an older subclass may give block_size only)."""
@@ -113,6 +117,16 @@ class Format:
         except KeyError:
             raise KeyError(f"{self.name} has no config_groups entry for quant_algo {algo!r}") from None
 
+    def encoder_rule(self, encoder: str) -> str:
+        """The rule `encoder` names for this format (`encoders`); ValueError for one it has not.
+        A format without encoders takes any (its bits have one way to be written)."""
+        if not self.encoders:
+            return encoder
+        try:
+            return self.encoders[encoder]
+        except KeyError:
+            raise ValueError(f"{self.name} has no encoder {encoder!r}; known: {sorted(self.encoders)}") from None
+
     def out_specs(self, shape: tuple[int, ...], dtype: torch.dtype,
                   activation_scale: bool = True) -> dict[str, OutSpec]:
         """suffix -> OutSpec of every tensor written for a source weight of `shape`/`dtype`."""
@@ -133,10 +147,11 @@ class Format:
         return sum(s.nbytes for s in self.out_specs(shape, dtype, activation_scale).values())
 
     def quantize(self, weight: torch.Tensor, *, global_amax: torch.Tensor | None = None,
-                 input_amax: float | None = None, name: str = "") -> dict[str, torch.Tensor]:
-        """suffix -> tensor, exactly the out_specs. `global_amax` (NVFP4) is the amax shared
-        by fused projections; `input_amax` the calibrated activation amax (None: weight-only).
-        `name` (optional) is the tensor's name, quoted in FormatError messages."""
+                 input_amax: float | None = None, name: str = "", encoder: str = "modelopt") -> dict[str, torch.Tensor]:
+        """suffix -> tensor: the out_specs, plus whatever the encoder adds for a form that stores
+        it (NVFP4's release rule: `weight_amax`). `global_amax` (NVFP4) is the amax shared by fused
+        projections; `input_amax` the calibrated activation amax (None: weight-only); `encoder`
+        one of `encoders`. `name` (optional) is the tensor's name, quoted in FormatError messages."""
         raise NotImplementedError
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -154,21 +169,39 @@ class Format:
         return bool(torch.isfinite(self.amax(tensors)))
 
     def requantize(self, tensors: Mapping[str, torch.Tensor], source: "Format", *,
-                   input_amax: float | None = None, name: str = "") -> dict[str, torch.Tensor]:
+                   input_amax: float | None = None, name: str = "", encoder: str = "modelopt") -> dict[str, torch.Tensor]:
         """This format's tensors for the weight `tensors` store in `source`'s format: bit for bit
         ``quantize(source.dequantize(tensors, float32))`` (exact for the formats here: each
         stored value is an fp32 number). A fast path for the pair (`TRANSCODERS`, filled by
         formats/transcode.py) runs first and may read the stored bytes directly; where there is
         none, or it declines (None), the weight is dequantized and quantized."""
         fast = TRANSCODERS.get((source.name, self.name))
-        out = None if fast is None else fast(tensors, source, self, input_amax=input_amax, name=name)
+        out = None if fast is None else fast(tensors, source, self, input_amax=input_amax, name=name, encoder=encoder)
         if out is not None:
             return out
-        return self.quantize(source.dequantize(tensors, torch.float32), input_amax=input_amax, name=name)
+        return self.quantize(source.dequantize(tensors, torch.float32), input_amax=input_amax, name=name,
+                             encoder=encoder)
 
-    def layer_config(self, weight_only: bool = False) -> dict | None:
-        """The `quantized_layers` entry of ModelOpt's MIXED_PRECISION config, None if unquantized."""
+    def fixed_point_misses(self, stored: Mapping[str, torch.Tensor], encoder: str = "release",
+                           name: str = "") -> dict[str, int]:
+        """suffix -> how many elements of the stored tensor `suffix` differ from encoding again,
+        by `encoder`'s rule, the values they decode to ({}: every byte comes back). The release's
+        rules are fixed points (decode + encode reproduces released bytes); ModelOpt's are not
+        (-0.0 codes, MXFP8 blocks at 224 x their scale), so only the release's can be asked."""
+        if self.encoder_rule(encoder) == "modelopt":
+            raise ValueError(f"{self.name}: ModelOpt's encoder is not a fixed point of decoding")
+        again = self.quantize(self.dequantize(stored, torch.float32), encoder=encoder, name=name)
+        return _misses(stored, again)
+
+    def layer_config(self, weight_only: bool = False, encoder: str = "modelopt") -> dict | None:
+        """The `quantized_layers` entry of a MIXED_PRECISION config, None if unquantized: ModelOpt's
+        (quant_algo, group_size); another encoder's adds its rule's name and its scales' kind
+        (the release's: `encoder` nvfp4_nearest / mxfp8_nearest, `scales` amax_denominator / ue8m0)."""
         return None
+
+    def _with_encoder(self, entry: dict, encoder: str) -> dict:
+        rule = self.encoder_rule(encoder)
+        return entry if rule == "modelopt" else {**entry, "encoder": rule, "scales": self.encoder_scales[encoder]}
 
     # --- rules the commands ask the format instead of re-deriving them -------------------
     def fused_global_amax(self, weights: list[torch.Tensor]) -> torch.Tensor | None:
@@ -203,6 +236,18 @@ class Format:
         return False
 
 
+def _misses(stored: Mapping[str, torch.Tensor], again: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """suffix -> elements whose bytes differ, over the per-element tensors (weight, block scales)."""
+    out = {}
+    for k in ("weight", "weight_scale"):
+        a, b = stored[k].contiguous(), again[k].contiguous()
+        a, b = a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8) if b.element_size() == 1 else b
+        n = int((a.reshape(-1) != b.reshape(-1).to(a.device)).sum()) if a.numel() == b.numel() else a.numel()
+        if n:
+            out[k] = n
+    return out
+
+
 class Passthrough(Format):
     """BF16/FP16/FP32 tensors copied bit-exactly, in the dtype the source stores them."""
 
@@ -223,7 +268,7 @@ class Passthrough(Format):
     def tensor_name(self, weight_name, suffix):
         return weight_name  # every tensor keeps its own name (a bias, a sink, a norm's weight)
 
-    def quantize(self, weight, *, global_amax=None, input_amax=None, name=""):
+    def quantize(self, weight, *, global_amax=None, input_amax=None, name="", encoder="modelopt"):
         return {"weight": weight}
 
     def dequantize(self, tensors, dtype=torch.float32):

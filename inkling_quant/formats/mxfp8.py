@@ -14,6 +14,18 @@ The scale rule is ModelOpt's "round up" (``MXFP8QTensor._compute_e8m0_exponent``
 ``amax / 2^e <= 448`` so nothing clips; it is *not* the OCP MX v1.0 rule
 ``floor(log2(amax)) - 8``, which can clip a block's largest values (docs/formats.md).
 
+**Two encoders** (``quantize(..., encoder=)``; ``ENCODERS``): ``"modelopt"``, the rule above, and
+``"release"``, the rule Thinking Machines' Inkling 2 release names ``mxfp8_nearest`` (scales
+``ue8m0``; NeMo AutoModel ``nemo_automodel.components.models.inkling2.quantization`` and
+Megatron-Bridge ``bridge.models.inkling.inkling2_quantization``, nightly API docs): per 32 inputs
+the smallest power of two ``2^s`` with ``bmax / 2^s <= 464`` (464 is where E4M3's round to
+nearest even stops giving 448), each value the nearest E4M3 of ``w / 2^s``, ties to even, the
+sign of zero kept. It differs from ModelOpt's on blocks whose ``bmax / 2^s`` falls in
+(448, 464] (a few per cent of Gaussian blocks) and, unlike it, is a fixed point: decoding a
+block and encoding it again gives the same bytes. Computed exactly on bmax's bits
+(``release_exponent``); our choice where the documents are silent: an all-zero block, or one
+below 2^-119, takes the smallest scale byte, 0 (s = -127).
+
 Bit-identical to ``modelopt.torch.quantization.qtensor.MXFP8QTensor.quantize`` (0.47.0, CPU).
 The CPU path is a compiled kernel (formats/_jit.py: numba, chunks of whole blocks on
 torch.get_num_threads() threads) evaluating the same fp32 operations; its e4m3 rounding equals
@@ -32,11 +44,13 @@ from .base import Format, OutSpec
 from . import _jit
 from ._cpu import _BITS, _E4M3_TO_F32, _buf, _check_dtype, _check_shape, _nonfinite, _run_chunks, _source_bits
 
-__all__ = ["MXFP8", "BLOCK_SIZE", "E4M3_MAX", "e8m0_exponent"]
+__all__ = ["MXFP8", "BLOCK_SIZE", "E4M3_MAX", "e8m0_exponent", "release_exponent", "ENCODERS"]
 
 BLOCK_SIZE = 32
 E4M3_MAX = 448.0
 _MX_CHUNK_BLOCKS = 2048      # 64 Ki elements per chunk: its scratch stays in the L2 cache
+#: encoder -> the name of its rule as a checkpoint's quantization config records it
+ENCODERS = {"modelopt": "modelopt", "release": "mxfp8_nearest"}
 
 
 def e8m0_exponent(block_amax: torch.Tensor) -> torch.Tensor:
@@ -45,6 +59,15 @@ def e8m0_exponent(block_amax: torch.Tensor) -> torch.Tensor:
     descale = block_amax.float() / E4M3_MAX
     log2 = torch.where(descale > 0, torch.log2(descale), torch.tensor(-127.0, device=descale.device))
     return (torch.clamp(torch.ceil(log2), min=-127, max=127) + 127).to(torch.uint8)
+
+
+def release_exponent(block_amax: torch.Tensor) -> torch.Tensor:
+    """The release rule's biased exponent (uint8) of per-block amax values (fp32, finite, >= 0):
+    the smallest E with amax / 2^(E - 127) <= 464, from amax's bits: its exponent field less 8,
+    or less 7 where the mantissa exceeds 464's (0x680000); at least 0 (_jit._mxfp8_chunk's rule)."""
+    bits = block_amax.float().contiguous().view(torch.int32)
+    e = (bits >> 23) - torch.where((bits & 0x7FFFFF) <= 0x680000, 8, 7)
+    return e.clamp(min=0).to(torch.uint8)
 
 
 def _e8m0_doc() -> None:
@@ -57,14 +80,15 @@ def _e8m0_doc() -> None:
     fp32 weights take ModelOpt's own expression (`e8m0_exponent`), given to the kernel."""
 
 
-def _mxfp8_cpu(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _mxfp8_cpu(w: torch.Tensor, name: str, release: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [numel], e8m0 uint8 [numel/32]) for a contiguous CPU weight: the compiled kernel
     (_jit.mxfp8_blocks) on chunks of whole blocks, on torch.get_num_threads() threads."""
     src, shift, mask = _source_bits(w)
     nblk = src.size // BLOCK_SIZE
     q = torch.empty(nblk * BLOCK_SIZE, dtype=torch.float8_e4m3fn)
     scale = torch.empty(nblk, dtype=torch.uint8)
-    given = w.dtype == torch.float32  # fp32: ModelOpt's log2 form, not the integer rule
+    given = w.dtype == torch.float32 and not release  # fp32: ModelOpt's log2 form, not the integer rule
+    rule = _jit.RELEASE if release else _jit.GIVEN if given else _jit.MODELOPT
     if given and nblk:
         bm = w.detach().reshape(-1, BLOCK_SIZE).abs().amax(dim=1)
         if not bool(torch.isfinite(bm).all()):
@@ -76,7 +100,7 @@ def _mxfp8_cpu(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         M = _MX_CHUNK_BLOCKS  # the kernel's chunk: its scratch stays in the L2 cache
         scratch = (_buf("mx:tmp", (M * 32,), src.dtype), _buf("mx:top", (M,), np.uint32),
                    _buf("mx:u", (M * 32,), np.uint32), _buf("mx:f", (M * 32,), np.float32))
-        if _jit.mxfp8_blocks(src[b0 * 32: b1 * 32], shift, mask, given, scale_np[b0:b1], q_np[b0 * 32: b1 * 32],
+        if _jit.mxfp8_blocks(src[b0 * 32: b1 * 32], shift, mask, rule, scale_np[b0:b1], q_np[b0 * 32: b1 * 32],
                              *scratch) == _jit.NONFINITE:
             raise _nonfinite(name)
 
@@ -84,14 +108,14 @@ def _mxfp8_cpu(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _mxfp8_torch(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """ModelOpt's formulas with plain torch ops (any device); the CPU tests' second opinion."""
+def _mxfp8_torch(w: torch.Tensor, name: str, release: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same formulas with plain torch ops (any device); the CPU tests' second opinion."""
     bits_t, mask, inf_bits, _ = _BITS[w.dtype]
     blocks = w.reshape(-1, BLOCK_SIZE)
     bm = (blocks.view(bits_t) & mask).amax(dim=1)
     if blocks.shape[0] and int(bm.max()) >= inf_bits:
         raise _nonfinite(name)
-    e8 = e8m0_exponent(bm.view(w.dtype))
+    e8 = (release_exponent if release else e8m0_exponent)(bm.view(w.dtype))
     factor = torch.exp2(127 - e8.float())
     y = (blocks * factor.unsqueeze(-1)).clamp(min=-E4M3_MAX, max=E4M3_MAX)
     return y.to(torch.float8_e4m3fn).reshape(-1), e8
@@ -163,19 +187,20 @@ class MXFP8(Format):
         return {"weight": OutSpec(shape, torch.float8_e4m3fn),
                 "weight_scale": OutSpec((*shape[:-1], shape[-1] // BLOCK_SIZE), torch.uint8)}
 
-    def quantize(self, weight, *, global_amax=None, input_amax=None, name: str = ""):
+    encoders = ENCODERS
+    encoder_scales = {"release": "ue8m0"}  # the release's hf_quant_config.json (NeMo AutoModel's docs)
+
+    def quantize(self, weight, *, global_amax=None, input_amax=None, name: str = "", encoder: str = "modelopt"):
         """suffix -> tensor. ``global_amax`` and ``input_amax`` do not apply to MXFP8 and are
-        ignored (no weight_scale_2, no input_scale). Raises FormatError for a last dim not
-        divisible by 32 or NaN/Inf."""
+        ignored (no weight_scale_2, no input_scale); ``encoder`` picks the scale rule (module
+        doc). Raises FormatError for a last dim not divisible by 32 or NaN/Inf."""
+        release = self.encoder_rule(encoder) != "modelopt"
         _check_dtype(weight, self.name, name)
         _check_shape(weight.shape, BLOCK_SIZE, self.name, name)
         w = weight.detach()
         if not w.is_contiguous():
             w = w.contiguous()
-        if w.device.type == "cpu":
-            q, e8 = _mxfp8_cpu(w, name)
-        else:
-            q, e8 = _mxfp8_torch(w, name)
+        q, e8 = (_mxfp8_cpu if w.device.type == "cpu" else _mxfp8_torch)(w, name, release)
         shape = tuple(w.shape)
         return {"weight": q.reshape(shape),
                 "weight_scale": e8.reshape(*shape[:-1], shape[-1] // BLOCK_SIZE)}
@@ -205,8 +230,8 @@ class MXFP8(Format):
         q, e8, _ = stored_bytes(tensors)
         return torch.tensor(_amax_of_bytes(q, e8), dtype=torch.float32)
 
-    def layer_config(self, weight_only: bool = False) -> dict:
-        return {"quant_algo": "MXFP8", "group_size": BLOCK_SIZE}
+    def layer_config(self, weight_only: bool = False, encoder: str = "modelopt") -> dict:
+        return self._with_encoder({"quant_algo": "MXFP8", "group_size": BLOCK_SIZE}, encoder)
 
     def value_rule(self, suffix):
         return "e8m0" if suffix == "weight_scale" else None  # a biased exponent byte; 0xFF is NaN

@@ -17,6 +17,9 @@ The check a CI job runs after `inkling-quant convert`. Checks (docs/ci.md has th
                and ModelOpt write none) skipped without the file unless --require-checksums
   source       (--against) the source opens and has the same config
   passthrough  (--against) BF16/FP32 pass-through tensors are byte-identical to the source
+  encoder      (Inkling's stacked form) sampled quantized experts decode and encode again to the
+               same bytes under the release's encoders (nvfp4_nearest, mxfp8_nearest), the only
+               documented ones that are fixed points; skipped for layers whose config names ModelOpt's
   numerics[L]  (--against) sampled experts of layer L through the dequant-GEMM kernels against
                the BF16 weights: relative error and cosine within the format's thresholds
 
@@ -36,6 +39,7 @@ Python: `verify(ckpt, against=...) -> VerifyReport` (`.ok`, `.exit_code`, `.chec
 #              an Inkling 2 config's strict spec for the rest)
 #   stream     the single read of every file: sha256 + per-tensor visitors
 #   values     values[F], gate_up (visitors)
+#   encoding   encoder (the release encoders' fixed point on Inkling's stacked experts)
 #   numerics   passthrough (a visitor); the sample, activations and GEMM numerics[layer L] uses
 #   integrity  checksums, --write-checksums
 from __future__ import annotations
@@ -50,7 +54,7 @@ from .. import hub
 from ..errors import UsageError
 from ..io.output import CHECKSUMS
 from ..schemes import get_scheme
-from . import config, experts, integrity, numerics, stream, structure, values
+from . import config, encoding, experts, integrity, numerics, stream, structure, values
 from .config import QUANT_CONFIG, check_config_files
 from .inventory import UNQUANTIZED, Inventory
 from .numerics import ACT_ROWS, activations, sample_experts
@@ -129,6 +133,7 @@ def _run_checks(run: Recorder, o: _Options) -> None:
     values.check_gate_up(run, inv, scales)                                        # gate_up
     integrity.check_checksums(run, o.root, digests, o.write_checksums,
                               o.require_checksums or integrity.required(inv))     # checksums
+    encoding.check_encoder(run, inv, o.sample)                                   # encoder
     experts.check_numerics(run, inv, o.sample, o.device)                          # numerics[layer L]
     run.report.rows = summary_rows(tally, run.report.numerics, passthrough.check if passthrough else None)
     if o.write_checksums:

@@ -43,6 +43,7 @@ from ..model.layout import CANONICAL, Layout, MoEConfig, detect, expert_tensor_c
 from ..model.tensors import TensorName, TensorSpec
 from .inventory import (CHECKED, DISAGREES, FAILED, SKIPPED, Conf, Expected, Files, Inventory, Shape, Source,
                         config_shape, listing, weight_only_vote)
+from .encoding import read_stacked_expert
 from .numerics import Gemm, judge, layer_figures, module_tensors, sample_experts, start, stored_ok
 from .report import Check, Recorder
 from .stream import torch_threads
@@ -434,8 +435,7 @@ def _quantized_expert(c: Check, inv: Inventory, gemm: Gemm, fmt: Format, lay: La
     or its slices of the stacked ones unstacked (None: a scale the format cannot read back, in `c`)."""
     if not lay.experts.stacked:
         return module_tensors(inv, gemm, names, f"{module}.{e}.")
-    got = {n[len(module) + 1:]: gemm.reader(inv.root, inv.files.headers, inv.files.tensors[n].shard)
-           .get_slice(n, e).unsqueeze(0) for n in names}
+    got = read_stacked_expert(lambda shard: gemm.reader(inv.root, inv.files.headers, shard), inv, module, names, e)
     try:
         return unstack_expert(fmt, got, 0)
     except FormatError as err:  # a bad input_amax

@@ -1,0 +1,106 @@
+"""The `encoder` check: an Inkling checkpoint's quantized experts are what their encoder writes.
+
+The release's encoders (`nvfp4_nearest`, `mxfp8_nearest`: formats/nvfp4.py, formats/mxfp8.py)
+are fixed points of decoding: decoding a released expert and encoding it again with its stored
+amax gives back its codes and block scales. No source is needed to hold a checkpoint to that: for
+the sampled experts of every quantized layer stored stacked (Inkling's form), each projection's
+slab is decoded and encoded again and every byte must come back. A layer whose quantization
+config names ModelOpt's encoder (`--encoder modelopt`) is not held to it: ModelOpt's rules are
+not fixed points (its bytes are checked against the source by `numerics`); a layer whose config
+names no encoder (another writer's checkpoint) must be a fixed point of the release's rules, the
+only documented ones that are, and the check names them as the encoder that wrote it."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import FormatError
+from ..export.inkling import PROJECTIONS, stored_projection
+from ..formats import FORMATS
+from ..io.safetensors import ShardReader
+from ..model.layout import MoEConfig
+from .inventory import CHECKED, Inventory
+from .numerics import sample_experts
+from .report import Check, Recorder
+
+__all__ = ["check_encoder", "read_stacked_expert"]
+_WHAT = {"weight": "stored values", "weight_scale": "block scales"}
+
+
+def read_stacked_expert(reader_of, inv: Inventory, module: str, names: list[str], e: int) -> dict[str, torch.Tensor]:
+    """Expert e's slices ([1, ...]) of a layer's stacked tensors, keyed without the module; a
+    per-tensor scalar (the NVFP4 denominator) whole. `reader_of(shard)` gives the shard's reader."""
+    out = {}
+    for n in names:
+        loc = inv.files.tensors[n]
+        r = reader_of(loc.shard)
+        out[n[len(module) + 1:]] = r.get(n) if not inv.files.headers[loc.shard].tensors[n].shape \
+            else r.get_slice(n, e).unsqueeze(0)
+    return out
+
+
+def _declared(inv: Inventory, fmt, module: str) -> str | None:
+    """The encoder rule the quantization config names for `module`: its quantized_layers entry's,
+    else the one inkling-quant's converter record names (ModelOpt's rule adds nothing to an entry);
+    None when neither names one (another writer's checkpoint)."""
+    for q in (inv.conf.hf_quant.get("quantization") if isinstance(inv.conf.hf_quant, dict) else None,
+              (inv.conf.config or {}).get("quantization_config")):
+        entry = q.get("quantized_layers", {}).get(module) if isinstance(q, dict) else None
+        if isinstance(entry, dict) and entry.get("encoder") is not None:
+            return str(entry["encoder"])
+    conv = inv.conf.converter
+    return fmt.encoders.get(conv.get("encoder")) if isinstance(conv, dict) else None
+
+
+def check_encoder(run: Recorder, inv: Inventory, sample: int) -> None:
+    lay = inv.expected.layout
+    if inv.expected.status != CHECKED or lay is None or not lay.experts.stacked:
+        return
+    layers = [(layer, module, names) for layer, module in lay.experts_modules.items()
+              if (names := inv.expected.module_tensors.get(module))]
+    if not layers:
+        return
+    c = run.new("encoder", "encoder", "sampled quantized experts are a fixed point of the release's encoders "
+                "(decoded and encoded again, every byte comes back)")
+    readers: dict[str, ShardReader] = {}
+
+    def reader_of(shard: str) -> ShardReader:
+        if shard not in readers:
+            readers[shard] = ShardReader(inv.root / shard, inv.files.headers[shard])
+        return readers[shard]
+    try:
+        run.guard(c, _check, c, inv, layers, sample, reader_of)
+    finally:
+        for r in readers.values():
+            r.close()
+
+
+def _check(c: Check, inv: Inventory, layers, sample: int, reader_of) -> None:
+    num_experts = MoEConfig.of(inv.conf.cfg).num_experts
+    held, modelopt, unreadable = {}, [], []
+    for layer, module, names in layers:
+        fmt = FORMATS[inv.expected.fmt_of[names[0]]]
+        declared = _declared(inv, fmt, module)
+        if declared is not None and declared == fmt.encoders.get("modelopt"):
+            modelopt.append(layer)
+            continue
+        rule = fmt.encoder_rule("release")
+        for e in sample_experts(layer, num_experts, sample):
+            got = read_stacked_expert(reader_of, inv, module, names, e)
+            for proj in PROJECTIONS:
+                try:
+                    misses = fmt.fixed_point_misses(stored_projection(fmt, got, 0, proj), "release")
+                except FormatError:  # values that decode to NaN/Inf: the values[F] check names them
+                    unreadable.append(f"{module}.{proj}_weight expert {e}")
+                    continue
+                if misses:
+                    tensor = f"{module}.{proj}_weight"
+                    what = ", ".join(f"{n} of its {_WHAT[k]}" for k, n in misses.items())
+                    c.fail(inv.root / inv.files.tensors[tensor].shard, tensor,
+                           f"expert {e}: {what} are not what {rule} writes for the values they decode to"
+                           + ("" if declared else " (no documented encoder reproduces these bytes)"))
+        held[layer] = rule
+    if not held:
+        c.skip("every quantized layer's config names ModelOpt's encoder, which is not a fixed point of "
+               "decoding (numerics --against checks its bytes against the source)")
+    c.figures.update(encoder={str(k): v for k, v in held.items()}, modelopt_layers=modelopt, sample=sample,
+                     not_decodable=unreadable)
