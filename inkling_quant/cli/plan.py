@@ -1,5 +1,7 @@
-"""`inkling-quant plan`: the CLI over inkling_quant.plan.inkling2 (the plan, its rendering and the
-recipe's figures beside ours; a standard HF MoE config through plan.hf); docs/budget.md."""
+"""`inkling-quant plan`: the CLI over inkling_quant.plan.inkling2 (the plan, its rendering, the
+engine checks, and the published figures beside ours: the recipe's and, for an official
+checkpoint, SGLang's cookbook's through plan.variants; a standard HF MoE config through plan.hf);
+docs/budget.md."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +10,9 @@ from collections import defaultdict
 
 from ..errors import UsageError
 from ..plan.inkling2 import (ASYNC_BATCHES, DEFAULT_BLOCK_SIZE, DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION, GPUS,
-                             ServingPlan, load_config, plan, recipe_rows)
+                             VARIANTS, ServingPlan, load_config, plan, recipe_rows)
 from ..plan.kvcache import CONV, FULL, MLA
+from ..plan.moe_checks import ARCHS, ENGINE, FAIL, PASS
 from ..plan.placement import KV_HEADS, REPLICATED
 from ..plan.units import in_units
 from .options import add_output_options, float_range, int_range
@@ -20,7 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE|DIR", help="a config.json, or a directory holding one: Inkling 2's "
                         "or a standard Hugging Face MoE config (default, with neither: the reference config, "
                         "Inkling2Config's defaults)")
-    parser.add_argument("--gpu", default="gb200", choices=sorted(GPUS), help="default: gb200 (the recipe's verified GPU)")
+    parser.add_argument("--gpu", default="gb200", choices=sorted(GPUS),
+                        help="default: gb200 (the recipe's verified GPU); h100/h200 are Hopper (sm90), b200/gb200 "
+                             "Blackwell (sm100), b300/gb300 Blackwell Ultra (sm103): the engine checks follow it")
     parser.add_argument("--tp", type=int_range(1, 4096), default=4,
                         help="tensor parallel size; experts are expert-parallel over the same GPUs (default 4)")
     parser.add_argument("--no-ep", action="store_true", help="shard experts by TP instead (vLLM without "
@@ -32,31 +37,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: vLLM's for the GPU (16384 at >= 160 GiB, 8192 on H100/H200)")
     parser.add_argument("--no-async-scheduling", action="store_true",
                         help="one batch in flight instead of two (sliding-window and conv admission caps)")
-    parser.add_argument("--scheme", default="default")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--variant", choices=sorted(VARIANTS),
+                       help="the official checkpoint to plan: default = thinkingmachines/Inkling-2-Small (experts "
+                            "NVFP4 in layers 0-39, MXFP8 in 40-47), mxfp8 = Inkling-2-Small-MXFP8 (every expert "
+                            "MXFP8). Default: what the checkpoint directory holds, else default")
+    which.add_argument("--scheme", help="plan the checkpoint `convert --scheme SCHEME` would write instead of an "
+                                        "official one (Hugging Face MoE configs: default 'default')")
     parser.add_argument("--reserve-gib", type=float_range(0.0, 1e6), default=DEFAULT_RESERVE_GIB,
                         help="per-GPU memory besides weights and KV: activations, sampler, CUDA graphs, NCCL and "
                              f"kernel workspaces, the draft's KV cache (default {DEFAULT_RESERVE_GIB:g})")
     parser.add_argument("--block-size", type=int_range(1, 1 << 20), default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--no-draft", action="store_true", help="leave out the DSpark draft (the recipe's 3.2 GB)")
-    add_output_options(parser, report="the plan", quiet="print nothing (the exit code says whether it fits)")
+    add_output_options(parser, report="the plan",
+                       quiet="print nothing (the exit code says whether it loads and fits)")
 
 
 def run(args) -> int:
     from ..io.output import check_paths, write_report
+    from ..plan.variants import choose_variant, cookbook_rows
 
     check_paths(None, [args.checkpoint, args.config], reports=[args.json])
     if args.checkpoint and args.config:
         raise UsageError("give a checkpoint or --config, not both")
-    cfg = load_config(args.checkpoint or args.config)
+    source = args.checkpoint or args.config
+    cfg = load_config(source)
+    variant, scheme, notes = choose_variant(cfg, source, args.variant, args.scheme)
     p = plan(cfg, args.gpu, args.tp, ep=not args.no_ep, max_model_len=args.max_model_len,
              max_num_seqs=args.max_num_seqs, utilization=args.gpu_memory_utilization,
              max_num_batched_tokens=args.max_num_batched_tokens,
-             concurrent_batches=1 if args.no_async_scheduling else ASYNC_BATCHES, scheme=args.scheme,
-             reserve_gib=args.reserve_gib, block_size=args.block_size, include_draft=not args.no_draft)
+             concurrent_batches=1 if args.no_async_scheduling else ASYNC_BATCHES, scheme=scheme,
+             variant=variant, reserve_gib=args.reserve_gib, block_size=args.block_size,
+             include_draft=not args.no_draft, notes=notes)
     rows = []
     if not p.hf:
         try:  # the recipe's TP4/TP8 comparisons need a config both TPs can serve
-            rows = recipe_rows(cfg, p)
+            rows = recipe_rows(cfg, p) + (cookbook_rows(cfg, p) if p.variant else [])
         except UsageError:
             rows = []
     write_report(args.json, json.dumps({**p.to_dict(), "recipe": rows}, indent=2) + "\n")
@@ -157,15 +173,31 @@ def _disk_line(p: ServingPlan) -> str:
         return (f"On disk: {in_units(w.disk_total, 'GB')} GB computed (routed experts in the scheme's formats, "
                 f"every other tensor as stored, {p.cfg.text.dtype})")
     draft = w.disk_part("draft")
-    return f"On disk: {in_units(w.disk_total - draft, 'GB')} GB computed" + (
+    form = (f" ({VARIANTS[p.variant].repo}: routed experts stacked as the official checkpoint stores them)"
+            if p.variant else f" (as `convert --scheme {p.scheme}` writes it, ModelOpt's per-module form)")
+    return f"On disk: {in_units(w.disk_total - draft, 'GB')} GB computed{form}" + (
         f" + {in_units(draft, 'GB')} GB DSpark draft (the recipe's figure: its definition is not published; assumed "
         f"replicated on every GPU) = {in_units(w.disk_total, 'GB')} GB" if draft else " (without the draft)")
 
 
+def render_checks(p: ServingPlan) -> list[str]:
+    a = ARCHS[p.gpu.arch]
+    out = [f"Engine checks ({ENGINE} on {p.gpu.name.upper()}, {a.generation} {a.name}; FAIL: it does not load as "
+           f"requested, WARN: it loads, not as the checkpoint was made to run or only padded):"]
+    for c in p.checks:
+        label = {PASS: "PASS", FAIL: "FAIL"}.get(c.level, "WARN")
+        out += [f"  {label}  {c.rule}: {c.message}", f"        source: {c.source}"]
+    return out
+
+
+def _title(p: ServingPlan) -> str:
+    what = f"variant {p.variant!r} ({VARIANTS[p.variant].repo})" if p.variant else f"scheme {p.scheme!r}"
+    return (f"inkling-quant plan: {what}, {p.where()}, TP{p.tp} attention + "
+            f"{f'EP{p.tp}' if p.ep else f'TP{p.tp} (no EP)'} experts, max_model_len {p.max_model_len:,}")
+
+
 def render(p: ServingPlan, rows: list[dict] | None = None) -> str:
-    out = [f"inkling-quant plan: scheme {p.scheme!r}, {p.where()}, TP{p.tp} attention + "
-           f"{f'EP{p.tp}' if p.ep else f'TP{p.tp} (no EP)'} experts, max_model_len {p.max_model_len:,}", "",
-           _params_line(p), ""]
+    out = [_title(p), "", _params_line(p), ""]
     out += render_weights(p)
     out += [_disk_line(p), ""]
     out += render_kv(p)
@@ -175,12 +207,11 @@ def render(p: ServingPlan, rows: list[dict] | None = None) -> str:
     if p.notes:
         out += [""] + [f"NOTE: {n}" for n in p.notes]
     if p.checks:
-        out.append("")
-        out += [f"{c.level.upper()}: {c.message}" for c in p.checks]
+        out += [""] + render_checks(p)
     out += ["", p.verdict()]
     if rows:
-        out += ["", "The recipe's figures (Inkling-2-Small.recipe.json) beside ours:",
-                f"  {'claim':<52} {'recipe':<13} {'reproduced':<11} ours"]
-        out += [f"  {r['claim']:<52} {r['recipe']:<13} {'yes' if r['reproduced'] else 'NO':<11} {r['ours']}"
-                for r in rows]
+        out += ["", "Published figures beside ours (the recipe: Inkling-2-Small.recipe.json; SGLang's cookbook):",
+                f"  {'claim':<52} {'from':<9} {'published':<13} {'reproduced':<11} ours"]
+        out += [f"  {r['claim']:<52} {'cookbook' if 'cookbook' in r['source'] else 'recipe':<9} {r['recipe']:<13} "
+                f"{'yes' if r['reproduced'] else 'NO':<11} {r['ours']}" for r in rows]
     return "\n".join(out)

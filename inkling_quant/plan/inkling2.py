@@ -1,7 +1,8 @@
 """Plan a vLLM deployment of Inkling 2: parameters, bytes on disk, weights, KV cache and state per
-GPU, MoE divisibility, verdict, and the serving recipe's figures beside ours.
+GPU, the engine checks (`moe_checks`), verdict, and the serving recipe's figures beside ours; the
+two official checkpoints (`VARIANTS`: `--variant default|mxfp8`) or what a `--scheme` converts.
 
-The library behind `inkling-quant plan` (its CLI and rendering: `plan.cli`), answering from
+The library behind `inkling-quant plan` (its CLI and rendering: `cli.plan`), answering from
 config.json alone (the published `Inkling2Config`; default: the reference config, Inkling2Config's
 defaults); no tensor is read. A standard Hugging Face MoE config (Qwen3-MoE, Mixtral, DeepSeek-V3,
 ...) is planned the same way from `plan.hf` (its tensors, parameters and bytes) and
@@ -11,9 +12,10 @@ states every assumption; for Inkling 2, in short:
 
 * parameters as transformers counts them (the model's `inkling2.param_counts`): active = the text model with
   8 of 384 routed experts, without the embedding tables;
-* disk: the scheme's format for every routed-expert projection (`formats`' own byte counts), every
-  other tensor as stored; the DSpark draft is not published, so its size is the recipe's 3.2 GB
-  figure, labeled as such, never computed;
+* disk: the scheme's format for every routed-expert projection (`formats`' own byte counts; an
+  official checkpoint's stacked as it stores them, `release_expert_bytes`), every other tensor as
+  stored; the DSpark draft is not published, so its size is the recipe's 3.2 GB figure, labeled as
+  such, never computed;
 * per GPU at TP=N (EP=N experts unless --no-ep): experts 1/EP, attention split by heads (k/v and
   their convs by KV heads), the attention-/MLP-output short convs by hidden, the LM head
   vocab-parallel; the embedding table (as vLLM's Inkling code does), norms, routers,
@@ -37,8 +39,9 @@ from .hf import check_parallel as hf_check_parallel
 from .hf import param_counts as hf_param_counts
 from .hf import weight_bytes as hf_weight_bytes
 from .kvcache import DEFAULT_BLOCK_SIZE, KINDS, KVLayout, hf_layer_specs, kv_layout, layer_specs
-from .moe_checks import Check, moe_checks
-from .placement import HEADS, HIDDEN, KV_HEADS, REPLICATED, VOCAB, Weights, add_experts, rank_bytes  # noqa: F401
+from .moe_checks import ARCHS, ENGINE, FAIL, Check, moe_checks
+from .placement import (HEADS, HIDDEN, KV_HEADS, REPLICATED, VOCAB, Weights, add_experts,  # noqa: F401
+                        module_expert_bytes, rank_bytes)
 from ..units import GB, GiB, MiB, cdiv
 from .units import in_units
 
@@ -58,6 +61,7 @@ class GPU:
     gpus_per_node: int    # per HGX node or per NVL72 compute tray
     node: str
     source: str           # where vendor_gb comes from
+    arch: str             # moe_checks.ARCHS: the compute capability vLLM's MoE kernels ask for
 
     @property
     def total_bytes(self) -> int:
@@ -67,12 +71,12 @@ class GPU:
 # memory.total as the driver reports it (several public nvidia-smi logs; docs/budget.md). The
 # recipe itself gives only B200's figure ("NVIDIA B200 SXM 180 GB", vram_gb 1440 for 8).
 GPUS: dict[str, GPU] = {g.name: g for g in (
-    GPU("h100", 80, 81559, 8, "HGX node", "NVIDIA spec page"),
-    GPU("h200", 141, 143771, 8, "HGX node", "NVIDIA spec page"),
-    GPU("b200", 180, 183359, 8, "HGX node", "the recipe's hardware_profile"),
-    GPU("gb200", 186, 189471, 4, "NVL72 compute tray", "NVIDIA spec page; not in the recipe"),
-    GPU("b300", 288, 275040, 8, "HGX node", "NVIDIA spec page"),
-    GPU("gb300", 288, 284208, 4, "NVL72 compute tray", "NVIDIA spec page"),
+    GPU("h100", 80, 81559, 8, "HGX node", "NVIDIA spec page", "sm90"),
+    GPU("h200", 141, 143771, 8, "HGX node", "NVIDIA spec page", "sm90"),
+    GPU("b200", 180, 183359, 8, "HGX node", "the recipe's hardware_profile", "sm100"),
+    GPU("gb200", 186, 189471, 4, "NVL72 compute tray", "NVIDIA spec page; not in the recipe", "sm100"),
+    GPU("b300", 288, 275040, 8, "HGX node", "NVIDIA spec page", "sm103"),
+    GPU("gb300", 288, 284208, 4, "NVL72 compute tray", "NVIDIA spec page", "sm103"),
 )}
 
 DEFAULT_UTILIZATION = 0.9     # vLLM's gpu_memory_utilization default
@@ -101,6 +105,42 @@ RECIPE_VRAM_MINIMUM_GB = 473
 RECIPE_KV_1M_TP4_GIB = "64.47"  # the troubleshooting entry quotes vLLM's message
 RECIPE_KV_TOKENS, RECIPE_KV_TP = 1_048_576, 4  # ... for one max-length request at TP4
 M = 1_048_576
+COOKBOOK = "SGLang's Inkling 2 Small cookbook"  # docs.sglang.io/cookbook/autoregressive/ThinkingMachines/Inkling-2-Small
+
+
+# --------------------------------------------------------------------------- the official checkpoints
+@dataclass(frozen=True)
+class Variant:
+    """An official Inkling 2 Small checkpoint: which format each layer's routed experts are stored
+    in (a scheme of `schemes.SCHEMES`), in the stacked form of the original names, beside the
+    published figures for it (SGLang's cookbook; the recipe gives the default's disk size too)."""
+
+    name: str
+    repo: str
+    scheme: str
+    cookbook_disk_gb: int         # "about 394 GB" / "about 623 GB"
+    cookbook_tp4_gb: int          # "at TP4 its weights take about 151 GB per GPU, against 94 GB"
+    experts: str
+
+
+VARIANTS: dict[str, Variant] = {v.name: v for v in (
+    Variant("default", "thinkingmachines/Inkling-2-Small", "default", 394, 94,
+            "routed experts NVFP4 in layers 0-39 (packed e2m1, e4m3 scale per 16, per-expert fp32 amax and "
+            "denominator), MXFP8 in layers 40-47 (e4m3, e8m0 scale per 32)"),
+    Variant("mxfp8", "thinkingmachines/Inkling-2-Small-MXFP8", "mxfp8", 623, 151,
+            "every routed expert MXFP8 (e4m3, e8m0 scale per 32)"),
+)}
+
+
+def release_expert_bytes(fmt, inter: int, hidden: int, dtype) -> int:
+    """One routed expert's bytes as the official checkpoints store them: the stacked form of the
+    original names (`export.inkling.stacked_specs` of one expert: w13 and w2 as the format writes
+    them, NVFP4's global scale as a per-expert fp32 amax and denominator). No activation amax:
+    whether the release stores one is not published (it would add 8 B per expert)."""
+    from ..export.inkling import stacked_specs
+
+    specs = stacked_specs(fmt, 1, inter, hidden, dtype=dtype, activation_scale=False)
+    return sum(o.nbytes for o in specs.values())
 
 
 # --------------------------------------------------------------------------- how tensors split
@@ -153,9 +193,10 @@ def check_parallel(cfg: Inkling2Config, tp: int) -> None:
 
 # --------------------------------------------------------------------------- bytes
 def weight_bytes(cfg: Inkling2Config, scheme_name: str, tp: int, ep: bool = True,
-                 include_draft: bool = True) -> Weights:
-    """Checkpoint bytes per (part, format), each format asked for its own size, and the fullest
-    rank's bytes at TP = tp (experts: EP = tp, or TP-sharded without EP)."""
+                 include_draft: bool = True, expert_bytes=module_expert_bytes) -> Weights:
+    """Checkpoint bytes per (part, format), each format asked for its own size (routed experts:
+    `expert_bytes`, the layout they are stored in), and the fullest rank's bytes at TP = tp
+    (experts: EP = tp, or TP-sharded without EP)."""
     import torch
 
     from ..model.inkling2 import TEXT_PREFIX, checkpoint_tensors
@@ -169,7 +210,7 @@ def weight_bytes(cfg: Inkling2Config, scheme_name: str, tp: int, ep: bool = True
         fmt = scheme.format_for(t, TensorName(s.name, part, layer))
         nbytes = fmt.nbytes(s.shape, s.dtype)
         w.add(part, fmt.name, nbytes, rank_bytes(nbytes, s.shape[0], split, tp), s.numel, split)
-    add_experts(w, t, scheme, range(t.num_hidden_layers), tp, ep, torch.bfloat16)
+    add_experts(w, t, scheme, range(t.num_hidden_layers), tp, ep, torch.bfloat16, expert_bytes)
     if include_draft:
         draft = round(RECIPE_DRAFT_GB * GB)
         w.disk[("draft", "recipe")] += draft
@@ -202,7 +243,8 @@ class ServingPlan:
     kv: KVLayout
     checks: list[Check]
     hf: bool = False              # a standard HF MoE config (plan.hf), not Inkling 2's
-    notes: tuple[str, ...] = ()   # what the HF plan assumes or leaves out, for this config
+    notes: tuple[str, ...] = ()   # what the plan assumes or leaves out, for this config
+    variant: str | None = None    # the official checkpoint planned (VARIANTS), or None: `scheme` converted
 
     @property
     def requested_bytes(self) -> int:
@@ -220,7 +262,7 @@ class ServingPlan:
 
     @property
     def loadable(self) -> bool:
-        return not any(c.level == "error" for c in self.checks)
+        return not any(c.level == FAIL for c in self.checks)
 
     @property
     def fits(self) -> bool:
@@ -252,8 +294,8 @@ class ServingPlan:
 
     def verdict(self) -> str:
         if not self.loadable:
-            return (f"DOES NOT LOAD on {self.where()}: " +
-                    "; ".join(c.message for c in self.checks if c.level == "error"))
+            return (f"DOES NOT LOAD on {self.where()} with {ENGINE}: " +
+                    "; ".join(c.message for c in self.checks if c.level == FAIL))
         reserve, needed = in_units(self.reserve_bytes, "GiB"), in_units(self.kv_needed_bytes, "GiB")
         if self.kv_budget_bytes <= 0:
             return (f"DOES NOT FIT on {self.where()}: the weights ({in_units(self.weights.per_gpu_total, 'GiB')} GiB "
@@ -296,7 +338,10 @@ class ServingPlan:
             d["params"]["active_counts"] = ("text model with num_experts_per_tok of the routed experts, without "
                                             "the embedding tables (embed, lm_head)")
             d["params"]["active_with_embedding_tables"] = self.params.active + self.params.embed + self.params.lm_head
-            d["notes"] = list(self.notes)
+        d["notes"] = list(self.notes)
+        v = VARIANTS.get(self.variant) if self.variant else None
+        d["variant"] = None if v is None else {"name": v.name, "repo": v.repo, "scheme": v.scheme,
+                                               "experts": v.experts, "expert_layout": "stacked (original names)"}
         return d
 
     def _dict(self) -> dict:
@@ -304,7 +349,8 @@ class ServingPlan:
         return {
             "model": self.cfg.raw.get("_name_or_path") or self.cfg.raw.get("model_type"),
             "gpu": {"name": self.gpu.name, "vendor_gb": self.gpu.vendor_gb, "vendor_gb_source": self.gpu.source,
-                    "memory_total_bytes": self.gpu.total_bytes, "gpus_per_node": self.gpu.gpus_per_node},
+                    "memory_total_bytes": self.gpu.total_bytes, "gpus_per_node": self.gpu.gpus_per_node,
+                    "arch": self.gpu.arch, "generation": ARCHS[self.gpu.arch].generation},
             "tp": self.tp, "ep": self.tp if self.ep else 1, "nodes": self.nodes, "scheme": self.scheme,
             "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
             "gpu_memory_utilization": self.utilization, "max_num_batched_tokens": self.max_num_batched_tokens,
@@ -326,7 +372,7 @@ class ServingPlan:
                         "kv": self.kv_kinds(),
                         "kv_groups": [{"kind": g.spec.kind, "layers": g.num_layers, "block_size": g.spec.block_size,
                                        "page_size_bytes": g.spec.page_size_bytes} for g in self.kv.groups]},
-            "checks": [{"level": c.level, "message": c.message} for c in self.checks],
+            "engine": ENGINE, "checks": [c.to_dict() for c in self.checks],
             "fits": self.fits, "largest_max_model_len": self.largest_max_model_len,
             "max_concurrency": self.concurrency, "break_even_reserve_bytes": self.break_even_reserve_bytes,
             "verdict": self.verdict(),
@@ -356,10 +402,12 @@ def load_config(path: str | None) -> Inkling2Config | HFModel:
 def plan(cfg: Inkling2Config | HFModel, gpu: str = "gb200", tp: int = 4, *, ep: bool = True,
          max_model_len: int | None = None, max_num_seqs: int | None = None, utilization: float = DEFAULT_UTILIZATION,
          max_num_batched_tokens: int | None = None, concurrent_batches: int = ASYNC_BATCHES,
-         scheme: str = "default", reserve_gib: float = DEFAULT_RESERVE_GIB, block_size: int = DEFAULT_BLOCK_SIZE,
-         include_draft: bool = True) -> ServingPlan:
-    """The plan at TP = tp on `gpu`. A standard HF config has no DSpark draft (include_draft is
-    ignored for it)."""
+         scheme: str | None = None, variant: str | None = None, reserve_gib: float = DEFAULT_RESERVE_GIB,
+         block_size: int = DEFAULT_BLOCK_SIZE, include_draft: bool = True, notes: tuple[str, ...] = ()) -> ServingPlan:
+    """The plan at TP = tp on `gpu`: of the official checkpoint `variant` (VARIANTS; Inkling 2
+    only), or of the checkpoint `scheme` would convert; with neither, Inkling 2's default variant
+    (a standard HF config: the default scheme). A standard HF config has no DSpark draft
+    (include_draft is ignored for it). `notes` are added to the plan's own."""
     from ..model.inkling2 import param_counts
 
     if gpu not in GPUS:
@@ -379,6 +427,7 @@ def plan(cfg: Inkling2Config | HFModel, gpu: str = "gb200", tp: int = 4, *, ep: 
     if not 1 <= length <= upper:
         raise UsageError(f"--max-model-len must be between 1 and max_position_embeddings ({upper}), got {length}")
     hf = not cfg.family.strict  # planned from the family's rules (plan.hf), not from a published spec
+    variant, scheme = _variant_and_scheme(cfg, hf, variant, scheme)
     if hf:
         hf_check_parallel(cfg.text, tp)
         include_draft = False
@@ -386,23 +435,39 @@ def plan(cfg: Inkling2Config | HFModel, gpu: str = "gb200", tp: int = 4, *, ep: 
         specs = hf_layer_specs(cfg.text, tp, block_size)
     else:
         check_parallel(cfg, tp)
-        w, params = weight_bytes(cfg, scheme, tp, ep, include_draft), param_counts(cfg)
+        form = release_expert_bytes if variant else module_expert_bytes
+        w, params = weight_bytes(cfg, scheme, tp, ep, include_draft, form), param_counts(cfg)
         specs = layer_specs(cfg.text, tp, block_size)
     kv = kv_layout(specs, concurrent_batches * batched)
     return ServingPlan(cfg=cfg, gpu=g, tp=tp, ep=ep, scheme=scheme, max_model_len=length, max_num_seqs=max_num_seqs,
                 utilization=utilization, max_num_batched_tokens=batched, concurrent_batches=concurrent_batches,
                 reserve_bytes=round(reserve_gib * GiB), include_draft=include_draft, block_size=block_size,
-                params=params, weights=w, kv=kv, hf=hf,
-                checks=moe_checks(cfg, tp, ep, set(w.fmt_layers), recipe=not hf),
-                notes=cfg.notes if hf else ())
+                params=params, weights=w, kv=kv, hf=hf, variant=variant,
+                checks=moe_checks(cfg, tp, ep, set(w.fmt_layers), recipe=not hf, arch=g.arch),
+                notes=(cfg.notes if hf else ()) + tuple(notes))
+
+
+def _variant_and_scheme(cfg, hf: bool, variant: str | None, scheme: str | None) -> tuple[str | None, str]:
+    if variant is not None and scheme is not None:
+        raise UsageError("give --variant (an official checkpoint) or --scheme (a conversion), not both")
+    if variant is not None and hf:
+        raise UsageError(f"--variant names an official Inkling 2 Small checkpoint; this is a {cfg.text.model_type!r} "
+                         f"config: plan it with --scheme")
+    if hf or scheme is not None:
+        return None, scheme or "default"
+    variant = variant or "default"
+    if variant not in VARIANTS:
+        raise UsageError(f"unknown --variant {variant!r}; known: {', '.join(VARIANTS)}")
+    return variant, VARIANTS[variant].scheme
 
 
 # --------------------------------------------------------------------------- the recipe's figures
 def recipe_rows(cfg: Inkling2Config, p: ServingPlan) -> list[dict]:
-    """The recipe's figures beside ours. The verdicts are planned on p's GPU with p's assumptions
-    (utilization, reserve, batching, block size, scheme), at the recipe's TP and lengths."""
+    """The recipe's figures beside ours. Its checkpoint is the default variant; the verdicts are
+    planned on p's GPU with p's assumptions (utilization, reserve, batching, block size), at the
+    recipe's TP and lengths. SGLang's cookbook's figures: `plan.variants.cookbook_rows`."""
     opts = dict(gpu=p.gpu.name, utilization=p.utilization, max_num_batched_tokens=p.max_num_batched_tokens,
-                concurrent_batches=p.concurrent_batches, scheme=p.scheme, reserve_gib=p.reserve_bytes / GiB,
+                concurrent_batches=p.concurrent_batches, variant="default", reserve_gib=p.reserve_bytes / GiB,
                 block_size=p.block_size, include_draft=True)
     upper = cfg.text.max_position_embeddings
     tp4 = plan(cfg, tp=4, max_model_len=upper, **opts)
@@ -459,5 +524,6 @@ def recipe_verdict(q: ServingPlan) -> str:
 
 
 def _row(claim: str, recipe: str, ours: str, reproduced: bool) -> dict:
-    return {"claim": claim, "recipe": recipe, "ours": ours, "reproduced": bool(reproduced)}
+    return {"claim": claim, "recipe": recipe, "ours": ours, "reproduced": bool(reproduced),
+            "source": "the recipe (Inkling-2-Small.recipe.json)"}
 

@@ -4,9 +4,9 @@ bytes of one tensor, the routed experts' bytes per format, and the `Weights` tal
 docs/budget.md, "Weights per GPU", cites vLLM for each split."""
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..units import cdiv
 
@@ -62,34 +62,36 @@ class Weights:
         self.splits[part].add(split)
 
 
-def expert_shapes(text, tp_split: int = 1) -> dict[str, tuple[int, int]]:
-    """[out, in] of each projection of one routed expert of `text` (its hidden_size and
-    moe_intermediate_size), the intermediate dim divided by `tp_split` (pure-TP experts)."""
-    inter = text.moe_intermediate_size // tp_split
-    return {"gate_proj": (inter, text.hidden_size), "up_proj": (inter, text.hidden_size),
-            "down_proj": (text.hidden_size, inter)}
+def module_expert_bytes(fmt, inter: int, hidden: int, dtype) -> int:
+    """One expert's bytes in ModelOpt's per-module form (what `convert --output-format modelopt-hf`
+    writes): each projection as the format writes it, its per-tensor scales included."""
+    shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+    return sum(fmt.nbytes(shape, dtype) for shape in shapes)
 
 
-def add_experts(w: Weights, text, scheme, layers, tp: int, ep: bool, dtype) -> None:
-    """The routed experts of `layers` into `w`, each layer in the format the scheme names for it
-    (the format asked for its own size; `dtype`: what passthrough stores). Per rank: whole
-    experts with EP (the fullest rank cdiv(E, EP): vLLM's expert map, Inkling's moe.py:440,
+def add_experts(w: Weights, text, scheme, layers, tp: int, ep: bool, dtype,
+                expert_bytes: Callable = module_expert_bytes) -> None:
+    """The routed experts of `layers` into `w`, each layer in the format the scheme names for it,
+    `expert_bytes(fmt, width, hidden, dtype)` bytes per expert (the format asked for its own size,
+    in the checkpoint's layout; `dtype`: what passthrough stores). Per rank: whole experts with
+    EP (the fullest rank cdiv(E, EP): vLLM's expert map, Inkling's moe.py:440,
     fused_moe/expert_map_manager.py:67-69), else every expert's intermediate dim / TP."""
     from ..model.tensors import TensorName
 
-    full, rank = expert_shapes(text), expert_shapes(text, 1 if ep else tp)
-    n = text.n_routed_experts
+    H, inter, n = text.hidden_size, text.moe_intermediate_size, text.n_routed_experts
     for i in layers:
         fmt = scheme.format_for(text, TensorName(f"layers.{i}.mlp.experts", "expert", i))
-        per_expert = sum(fmt.nbytes(shape, dtype) for shape in full.values())
-        on_rank = per_expert * cdiv(n, tp) if ep else _tp_expert_bytes(fmt, rank, per_expert, tp, dtype) * n
-        w.add("expert", fmt.name, per_expert * n, on_rank, sum(math.prod(s) for s in full.values()) * n,
-              f"EP{tp}" if ep else "TP intermediate")
+        per_expert = expert_bytes(fmt, inter, H, dtype)
+        on_rank = per_expert * cdiv(n, tp) if ep else _tp_expert_bytes(fmt, expert_bytes, inter, H, per_expert, tp,
+                                                                      dtype) * n
+        w.add("expert", fmt.name, per_expert * n, on_rank, 3 * H * inter * n, f"EP{tp}" if ep else "TP intermediate")
         w.fmt_layers[fmt.name].append(i)
 
 
-def _tp_expert_bytes(fmt, rank_shapes: dict, per_expert: int, tp: int, dtype) -> int:
-    try:
-        return sum(fmt.nbytes(shape, dtype) for shape in rank_shapes.values())
-    except Exception:  # noqa: BLE001 - a rank slice the format cannot hold: the checks say so
-        return cdiv(per_expert, tp)
+def _tp_expert_bytes(fmt, expert_bytes: Callable, inter: int, H: int, per_expert: int, tp: int, dtype) -> int:
+    if inter % tp == 0:
+        try:
+            return expert_bytes(fmt, inter // tp, H, dtype)
+        except Exception:  # noqa: BLE001 - a rank slice the format cannot hold: the checks say so
+            pass
+    return cdiv(per_expert, tp)
