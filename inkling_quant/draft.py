@@ -2,12 +2,14 @@
 
   inkling-quant draft extract SRC OUT   OUT = the drafter: config.json, its tensors in shards,
                                         index, checksums
-  inkling-quant draft strip SRC OUT     OUT = the target without `dspark.*` tensors and without
-                                        `dspark_config`; shards without draft tensors hardlinked
+  inkling-quant draft strip SRC OUT     OUT = the target without `mtp.*` tensors (its
+                                        `mtp.safetensors`) and without `dspark_config`; shards
+                                        without draft tensors hardlinked
 
 The draft is bundled with an Inkling 2 checkpoint as inkling_quant.model.dspark spells it: named as
-vLLM's DSpark drafter names it, under `dspark.`, its speculators-format config under
-`dspark_config`; extract writes that config and the names without `dspark.`. Both work on a BF16
+vLLM's DSpark drafter names it, under `mtp.`, in `mtp.safetensors` (found whether or not the index
+lists it), its speculators-format config under `dspark_config`; extract writes that config and the
+names without `mtp.`. Both work on a BF16
 source and on a converted checkpoint (the converter passes the draft through unchanged). Bytes
 are copied, never re-encoded: one tensor at a time through one reused buffer. OUT is built in
 OUT.partial and renamed into place when complete. docs/draft.md has the layout and the reasons
@@ -23,7 +25,8 @@ from tqdm import tqdm
 from .model import dspark
 from .errors import CheckpointError, ConfigError, UnknownTensorError, UsageError
 from .formats import FORMATS
-from .io.checkpoint import HF_QUANT_CONFIG, INDEX_NAME, Checkpoint, read_json, safe_child, shard_name, write_json_atomic
+from .io.checkpoint import (HF_QUANT_CONFIG, INDEX_NAME, Checkpoint, numbered, read_json, safe_child, shard_name,
+                            write_json_atomic)
 from .io.derive import carry_checksums, copy_other_files, rewrite_shard, source_checksums
 from .io.output import CHECKSUMS, link_or_copy, staged_output, write_checksums
 from .io.safetensors import DTYPE_NAMES, ShardWriter, TensorBuffer, TensorEntry, sha256_file
@@ -40,7 +43,7 @@ _FLOAT_DTYPES = FORMATS["passthrough"].source_dtypes  # the draft is passed thro
 # --------------------------------------------------------------------------- source
 class Source(SimpleNamespace):
     """A validated source checkpoint: ckpt, headers, config (dict), cfg (Inkling2Config), and
-    draft = [(shard, TensorEntry)] of its `dspark.*` tensors in file order."""
+    draft = [(shard, TensorEntry)] of its `mtp.*` tensors in file order."""
 
 
 def open_source(src: str | Path) -> Source:
@@ -170,9 +173,11 @@ def stripped_config(config: dict, source: Source) -> dict:
 
 
 def _plan_strip(source: Source) -> tuple[list[tuple[str, str]], dict[str, str], int]:
-    """Per source shard: link (no draft tensor), rewrite (some) or drop (only draft tensors).
-    Returns the kept (shard, action) pairs, their output names (renumbered when a shard of an
-    indexed checkpoint goes, so "-of-N" stays true) and the number dropped."""
+    """Per source shard: link (no draft tensor), rewrite (some) or drop (only draft tensors: the
+    release's `mtp.safetensors`). Returns the kept (shard, action) pairs, their output names and
+    the number dropped. Files keep their names, except that when a numbered shard
+    (model-0000k-of-0000N) of an indexed checkpoint goes, the numbered ones left are renumbered
+    so "-of-N" stays true."""
     headers = source.headers
     actions = []
     for s in source.ckpt.shards:
@@ -182,8 +187,9 @@ def _plan_strip(source: Source) -> tuple[list[tuple[str, str]], dict[str, str], 
     kept = [(s, k) for s, k in actions if k != "drop"]
     if not kept:
         raise CheckpointError("every shard holds only draft tensors: nothing would be left", path=source.ckpt.root)
-    renumber = (source.ckpt.root / INDEX_NAME).exists() and len(kept) != len(actions)
-    out_names = {s: (shard_name(i, len(kept)) if renumber else s) for i, (s, _) in enumerate(kept)}
+    renumber = (source.ckpt.root / INDEX_NAME).exists() and any(k == "drop" and numbered(s) for s, k in actions)
+    left = [s for s, _ in kept if numbered(s)] if renumber else []
+    out_names = {s: s for s, _ in kept} | {s: shard_name(i, len(left)) for i, s in enumerate(left)}
     return kept, out_names, len(actions) - len(kept)
 
 

@@ -2,7 +2,10 @@
 
 The published model's layout (inkling_quant.model.inkling2: the names, shapes and dtypes
 `Inkling2ForConditionalGeneration.save_pretrained` writes, stacked experts), plus a DSpark
-draft named as vLLM's drafter loads it (inkling_quant.model.dspark).
+draft named as vLLM's drafter loads it (inkling_quant.model.dspark), in the release's files
+(docs/layout.md "Files"): one shard per decoder layer (`model-0000k-of-000NN.safetensors`, a
+layer's cut further only by an explicit --max-shard-size), the vision tower in
+`vision.safetensors`, the draft in `mtp.safetensors`, every file listed in the index.
 
 Presets: `tiny` keeps all 48 layers with toy dimensions (seconds to make, for tests and the
 demo); `bench` keeps the reference config's real expert and attention shapes with fewer layers
@@ -21,10 +24,10 @@ import torch
 from tqdm import tqdm
 
 from .errors import UsageError
-from .io.checkpoint import INDEX_NAME, copy_file_atomic, shard_name, write_json_atomic
+from .io.checkpoint import INDEX_NAME, copy_file_atomic, write_json_atomic
 from .io.output import staged_output
 from .io.safetensors import ShardWriter
-from .io.shards import plan_shards
+from .io.shards import plan_files
 from .model import dspark, inkling2
 from .model.tensors import TensorSpec
 
@@ -57,8 +60,6 @@ DRAFT_PRESETS: dict[str, dict] = {
     "tiny": {"markov_rank": 16},
     "bench": {"num_hidden_layers": 1},
 }
-# Largest shard per preset: the tiny one spans several shards, so sharding is exercised
-SHARD_BYTES = {"tiny": 1 << 20, "bench": 1 << 30}
 
 
 def make_config(preset: str, layers: int | None = None, experts: int | None = None,
@@ -126,19 +127,20 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, layer
                      experts: int | None = None, max_shard_bytes: int | None = None,
                      progress: bool = False, overwrite: bool = False) -> Path:
     """Built in OUT.partial and renamed at the end (`staged_output`): a killed synth leaves
-    nothing that looks complete."""
+    nothing that looks complete. The release's files (`inkling2.release_file`); with
+    `max_shard_bytes`, a layer's shard over it is cut further."""
     out = Path(out)
     if not 0 <= seed <= SEED_MAX:
         raise UsageError(f"--seed must be between 0 and {SEED_MAX}, got {seed}")
     cfg_dict = make_config(preset, layers, experts)
-    specs = list(inkling2.checkpoint_tensors(inkling2.Inkling2Config.from_dict(cfg_dict, f"preset {preset}")))
-    shards = plan_shards(specs, max_shard_bytes or SHARD_BYTES[preset])
+    cfg = inkling2.Inkling2Config.from_dict(cfg_dict, f"preset {preset}")
+    specs = list(inkling2.checkpoint_tensors(cfg))
+    files = plan_files(specs, lambda s: inkling2.release_file(cfg.text, s.name), max_shard_bytes)
     weight_map = {}
     total = sum(s.nbytes for s in specs)
     with staged_output(out, (), overwrite) as tmp, \
             tqdm(total=total, unit="B", unit_scale=True, desc="synth", disable=not progress) as bar:
-        for i, shard in enumerate(shards):
-            name = shard_name(i, len(shards))
+        for name, shard in files:
             with ShardWriter(tmp / name, [(s.name, s.dtype, s.shape) for s in shard], {"format": "pt"}) as w:
                 for s in shard:
                     if _is_stacked(s):  # expert by expert: a real-size stack is tens of GB

@@ -272,12 +272,14 @@ def test_a_units_tensors_in_different_source_shards(tmp_path):
     split = tmp_path / "split"
     shutil.copytree(release, split)
     idx = json.loads((split / "model.safetensors.index.json").read_text())
-    (shard,) = set(idx["weight_map"].values())
     tensors = _load_all(split)
+    for f in set(idx["weight_map"].values()):
+        (split / f).unlink()
     scales = {k: v for k, v in tensors.items() if k.endswith("_weight_scale")}
-    save_file({k: v for k, v in tensors.items() if k not in scales}, split / shard, metadata={"format": "pt"})
+    rest = {k: v for k, v in tensors.items() if k not in scales}
+    save_file(rest, split / "rest.safetensors", metadata={"format": "pt"})
     save_file(scales, split / "scales.safetensors", metadata={"format": "pt"})
-    idx["weight_map"].update({k: "scales.safetensors" for k in scales})
+    idx["weight_map"] = {k: "scales.safetensors" if k in scales else "rest.safetensors" for k in tensors}
     (split / "model.safetensors.index.json").write_text(json.dumps(idx))
     ck = Checkpoint.open(split)
     p = _experts(0)
@@ -453,11 +455,12 @@ def _peak_rss_mb(code: str, *args) -> float:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM from /proc")
 def test_peak_rss_bounded_by_tensors_not_shard(tmp_path):
-    # one 1.3 GB shard of real-size tensors: stacked experts w13 [6, 4608, 4608] (255 MB) and w2
-    # [6, 4608, 2304] bf16, read one expert at a time; the embedding and the unembedding (151 MB
-    # each) are the largest tensors read whole
-    src = write_checkpoint(tmp_path / "big", "bench", layers=1, experts=6, max_shard_bytes=10**10)
-    (shard,) = Checkpoint.open(src).shards
+    # one 1.1 GB layer shard of real-size tensors (and the vision and draft files beside it):
+    # stacked experts w13 [10, 4608, 4608] (425 MB) and w2 [10, 4608, 2304] bf16, read one expert
+    # at a time; the embedding and the unembedding (151 MB each) are the largest tensors read whole
+    src = write_checkpoint(tmp_path / "big", "bench", layers=1, experts=10)
+    shard, *rest = Checkpoint.open(src).shards
+    assert rest == ["vision.safetensors", "mtp.safetensors"]
     shard_mb = (src / shard).stat().st_size / 1e6
     assert shard_mb > 1000
     largest_mb = 16384 * 4608 * 2 / 1e6

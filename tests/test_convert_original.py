@@ -324,3 +324,40 @@ def test_encoder_flag_records_itself_and_modelopt_hf_with_the_release_encoder(pa
     for mod in ("gate_proj", "up_proj", "down_proj"):
         for k in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
             assert torch.equal(bits(hf[p + f"{mod}.{k}"]), bits(got[mod][k])), (mod, k)
+
+
+def test_the_release_files_and_a_bit_identical_draft_file(pair, tmp_path):
+    """--output-format inkling writes the release's files (docs/layout.md "Files"): one shard per
+    decoder layer (cut further only by an explicit --max-shard-size), vision.safetensors and
+    mtp.safetensors, every file in the index. The draft is BF16 passed through, never quantized:
+    a quantized conversion's mtp.safetensors is the source's file byte for byte."""
+    from inkling_quant.io.checkpoint import Checkpoint
+    from inkling_quant.io.safetensors import sha256_file
+    from inkling_quant.model.inkling2 import release_file
+
+    src, cut, _ = pair
+    out = tmp_path / "o"
+    convert(src, out, Options(default_activation_amax=AMAX), quiet=True)
+    layers = [f"model-{k:05d}-of-{LAYERS:05d}.safetensors" for k in range(1, LAYERS + 1)]
+    ck = Checkpoint.open(out)
+    assert ck.shards == layers + ["vision.safetensors", "mtp.safetensors"] and ck.unlisted == ()
+    cfg = Inkling2Config.load(src)
+    for k, shard in enumerate(layers):
+        assert {release_file(cfg.text, n) for n in ck.header(shard).tensors} == {k}, shard
+    assert ck.header(layers[0]).tensors["model.llm.layers.0.mlp.experts.w13_weight"].dtype == torch.uint8  # NVFP4
+    for f in ("mtp.safetensors", "vision.safetensors"):
+        assert sha256_file(out / f) == sha256_file(src / f), f
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(ck.shards)
+    assert "mtp.safetensors" in (out / "checksums.sha256").read_text()
+    # --max-shard-size given (the pair's 128 KiB): the layers' shards cut further, the draft whole
+    numbered = [s for s in Checkpoint.open(cut).shards if s.startswith("model-")]
+    assert len(numbered) > LAYERS and Checkpoint.open(cut).shards[len(numbered):] == ["vision.safetensors",
+                                                                                       "mtp.safetensors"]
+    assert sha256_file(cut / "mtp.safetensors") == sha256_file(src / "mtp.safetensors")
+    # ModelOpt's form keeps ModelOpt's packing: numbered shards by size, the draft among them
+    convert(src, tmp_path / "hf", Options(output_format="modelopt-hf", default_activation_amax=AMAX), quiet=True)
+    hf = Checkpoint.open(tmp_path / "hf")
+    assert all(s.startswith("model-") for s in hf.shards) and not (tmp_path / "hf" / "mtp.safetensors").exists()
+    s, h = tensors(src), tensors(tmp_path / "hf")
+    assert all(torch.equal(bits(h[n]), bits(s[n])) for n in s if n.startswith("mtp."))

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from inkling_quant import cli, draft
 from inkling_quant.cli import draft as draft_cli
@@ -16,18 +17,24 @@ from inkling_quant.cli import draft as draft_cli
 from inkling_quant.model import dspark
 from inkling_quant.errors import CheckpointError, ConfigError, InklingQuantError, UsageError
 from inkling_quant.model.inkling2 import Inkling2Config, checkpoint_tensors
-from inkling_quant.io.checkpoint import INDEX_NAME, Checkpoint
+from inkling_quant.io.checkpoint import INDEX_NAME, Checkpoint, shard_name
 from inkling_quant.io.output import read_checksums
-from inkling_quant.io.safetensors import ShardReader, sha256_file
+from inkling_quant.io.safetensors import ShardReader, ShardWriter, sha256_file
+from inkling_quant.io.shards import plan_shards
 from inkling_quant.synth import write_checkpoint
+from inkling_quant.verify import verify
 
 from legacy_checkpoint import write_legacy_checkpoint
+
+
+P = dspark.PREFIX  # "mtp.": the bundled draft's tensors
 
 
 # --------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def src(tmp_path_factory) -> Path:
-    """The tiny preset: 11 shards of 1 MiB; the draft spans a mixed shard and a draft-only one."""
+    """The tiny preset in the release's files: 48 layer shards, vision.safetensors, and the draft
+    alone in mtp.safetensors."""
     return write_checkpoint(tmp_path_factory.mktemp("draft") / "src", "tiny")
 
 
@@ -61,6 +68,31 @@ def copy_ckpt(src: Path, dst: Path) -> Path:
     return dst
 
 
+def repack(src: Path, dst: Path, max_bytes: int | None = None, index: bool = True) -> Path:
+    """SRC's tensors, in SRC's order, in size-packed shards (`max_bytes`; None: one file) as
+    save_pretrained or ModelOpt's export packs them: the draft inside the model's shards, no
+    mtp.safetensors. Without `index`, one model.safetensors and no index."""
+    dst.mkdir()
+    ckpt = Checkpoint.open(src)
+    headers = ckpt.headers()
+    entries = [(s, e) for s in ckpt.shards for e in headers[s].tensors.values()]
+    shards = plan_shards(entries, max_bytes or 1 << 62, size=lambda x: x[1].nbytes)
+    wm = {}
+    for i, group in enumerate(shards):
+        name = shard_name(i, len(shards)) if index else "model.safetensors"
+        with ShardWriter(dst / name, [(e.name, e.dtype, e.shape) for _, e in group], {"format": "pt"}) as w:
+            for s, e in group:
+                with ShardReader(src / s, headers[s]) as r:
+                    w.write(e.name, r.get(e.name))
+                wm[e.name] = name
+            w.commit()
+    if index:
+        (dst / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    for p in ckpt.other_files() + [src / "config.json"]:
+        shutil.copy(p, dst / p.name)
+    return dst
+
+
 def edit_config(root: Path, fn) -> None:
     p = root / "config.json"
     d = json.loads(p.read_text())
@@ -71,10 +103,10 @@ def edit_config(root: Path, fn) -> None:
 # --------------------------------------------------------------------------- extract
 def test_extract_is_byte_identical(src, extracted):
     source, out = tensor_bytes(src), tensor_bytes(extracted)
-    draft_names = {n for n in source if n.startswith("dspark.")}
-    assert draft_names and set(out) == {n[len("dspark."):] for n in draft_names}  # the drafter's own names
+    draft_names = {n for n in source if n.startswith(P)}
+    assert P == "mtp." and draft_names and set(out) == {n[len(P):] for n in draft_names}  # the drafter's own names
     for name, v in out.items():
-        assert v == source["dspark." + name], name
+        assert v == source[P + name], name
     sums = read_checksums(extracted / "checksums.sha256")
     assert sums == {s: sha256_file(extracted / s) for s in Checkpoint.open(extracted).shards}
     index = json.loads((extracted / INDEX_NAME).read_text())
@@ -109,13 +141,13 @@ def test_extract_splits_shards(src, tmp_path):
     ckpt = Checkpoint.open(out)
     assert r["shards"] == len(ckpt.shards) > 1
     assert all(os.path.getsize(out / s) < 100_000 + 8192 or len(ckpt.header(s).tensors) == 1 for s in ckpt.shards)
-    assert tensor_bytes(out) == {k[len("dspark."):]: v for k, v in tensor_bytes(src).items() if k.startswith("dspark.")}
+    assert tensor_bytes(out) == {k[len(P):]: v for k, v in tensor_bytes(src).items() if k.startswith(P)}
 
 
 # --------------------------------------------------------------------------- strip
 def test_strip_and_extract_partition_the_source(src, stripped, extracted):
     source, s = tensor_bytes(src), tensor_bytes(stripped)
-    d = {"dspark." + n: v for n, v in tensor_bytes(extracted).items()}
+    d = {P + n: v for n, v in tensor_bytes(extracted).items()}
     assert not set(s) & set(d)                     # each tensor exactly once
     assert set(s) | set(d) == set(source)
     assert {**s, **d} == source                    # byte-identical
@@ -125,14 +157,14 @@ def test_strip_and_extract_partition_the_source(src, stripped, extracted):
 
 def test_strip_layout(src, stripped):
     src_ckpt, out = Checkpoint.open(src), Checkpoint.open(stripped)
-    # the tiny preset's last shard holds only draft tensors: dropped, the rest renumbered -of-00010
-    assert len(out.shards) == len(src_ckpt.shards) - 1
-    assert out.shards == [f"model-{i:05d}-of-00010.safetensors" for i in range(1, 11)]
-    # shards without draft tensors are the source files (hardlinked), the mixed one is rewritten
-    for s_src, s_out in zip(src_ckpt.shards, out.shards):
-        has_draft = any(n.startswith("dspark.") for n in src_ckpt.header(s_src).tensors)
-        same_inode = os.stat(src / s_src).st_ino == os.stat(stripped / s_out).st_ino
-        assert same_inode != has_draft, s_src
+    # the draft is mtp.safetensors alone: dropped; every other file keeps its name and is the
+    # source's file (hardlinked)
+    assert src_ckpt.shards == [f"model-{i:05d}-of-00048.safetensors" for i in range(1, 49)] + \
+        ["vision.safetensors", "mtp.safetensors"]
+    assert all(n.startswith(P) for n in src_ckpt.header("mtp.safetensors").tensors)
+    assert out.shards == src_ckpt.shards[:-1]
+    for s in out.shards:
+        assert os.stat(src / s).st_ino == os.stat(stripped / s).st_ino, s
     index = json.loads((stripped / INDEX_NAME).read_text())
     assert index["metadata"]["total_size"] == sum(len(v[2]) for v in tensor_bytes(stripped).values())
     for p in src_ckpt.other_files():
@@ -154,8 +186,26 @@ def test_strip_then_synth_config_loads(src, stripped):
     assert got == {s.name: (s.shape, s.dtype) for s in checkpoint_tensors(cfg)}
 
 
+def test_draft_in_the_model_shards(src, extracted, tmp_path):
+    """A checkpoint packed by size (save_pretrained's, ModelOpt's export: the draft inside the
+    model's shards): a mixed shard is rewritten, a draft-only numbered shard dropped and the
+    numbered shards left renumbered so "-of-N" stays true."""
+    packed = repack(src, tmp_path / "packed", 1 << 20)
+    shards = Checkpoint.open(packed).shards
+    only_draft = [s for s in shards if all(n.startswith(P) for n in Checkpoint.open(packed).header(s).tensors)]
+    assert only_draft == [shards[-1]] and len(shards) > 3
+    r = draft.strip(packed, tmp_path / "s")
+    assert (r["dropped"], r["rewritten"], r["linked"]) == (1, 1, len(shards) - 2)
+    n = len(shards) - 1
+    assert Checkpoint.open(tmp_path / "s").shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    draft.extract(packed, tmp_path / "d")
+    assert tensor_bytes(tmp_path / "d") == tensor_bytes(extracted)
+    assert {**tensor_bytes(tmp_path / "s"), **{P + k: v for k, v in tensor_bytes(tmp_path / "d").items()}} == \
+        tensor_bytes(src)
+
+
 def test_strip_keeps_names_when_no_shard_is_dropped(tmp_path):
-    one = write_checkpoint(tmp_path / "one", "tiny", layers=1, max_shard_bytes=1 << 30)
+    one = repack(write_checkpoint(tmp_path / "synth", "tiny", layers=1), tmp_path / "one")
     assert Checkpoint.open(one).shards == ["model-00001-of-00001.safetensors"]
     r = draft.strip(one, tmp_path / "s", copy=True)
     assert (r["rewritten"], r["dropped"], r["linked"]) == (1, 0, 0)
@@ -164,20 +214,67 @@ def test_strip_keeps_names_when_no_shard_is_dropped(tmp_path):
 
 
 def test_single_file_checkpoint(tmp_path):
-    one = write_checkpoint(tmp_path / "one", "tiny", layers=1, max_shard_bytes=1 << 30)
-    (one / INDEX_NAME).unlink()
-    (one / "model-00001-of-00001.safetensors").rename(one / "model.safetensors")
+    one = repack(write_checkpoint(tmp_path / "synth", "tiny", layers=1), tmp_path / "one", index=False)
     draft.strip(one, tmp_path / "s")
     draft.extract(one, tmp_path / "d")
-    assert sorted(p.name for p in (tmp_path / "s").glob("model*")) == ["model.safetensors"]
-    extracted = {"dspark." + n: v for n, v in tensor_bytes(tmp_path / "d").items()}
+    assert sorted(p.name for p in (tmp_path / "s").glob("*.safetensors")) == ["model.safetensors"]
+    extracted = {P + n: v for n, v in tensor_bytes(tmp_path / "d").items()}
     assert {**tensor_bytes(tmp_path / "s"), **extracted} == tensor_bytes(one)
+
+
+def _without_draft_file(src: Path, dst: Path) -> Path:
+    """SRC's tensors but the draft's in model.safetensors (no index), the draft in mtp.safetensors
+    beside it: Inkling 2 Mini's files (the tiny-random/inkling2-loop card)."""
+    ckpt = Checkpoint.open(src)
+    headers = ckpt.headers()
+    dst.mkdir()
+    model = [(s, e) for s in ckpt.shards if s != "mtp.safetensors" for e in headers[s].tensors.values()]
+    with ShardWriter(dst / "model.safetensors", [(e.name, e.dtype, e.shape) for _, e in model], {"format": "pt"}) as w:
+        for s, e in model:
+            with ShardReader(src / s, headers[s]) as r:
+                w.write(e.name, r.get(e.name))
+        w.commit()
+    shutil.copy(src / "mtp.safetensors", dst / "mtp.safetensors")
+    for p in ckpt.other_files() + [src / "config.json"]:
+        shutil.copy(p, dst / p.name)
+    return dst
+
+
+@pytest.mark.parametrize("form", ["index omits it", "model.safetensors beside it"])
+def test_mtp_file_the_index_does_not_list(src, extracted, tmp_path, form):
+    """mtp.safetensors is found whether or not the index lists it (an index that omits it, as
+    SGLang tolerates for GLM-4 MoE; Mini's model.safetensors + mtp.safetensors without one)."""
+    if form == "index omits it":
+        ck = copy_ckpt(src, tmp_path / "ck")
+        index = json.loads((ck / INDEX_NAME).read_text())
+        index["weight_map"] = {n: f for n, f in index["weight_map"].items() if f != "mtp.safetensors"}
+        (ck / INDEX_NAME).write_text(json.dumps(index))
+    else:
+        ck = _without_draft_file(src, tmp_path / "ck")
+    opened = Checkpoint.open(ck)
+    assert opened.unlisted == ("mtp.safetensors",) and opened.shards[-1] == "mtp.safetensors"
+    assert tensor_bytes(ck) == tensor_bytes(src)
+    draft.extract(ck, tmp_path / "d")
+    assert tensor_bytes(tmp_path / "d") == tensor_bytes(extracted)
+    r = draft.strip(ck, tmp_path / "s")
+    assert r["dropped"] == 1 and not (tmp_path / "s" / "mtp.safetensors").exists()
+    assert Checkpoint.open(tmp_path / "s").unlisted == ()
+    r = verify(ck, write_checksums=True)  # verify reads it too, and says so
+    assert r.ok and r.check("index").figures["unlisted_weight_files"] == ["mtp.safetensors"], r.format_summary()
+    # a tensor both in the index's files and in the unlisted mtp.safetensors: named, refused
+    dup = copy_ckpt(ck, tmp_path / "dup")
+    H = Inkling2Config.load(src).text.hidden_size
+    with ShardWriter(dup / "mtp.safetensors", [("model.llm.norm.weight", torch.bfloat16, (H,))], {"format": "pt"}) as w:
+        w.write("model.llm.norm.weight", torch.ones(H, dtype=torch.bfloat16))
+        w.commit()
+    with pytest.raises(CheckpointError, match=r"model\.llm\.norm\.weight.*mtp\.safetensors.*exactly once"):
+        Checkpoint.open(dup)
 
 
 def test_converted_checkpoint(src, tmp_path):
     """A converted checkpoint: quantization configs and checksums.sha256 (as convert writes them)."""
     conv = copy_ckpt(src, tmp_path / "conv")
-    qc = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "exclude_modules": ["lm_head", "dspark*"]}
+    qc = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "exclude_modules": ["lm_head", "mtp*"]}
     edit_config(conv, lambda d: d.update(quantization_config=qc))
     (conv / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": qc}))
     listed = sorted([p.name for p in conv.iterdir() if p.name != INDEX_NAME])
@@ -185,7 +282,7 @@ def test_converted_checkpoint(src, tmp_path):
 
     r = draft.strip(conv, tmp_path / "s", copy=True)
     s = tmp_path / "s"
-    assert r["copied"] == 9 and r["checksums"]
+    assert r["copied"] == 49 and r["dropped"] == 1 and r["checksums"]
     assert (s / "hf_quant_config.json").read_bytes() == (conv / "hf_quant_config.json").read_bytes()
     assert json.loads((s / "config.json").read_text())["quantization_config"] == qc
     sums = read_checksums(s / "checksums.sha256")
@@ -196,16 +293,19 @@ def test_converted_checkpoint(src, tmp_path):
     draft.extract(conv, tmp_path / "d")
     dc = json.loads((tmp_path / "d" / "config.json").read_text())
     assert "quantization_config" not in dc and not (tmp_path / "d" / "hf_quant_config.json").exists()
-    assert {**tensor_bytes(s), **{"dspark." + n: v for n, v in tensor_bytes(tmp_path / "d").items()}} == \
+    assert {**tensor_bytes(s), **{P + n: v for n, v in tensor_bytes(tmp_path / "d").items()}} == \
         tensor_bytes(conv)
 
-    # a source shard that does not match the checksums it ships is refused, by name
-    bad = conv / "model-00010-of-00011.safetensors"  # the mixed shard: rewritten, so read
-    lines = (conv / "checksums.sha256").read_text().replace(sha256_file(bad), "0" * 64)
-    (conv / "checksums.sha256").write_text(lines)
-    with pytest.raises(CheckpointError, match="model-00010-of-00011.safetensors.*corrupt"):
-        draft.strip(conv, tmp_path / "s2")
-    assert not (tmp_path / "s2").exists() and not (tmp_path / "s2.partial").exists()
+    # a source file that does not match the checksums it ships is refused, by name: a copied
+    # shard by strip, the draft's file by extract
+    for bad, fn in (("model-00010-of-00048.safetensors", lambda o: draft.strip(conv, o, copy=True)),
+                    ("mtp.safetensors", lambda o: draft.extract(conv, o))):
+        good = (conv / "checksums.sha256").read_text()
+        (conv / "checksums.sha256").write_text(good.replace(sha256_file(conv / bad), "0" * 64))
+        with pytest.raises(CheckpointError, match=f"{bad}.*(corrupt|does not match)"):
+            fn(tmp_path / "s2")
+        assert not (tmp_path / "s2").exists() and not (tmp_path / "s2.partial").exists()
+        (conv / "checksums.sha256").write_text(good)
 
 
 # --------------------------------------------------------------------------- errors
@@ -228,7 +328,7 @@ def test_config_and_tensors_disagree(src, tmp_path):
         draft.strip(missing_key, tmp_path / "o2")
     deeper = copy_ckpt(src, tmp_path / "deeper")
     edit_config(deeper, lambda d: d["dspark_config"]["transformer_layer_config"].update(num_hidden_layers=6))
-    with pytest.raises(CheckpointError, match="draft incomplete.*dspark.layers.5"):
+    with pytest.raises(CheckpointError, match=r"draft incomplete.*mtp\.layers\.5"):
         draft.extract(deeper, tmp_path / "o3")
 
 
@@ -268,11 +368,11 @@ def test_out_exists(src, tmp_path):
 
 def test_corrupt_shard_is_named(src, tmp_path):
     bad = copy_ckpt(src, tmp_path / "bad")
-    shard = bad / "model-00003-of-00011.safetensors"
+    shard = bad / "model-00003-of-00048.safetensors"
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) - 100)
     for fn in (draft.extract, draft.strip):
-        with pytest.raises(CheckpointError, match="model-00003-of-00011.safetensors.*truncated"):
+        with pytest.raises(CheckpointError, match="model-00003-of-00048.safetensors.*truncated"):
             fn(bad, tmp_path / fn.__name__)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
 

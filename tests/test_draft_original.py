@@ -18,7 +18,7 @@ from inkling_quant import draft
 
 from inkling_quant.model import dspark
 from inkling_quant.convert import Options, convert
-from inkling_quant.errors import CheckpointError
+from inkling_quant.errors import CheckpointError, UnknownTensorError
 from inkling_quant.model.inkling2 import Inkling2Config, checkpoint_tensors
 from inkling_quant.synth import write_checkpoint
 
@@ -94,9 +94,11 @@ def test_full_size_draft():
 def test_classify_and_default_layer_ids():
     assert dspark.default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # DeepSpec's Qwen3-4B config
     assert dspark.default_target_layer_ids(48, 5) == [1, 12, 23, 34, 45]
-    t = dspark.classify("dspark.layers.3.self_attn.q_proj.weight")
+    t = dspark.classify("mtp.layers.3.self_attn.q_proj.weight")
     assert (t.part, t.layer, t.projection, t.suffix) == ("draft", 3, "q_proj", "weight")
-    assert dspark.classify("dspark.markov_head.markov_w1.weight").layer is None
+    assert dspark.classify("mtp.markov_head.markov_w1.weight").layer is None
+    with pytest.raises(UnknownTensorError):
+        dspark.classify("dspark.layers.3.self_attn.q_proj.weight")  # the prefix before the release's files
 
 
 # --------------------------------------------------------------------------- extract
@@ -190,7 +192,7 @@ def test_convert_of_stripped_and_full(stripped, converted, src, tmp):
     assert set(b) - set(a) == {n for n in tensors(src) if dspark.is_draft(n)}
     assert all(same(a[n], b[n]) for n in a)  # the same target, with or without the draft beside it
     q = json.loads((converted / "config.json").read_text())["quantization_config"]
-    assert "dspark*" in q["exclude_modules"] and not any(k.startswith("dspark") for k in q["quantized_layers"])
+    assert "mtp*" in q["exclude_modules"] and not any(k.startswith("mtp") for k in q["quantized_layers"])
 
 
 def test_converted_draft_is_the_source_draft(src, converted, extracted, tmp):

@@ -644,7 +644,7 @@ def _quant_base():
         if e is not None:
             want[experts_module(i)] = e
     q = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
-         "exclude_modules": ["model.llm.unembed", "model.llm.embed", "model.llm.layers.*.attn*", "dspark*"],
+         "exclude_modules": ["model.llm.unembed", "model.llm.embed", "model.llm.layers.*.attn*", "mtp*"],
          "quantized_layers": want}
     hf = {"producer": {"name": "modelopt", "version": "0.1"}, "quantization": q,
           "converter": {"name": "inkling-quant", "scheme": "default", "weight_only": False}}

@@ -154,7 +154,7 @@ def test_the_published_inkling_layout_is_detected(tiny_src):
     assert lay.experts_modules[3] == "model.llm.layers.3.mlp.experts"
     assert lay.classify("model.llm.layers.3.mlp.experts.w13_weight").projection == "gate_up"
     assert lay.classify("model.llm.unembed.weight").part == "lm_head"
-    assert {lay.classify(n).part for n in names if n.startswith("dspark.")} == {"draft"}
+    assert {lay.classify(n).part for n in names if n.startswith("mtp.")} == {"draft"}
 
 
 @pytest.mark.parametrize("down,gate_up,hidden,width,want", [

@@ -574,12 +574,12 @@ def test_adapter_for_another_model(src, shapes, tmp_path):
         lora.check(src, d)
     # modules outside attention/experts (the router, the draft)
     router = f"{HF}0.mlp.gate"
-    for m, shape in ((router, (4, 64)), ("dspark.layers.0.self_attn.q_proj", (64, 64))):
+    for m, shape in ((router, (4, 64)), ("mtp.layers.0.self_attn.q_proj", (64, 64))):
         d = write_adapter(tmp_path / m.replace(".", "_"), {m: random_lora(shape, 4, gen)}, target_modules=[m])
         with pytest.raises(ConfigError, match=rf"cannot be merged into \(e\.g\. '{re.escape(m)}'"):
             lora.check(src, d)
     for m, match in ((router, r"mlp\.gate' \(.*router\): LoRA merges only into"),
-                     ("dspark.layers.0.self_attn.q_proj", r"self_attn\.q_proj' is the DSpark draft: LoRA merges only")):
+                     ("mtp.layers.0.self_attn.q_proj", r"self_attn\.q_proj' is the DSpark draft: LoRA merges only")):
         d = write_adapter(tmp_path / f"both-{m}", {q0: random_lora((q_out, 64), 4, gen), m: random_lora((4, 64), 4, gen)},
                           target_modules=["q_proj.linear", m], layers_to_transform=[0])
         with pytest.raises(ConfigError, match=match):

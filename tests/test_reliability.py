@@ -451,7 +451,7 @@ def converted(base, src) -> Path:
 def test_verify_report_into_the_checkpoint_refused(converted, tmp_path):
     ck = _copy(converted, tmp_path / "ck")
     before = tree_digest(ck)
-    for flag, name in (("--json", "config.json"), ("--junit", "model-00001-of-00001.safetensors")):
+    for flag, name in (("--json", "config.json"), ("--junit", "model-00001-of-00048.safetensors")):
         r = call("verify", ck, flag, ck / name, "--quiet")
         assert_refused(r, 2)
         assert "would be written into the source" in r.err

@@ -387,7 +387,7 @@ def interrupted(base, src) -> Path:
 
 
 @pytest.mark.parametrize("planted", [
-    "model-00001-of-00001.safetensors.partial",  # the shard being written
+    "model-00001-of-00048.safetensors.partial",  # a shard being written
     MANIFEST + ".partial",                        # the resume manifest, written atomically
     INDEX + ".partial",
     CHECKSUMS + ".partial",

@@ -124,6 +124,20 @@ def test_cli_json_to_stdout(pair, capsys):
     assert {"expert", "module", "rel_error", "cosine"} <= set(rep["numerics"][0])
 
 
+def test_an_index_that_omits_mtp_safetensors(broken, pair):
+    """The draft's mtp.safetensors is read whether or not the index lists it (io.checkpoint.
+    DRAFT_FILE): an index without it passes, saying so; a stray other file still fails."""
+    _edit_json(broken, INDEX_NAME, lambda o: o.update(weight_map={
+        n: f for n, f in o["weight_map"].items() if f != "mtp.safetensors"}))
+    r = verify(broken, against=pair[0], sample=0)
+    assert r.ok, r.format_summary()
+    assert r.check("index").figures["unlisted_weight_files"] == ["mtp.safetensors"]
+    assert "header[mtp.safetensors]" in [c.id for c in r.checks]
+    shutil.copy(broken / "mtp.safetensors", broken / "extra.safetensors")
+    r = verify(broken)
+    assert _problem(r, "index", "extra.safetensors", None) and not r.ok
+
+
 # --------------------------------------------------------------------------- broken
 def test_flipped_byte_in_a_block_scale(broken, pair):
     name = P.format(0) + "w13_weight_scale"

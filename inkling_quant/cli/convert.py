@@ -20,7 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheme", default="default", help="conversion scheme (see `inkling-quant schemes`)")
     p.add_argument("--workers", type=int_range(1, 1024), default=1, help="shards converted in parallel processes")
     p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (bit-identical results)")
-    p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="output shard size (default 5GB)")
+    p.add_argument("--max-shard-size", type=parse_size,
+                   help="largest output shard (default: 5GB for modelopt-hf; --output-format inkling writes one shard "
+                        "per decoder layer and cuts one further only when this is given: docs/convert.md)")
     p.add_argument("--buffered-io", action="store_true",
                    help="write shards through the page cache instead of O_DIRECT (docs/convert.md)")
     p.add_argument("--output-format", choices=tuple(FORMS), default=None,

@@ -15,13 +15,15 @@ __all__ = ["DESCRIPTION", "add_arguments", "run"]  # DESCRIPTION: the command's 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     e = sub.add_parser("extract", help="write the bundled DSpark drafter as a standalone checkpoint",
-                       description="Write the `dspark.*` tensors of SRC, with a drafter config.json, to OUT.")
+                       description="Write the `mtp.*` tensors of SRC (its mtp.safetensors), with a drafter "
+                                   "config.json, to OUT.")
     e.add_argument("src", help="source checkpoint directory (BF16 or converted)")
     e.add_argument("out", help="output directory for the drafter")
     e.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
                    help="largest output shard, e.g. 5GB (default: 5GB, one shard for the reference draft)")
     s = sub.add_parser("strip", help="write the target checkpoint without its DSpark draft",
-                       description="Write SRC without `dspark.*` tensors and without dspark_config to OUT; "
+                       description="Write SRC without `mtp.*` tensors (mtp.safetensors) and without dspark_config "
+                                   "to OUT; "
                                    "shards holding no draft tensor are hardlinked (or copied with --copy).")
     s.add_argument("src", help="source checkpoint directory (BF16 or converted)")
     s.add_argument("out", help="output directory for the target without the draft")

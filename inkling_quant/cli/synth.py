@@ -17,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int_range(1, 4096), help="number of decoder layers (default: the preset's)")
     p.add_argument("--experts", type=int_range(1, 65536), help="routed experts per layer (default: the preset's)")
     p.add_argument("--seed", type=int_range(0, SEED_MAX), default=0)
-    p.add_argument("--max-shard-size", type=parse_size, help="e.g. 1MB, 5GB (default: the preset's)")
+    p.add_argument("--max-shard-size", type=parse_size,
+                   help="cut a layer's shard further when over this, e.g. 1MB, 5GB (default: one shard per layer)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     add_output_options(p, report="a JSON summary", quiet="no progress bar or summary")
 

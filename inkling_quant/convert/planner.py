@@ -17,7 +17,7 @@ from ..export.inkling import projection_specs
 from ..formats import FORMATS, SCALE_SUFFIXES
 from ..io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child, shard_name
 from ..io.safetensors import DTYPE_NAMES, DTYPES
-from ..io.shards import plan_shards
+from ..io.shards import plan_files, plan_shards
 from ..model.inkling2 import RELEASE_EXPERT_FORMAT, Inkling2Config, Spec
 from ..model.layout import Layout, MoEConfig, detect, expected_tensors, expert_tensor_count, model_config, oriented
 from ..model.storage import ExpertStorage
@@ -88,7 +88,7 @@ class Options:
     weight_only: bool = False
     default_activation_amax: float | None = None
     activation_scales: str | None = None
-    max_shard_bytes: int = 5 * 10**9
+    max_shard_bytes: int | None = None  # --max-shard-size; None: the form's files (_pack)
     workers: int = 1
     device: str = "cpu"
     buffered_io: bool = False  # how the bytes are written, not which: left out of the resume fingerprint
@@ -233,7 +233,7 @@ def plan(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTenso
     activation amax comes from `calibrated` (--activation-scales), else --default-activation-amax.
     Every tensor is checked against its format (block divisibility) here, before any byte is
     written."""
-    return _pack(_units(cfg, layout, tensors, scheme, form, opts, calibrated, root), opts)
+    return _pack(_units(cfg, layout, tensors, scheme, form, opts, calibrated, root), opts, form.file_of(cfg, layout))
 
 
 def _units(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTensor], scheme: Scheme, form: OutputForm,
@@ -356,17 +356,29 @@ def _check_activation_amax(amax: float, origin: str, module: str, fmt: str, opts
         raise UsageError(f"{where}: {e}", tensor=e.tensor) from None
 
 
-def _pack(units: list[Unit], opts: Options) -> list[ShardJob]:
-    """Units in order into shards of at most --max-shard-size of output (a larger unit alone)."""
-    shards = plan_shards(units, opts.max_shard_bytes, size=lambda u: sum(spec_nbytes(s) for s in u.specs()))
-    shards = [s for s in shards if s]  # no units, no shard
-    return [_job(i, len(shards), s) for i, s in enumerate(shards)]
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # HF's "5GB": the size-packed forms' default
 
 
-def _job(index: int, count: int, units: list[Unit]) -> ShardJob:
+def _pack(units: list[Unit], opts: Options, file_of=None) -> list[ShardJob]:
+    """Units into output shards (docs/convert.md "Shards"). A form with a file layout (`file_of`:
+    output tensor name -> file, the Inkling form's per-layer files) puts each unit in its file,
+    a layer's shard cut further only by an explicit --max-shard-size; otherwise units in order
+    into shards of at most --max-shard-size (default 5GB) of output (a larger unit alone)."""
+    def size(u: Unit) -> int:
+        return sum(spec_nbytes(s) for s in u.specs())
+
+    if file_of is not None:
+        files = plan_files(units, lambda u: file_of(u.specs()[0][0]), opts.max_shard_bytes, size)
+    else:
+        shards = [s for s in plan_shards(units, opts.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, size) if s]
+        files = [(shard_name(i, len(shards)), s) for i, s in enumerate(shards)]  # no units, no shard
+    return [_job(i, f, s) for i, (f, s) in enumerate(files)]
+
+
+def _job(index: int, file: str, units: list[Unit]) -> ShardJob:
     specs = tuple(s for u in units for s in u.specs())
     src_bytes = sum(spec_nbytes((s.name, s.dtype, s.shape)) for u in units for s in u.sources)
-    return ShardJob(index, shard_name(index, count), tuple(units), specs, src_bytes, sum(spec_nbytes(s) for s in specs))
+    return ShardJob(index, file, tuple(units), specs, src_bytes, sum(spec_nbytes(s) for s in specs))
 
 
 def spec_nbytes(spec: tuple[str, str, tuple[int, ...]]) -> int:

@@ -98,6 +98,12 @@ class OutputForm:
         """The writing of a stacked expert tensor `name` (canonical `projection` gate_up/down) in `fmt`."""
         raise NotImplementedError
 
+    def file_of(self, cfg, layout: "Layout") -> Callable[[str], str | int] | None:
+        """The form's file layout: output tensor name -> the weight file it goes to (a file name,
+        or a numbered shard's group: `io.shards.plan_files`); None: shards packed by size alone
+        (--max-shard-size), as ModelOpt's exporter packs them."""
+        return None
+
     def config_files(self, cfg, layers: dict, weight_only: bool, converter: dict) -> dict[str, dict]:
         """file name -> JSON object of the quantization configs for the quantized `layers` (experts
         module -> Format); {} when nothing is quantized (config.json is then the source's)."""

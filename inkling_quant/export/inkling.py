@@ -69,6 +69,7 @@ copies them into preallocated stacked tensors, so a converter streams one expert
 """
 from __future__ import annotations
 
+import functools
 import math
 import tempfile
 from dataclasses import dataclass
@@ -82,6 +83,7 @@ from ..formats._cpu import fp32_preimage
 from ..formats.nvfp4 import GLOBAL_DIV, RELEASE_DENOMINATOR
 from ..io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG
 from ..io.safetensors import DTYPE_NAMES, DTYPES
+from ..model.inkling2 import release_file
 from ..model.layout import Layout
 from .form import ExpertWriter, OutputForm, Outputs, Spec, Writing, row_suffixes
 from .modelopt import QUANT_METHOD, quantization
@@ -296,7 +298,7 @@ def unstack_experts(fmt: Format, stacked: Mapping[str, torch.Tensor]) -> list[di
 # ============================================================================ the output form
 #: what convert leaves unquantized (exclude_modules), under Inkling 2's original names: everything but the routed experts
 EXCLUDE_MODULES_ORIGINAL = ["model.llm.unembed", "model.llm.embed", "model.llm.layers.*.attn*",
-                            "model.llm.layers.*.mlp.gate", "model.visual*", "dspark*"]
+                            "model.llm.layers.*.mlp.gate", "model.visual*", "mtp*"]
 
 
 
@@ -402,6 +404,11 @@ class InklingForm(OutputForm):
                              "(--output-format modelopt-hf)")
         raise UsageError(f"--output-format inkling is the Inkling 2 layout's stacked form; a {cfg.model_type} "
                          f"checkpoint is written as ModelOpt exports it (--output-format modelopt-hf)")
+
+    def file_of(self, cfg, layout: Layout) -> Callable[[str], str | int]:
+        """The release's files (docs/layout.md "Files"): one shard per decoder layer, the vision
+        tower and the draft (`mtp.safetensors`) in files of their own."""
+        return functools.partial(release_file, cfg.text)
 
     def stacked(self, cfg, layout: Layout, name: str, projection: str, fmt: str) -> Writing:
         proj = "w2" if projection == "down" else "w13"

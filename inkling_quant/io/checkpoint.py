@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,12 @@ from .safetensors import Header, _encodable, _short, open_regular, parse_json_by
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+# A bundled draft's weight file of its own (docs/layout.md "Files"): the Inkling 2 release ships
+# its draft as `mtp.safetensors`. We list it in the index we write (index-driven loaders read only
+# the files the index names); one an index (or a lone model.safetensors) omits is still read
+# (`Checkpoint.open`, verify), as SGLang 0.5.23 reads one for GLM-4 MoE checkpoints, calling the
+# omission a packaging bug (model_loader/weight_utils.py `maybe_add_mtp_safetensors`).
+DRAFT_FILE = "mtp.safetensors"
 CONFIG_NAME = "config.json"
 HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's export record (export.py reads and writes it)
 CHECKSUMS = "checksums.sha256"
@@ -110,8 +117,9 @@ class Checkpoint:
 
     root: Path
     weight_map: dict[str, str]   # tensor -> shard file name
-    shards: list[str]            # in index order of first appearance
+    shards: list[str]            # in index order of first appearance (an unlisted DRAFT_FILE last)
     metadata: dict
+    unlisted: tuple[str, ...] = ()  # weight files read though the index omits them (DRAFT_FILE)
 
     @classmethod
     def open(cls, root: str | Path) -> "Checkpoint":
@@ -148,7 +156,11 @@ class Checkpoint:
             if not (root / s).is_file():
                 what = "is not a regular file" if (root / s).exists() else "does not exist"
                 raise CheckpointError(f"shard named in the index {what}", path=root / s)
-        return cls(root, dict(wm), shards, meta)
+        wm, unlisted = dict(wm), unlisted_draft_file(root, shards)
+        if unlisted is not None:
+            add_unlisted(root, unlisted, read_header(safe_child(root, unlisted, "shard")).tensors, wm)
+            shards.append(unlisted)
+        return cls(root, wm, shards, meta, () if unlisted is None else (unlisted,))
 
     def header(self, shard: str) -> Header:
         return read_header(safe_child(self.root, shard, "shard"))
@@ -188,6 +200,23 @@ class Checkpoint:
         return out
 
 
+def unlisted_draft_file(root: Path, listed) -> str | None:
+    """DRAFT_FILE when it lies beside the listed weight files (the index's, or the one
+    model.safetensors) without being one of them, else None."""
+    p = root / DRAFT_FILE
+    return DRAFT_FILE if DRAFT_FILE not in listed and (p.exists() or p.is_symlink()) else None
+
+
+def add_unlisted(root: Path, name: str, tensors, weight_map: dict[str, str]) -> None:
+    """The tensors of the unlisted weight file `name` into `weight_map`; one the index already
+    places elsewhere is an error naming both files."""
+    for t in tensors:
+        if t in weight_map:
+            raise CheckpointError(f"tensor {t!r} is in {name} (which the index does not list) and, by the index, "
+                                  f"in {weight_map[t]}: it must appear exactly once", path=root / name, tensor=t)
+        weight_map[t] = name
+
+
 def copy_file_atomic(src: Path, dst: Path) -> None:
     fd = open_regular(src)
     with os.fdopen(fd, "rb") as fi, atomic_file(dst) as fo:
@@ -196,3 +225,11 @@ def copy_file_atomic(src: Path, dst: Path) -> None:
 
 def shard_name(i: int, n: int) -> str:
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+_NUMBERED = re.compile(r"model-\d{5,}-of-\d{5,}\.safetensors")
+
+
+def numbered(name: str) -> bool:
+    """A shard named as `shard_name` names them (its "-of-N" counts the numbered shards)."""
+    return _NUMBERED.fullmatch(name) is not None

@@ -1,12 +1,12 @@
-"""Shards of a checkpoint being written or read in order: the shard packer (consecutive
-tensors, in order, into shards of at most N bytes) and the shard-reader cache. Used by
-`convert`, `synth`, `draft` and `lora`."""
+"""Shards of a checkpoint being written or read in order: the shard packers (consecutive
+tensors, in order, into shards of at most N bytes; tensors into the files a layout names them,
+`plan_files`) and the shard-reader cache. Used by `convert`, `synth`, `draft` and `lora`."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
-from .checkpoint import safe_child
+from .checkpoint import safe_child, shard_name
 from .safetensors import Header, ShardReader
 
 T = TypeVar("T")
@@ -30,6 +30,24 @@ def plan_shards(items: Sequence[T], max_bytes: int, size: Callable[[T], int] = _
         shards[-1].append(item)
         total += n
     return shards
+
+
+def plan_files(items: Sequence[T], file_of: Callable[[T], str | int], max_bytes: int | None = None,
+               size: Callable[[T], int] = _nbytes) -> list[tuple[str, list[T]]]:
+    """`items` into the files a layout gives them (docs/layout.md "Files"): `file_of(item)` is a
+    file name (a file of its own, never split: `mtp.safetensors`) or a group number (one
+    numbered shard per group, `model-0000k-of-0000N.safetensors`, in group order; a group over
+    `max_bytes`, when given, cut further as `plan_shards` cuts, N counting the pieces). Items keep
+    their order within a file. Returns (file name, items): the numbered shards, then the named
+    files in order of first appearance."""
+    groups: dict[int, list[T]] = {}
+    named: dict[str, list[T]] = {}
+    for item in items:
+        f = file_of(item)
+        (named if isinstance(f, str) else groups).setdefault(f, []).append(item)
+    pieces = [p for g in sorted(groups) for p in (plan_shards(groups[g], max_bytes, size) if max_bytes
+                                                  else [groups[g]])]
+    return [(shard_name(i, len(pieces)), p) for i, p in enumerate(pieces)] + list(named.items())
 
 
 class ShardReaders:

@@ -17,9 +17,14 @@ Line numbers: vLLM 0.33.0 (the PyPI wheel), `VL` = its package directory `vllm/`
   `enable_confidence_head`, `confidence_head_with_markov`, `use_aux_hidden_state`,
   `target_hidden_size`, `draft_vocab_size`, `sample_from_anchor`, `architectures`.
 * **Bundled** in the target's config.json under `dspark_config` (that dict, verbatim) and its
-  tensors under the prefix `dspark.` (`dspark.` + the drafter's own name), so `draft extract`
-  is a prefix strip plus a copy of the dict. Not a top-level `speculators_config`: vLLM would
-  then take the *target* for a speculators model (VL/transformers_utils/config.py:837-840).
+  tensors under the prefix `mtp.` (`mtp.` + the drafter's own name) in a weight file of their
+  own, `mtp.safetensors` (`FILE`), the file the release ships its draft in (the seekr-org/Inkling-
+  2-Small-FP8-ROCm card: "... vision weights, and mtp.safetensors are included"); the prefix is our
+  reading of that name (vLLM's bundled DeepSeek-V4.1 DSpark keeps its stages under `mtp.*`,
+  VL/config/speculative.py:1480-1484), and `draft extract` is a prefix strip plus a copy of the
+  dict. The release's tensor names are not public: ours are the drafter's own (below). Not a
+  top-level `speculators_config`: vLLM would then take the *target* for a speculators model
+  (VL/transformers_utils/config.py:837-840).
 * **Dimensions** vLLM (and DeepSpec's `build_draft_config`, which deep-copies the target's
   config) take from the target come from `text_config`: hidden size, attention heads, KV heads,
   head_dim, vocabulary, rms_norm_eps, max positions, the `fc` input (`target_hidden_size` x
@@ -43,10 +48,12 @@ import torch
 
 from .fields import MAX_LAYERS, ConfigFields
 from ..errors import ConfigError, UnknownTensorError
+from ..io.checkpoint import DRAFT_FILE
 from ..errors import short_repr as _short
 from .tensors import TensorName, TensorSpec
 
-PREFIX = "dspark."               # the draft's tensors inside the target's checkpoint
+PREFIX = "mtp."                  # the draft's tensors inside the target's checkpoint
+FILE = DRAFT_FILE                # ... and the weight file that holds them (docs/layout.md "Files")
 CONFIG_KEY = "dspark_config"     # the draft's config inside the target's config.json
 SPECULATORS_TYPE = "dspark"      # algos.py:152 @register_speculator("dspark")
 ARCHITECTURE = "Qwen3DSparkModel"  # algos.py:176-186 (its default)
@@ -228,7 +235,7 @@ _NAME = re.compile(re.escape(PREFIX)
 
 
 def classify(name: str) -> TensorName:
-    """A bundled draft tensor (`dspark.` + the drafter's name), part "draft"."""
+    """A bundled draft tensor (`mtp.` + the drafter's name), part "draft"."""
     if m := _NAME.fullmatch(name):
         layer = int(m["layer"]) if m["layer"] is not None else None
         return TensorName(name, "draft", layer, None, m["module"].rsplit(".", 1)[-1], m["suffix"])

@@ -293,6 +293,37 @@ def checkpoint_tensors(cfg: Inkling2Config, include_experts: bool = True, includ
         yield from dspark.draft_tensors(cfg.draft, dspark.PREFIX)
 
 
+# --------------------------------------------------------------------------- files on disk
+VISION_FILE = "vision.safetensors"  # our name: the release keeps its vision weights apart, under a name not public
+_FILE_RULES = [(re.compile(p), k) for p, k in [
+    (r"model\.llm\.layers\.(\d+)\..+", 0),                      # layer i's own tensors
+    (r"model\.llm\.attn_res\.mlp_queries\.(\d+)", 0),           # layer i's MLP input query
+    (r"model\.llm\.attn_res\.attn_queries\.(\d+)", 1),          # layer i+1's attention input query
+    (r"model\.llm\.(?:embed|embed_norm)\.weight", None),        # before layer 0: with it
+    (r"model\.llm\.(?:norm\.weight|unembed\.weight|attn_res\.output_query)", -1),  # after the last
+]]
+
+
+def release_file(t: TextConfig, name: str) -> str | int:
+    """The weight file tensor `name` (an original name, BF16 or quantized: any suffix) lives in,
+    in the release's file layout (docs/layout.md "Files"): decoder layer i's shard (group i,
+    `io.shards.plan_files`) with the layer's attention-residual queries; the embedding and its
+    norm with layer 0, the final norm, output query and unembedding with the last layer (48
+    target shards, as the release has); the vision tower in VISION_FILE; the draft in
+    `dspark.FILE`."""
+    if dspark.is_draft(name):
+        return dspark.FILE
+    if name.startswith(VISION_PREFIX):
+        return VISION_FILE
+    for rx, k in _FILE_RULES:
+        if m := rx.fullmatch(name):
+            layer = 0 if k is None else t.num_hidden_layers - 1 if k == -1 else int(m.group(1)) + k
+            if layer < t.num_hidden_layers:
+                return layer
+    raise UnknownTensorError(f"tensor {name!r}: no file of the Inkling 2 layout holds it (docs/layout.md)",
+                             tensor=name)
+
+
 # --------------------------------------------------------------------------- parameter counts
 @dataclass(frozen=True)
 class ParamCounts:

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from . import inkling2
+from . import dspark, inkling2
 from .families import Family, family_of
 from .fields import MAX_LAYERS, ConfigFields
 from ..errors import CheckpointError, ConfigError
@@ -47,7 +47,7 @@ TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.llm.",
 # Where a multimodal model keeps its vision tower and projector (ModelOpt excludes them).
 VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "vision_model.", "vision_tower.", "visual.")
 PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
-DRAFT_PREFIXES = ("dspark.",)  # a bundled speculator (ours for Inkling: dspark.py), passed through
+DRAFT_PREFIXES = (dspark.PREFIX,)  # a bundled speculator (`mtp.*`: Inkling's, dspark.py), passed through
 LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight", "model.llm.unembed.weight")
 
 

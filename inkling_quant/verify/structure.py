@@ -6,7 +6,8 @@ import os
 from pathlib import Path
 
 from ..errors import InklingQuantError, short_repr
-from ..io.checkpoint import INDEX_NAME, RESUME_MANIFEST, SINGLE_NAME, Checkpoint, safe_child
+from ..io.checkpoint import (INDEX_NAME, RESUME_MANIFEST, SINGLE_NAME, Checkpoint, add_unlisted, safe_child,
+                             unlisted_draft_file)
 from ..io.safetensors import Header, read_header
 from ..model.layout import Layout, detect, oriented
 from .inventory import Conf, Files, Located, Source, load_json
@@ -57,19 +58,15 @@ def _index_body(run: Recorder, c: Check, root: Path, weight_map: dict, headers: 
         if not _read_index(c, root, index, weight_map):
             return
     elif (root / SINGLE_NAME).exists():
-        h = _header(run, root, SINGLE_NAME)
-        for p in sorted(root.glob("*.safetensors")):
-            if p.name != SINGLE_NAME:
-                c.fail(p, None, f"shard beside {SINGLE_NAME} without an index")
-        if h is not None:
-            headers[SINGLE_NAME] = h
-            weight_map.update({n: SINGLE_NAME for n in h.tensors})
-            tensors.update({n: Located(SINGLE_NAME, e) for n, e in h.tensors.items()})
+        _single_file(run, c, root, weight_map, headers, tensors)
         return
     else:
         c.fail(root, None, f"neither {INDEX_NAME} nor {SINGLE_NAME} found")
         return
     shards = list(dict.fromkeys(weight_map.values()))
+    if (unlisted := unlisted_draft_file(root, shards)) is not None:
+        _add_unlisted(c, root, unlisted, weight_map)
+        shards.append(unlisted)
     present = []
     for s in shards:
         if not (root / s).is_file():
@@ -86,6 +83,42 @@ def _index_body(run: Recorder, c: Check, root: Path, weight_map: dict, headers: 
     c.figures.update(shards=len(shards), tensors=len(weight_map), tensor_bytes=data)
     if c.figures.get("index_total_size") is not None:  # informational: HF does not enforce it
         c.figures["index_total_size_matches"] = c.figures["index_total_size"] == data
+
+
+def _single_file(run: Recorder, c: Check, root: Path, weight_map: dict, headers: dict, tensors: dict) -> None:
+    """A checkpoint without an index: its one model.safetensors (and a draft's mtp.safetensors
+    beside it, io.checkpoint.DRAFT_FILE), no other shard."""
+    unlisted = unlisted_draft_file(root, [SINGLE_NAME])
+    for p in sorted(root.glob("*.safetensors")):
+        if p.name not in (SINGLE_NAME, unlisted):
+            c.fail(p, None, f"shard beside {SINGLE_NAME} without an index")
+    for s in (SINGLE_NAME, unlisted) if unlisted else (SINGLE_NAME,):
+        h = _header(run, root, s)
+        if h is None:
+            continue
+        headers[s] = h
+        for n, e in h.tensors.items():
+            if n in weight_map:
+                c.fail(root / s, n, f"tensor also stored in {weight_map[n]} (must appear exactly once)")
+                continue
+            weight_map[n] = s
+            tensors[n] = Located(s, e)
+    if unlisted:
+        c.figures["unlisted_weight_files"] = [unlisted]
+
+
+def _add_unlisted(c: Check, root: Path, name: str, weight_map: dict) -> None:
+    """The tensors of a weight file the index omits (mtp.safetensors: io.checkpoint.DRAFT_FILE),
+    read all the same, into `weight_map`; a malformed header is its header check's to report."""
+    c.figures["unlisted_weight_files"] = [name]
+    try:
+        names = read_header(safe_child(root, name, "shard")).tensors
+    except InklingQuantError:
+        return
+    try:
+        add_unlisted(root, name, names, weight_map)
+    except InklingQuantError as e:
+        c.fail(e.path or root / name, e.tensor, e.message)
 
 
 def _read_index(c: Check, root: Path, index: Path, weight_map: dict) -> bool:
