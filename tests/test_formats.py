@@ -692,7 +692,8 @@ def test_fp8_block_shape_errors_name_the_tensor():
         FP8B.quantize(torch.zeros(256, dtype=BF), name=name)
     assert e.value.tensor == name
     stored = random_fp8_block((300, 200))
-    for bad in (torch.zeros(2, 2), torch.zeros(3, 3), torch.zeros(3, 2, dtype=BF)):
+    for bad in (torch.zeros(2, 2), torch.zeros(3, 3), torch.zeros(3, 2, dtype=torch.float64),
+                torch.zeros(3, 2, dtype=U8)):
         with pytest.raises(FormatError, match=r"needs float32 \(3, 2\)") as e:
             FP8B.check_stored({**stored, "weight_scale_inv": bad}, name)
         assert e.value.tensor == "model.layers.5.mlp.experts.7.down_proj.weight_scale_inv"
@@ -788,20 +789,22 @@ def test_fp8_block_is_a_source_format_only():
     quant_algo lookups) sees it."""
     from inkling_quant.export import value_rules
     from inkling_quant.formats import SCALE_SUFFIXES, detect, format_for_quant_algo
-    assert set(FORMATS) == {"nvfp4", "mxfp8", "passthrough"} and set(SOURCE_FORMATS) == {"fp8_block"}
+    assert set(FORMATS) == {"nvfp4", "mxfp8", "passthrough"} and set(SOURCE_FORMATS) == {"fp8_block", "mxfp4"}
     assert isinstance(SOURCE_FORMATS["fp8_block"], FP8Block)
     assert get_format("fp8_block", source=True) is SOURCE_FORMATS["fp8_block"]
     assert get_format("nvfp4", source=True) is FORMATS["nvfp4"]
     with pytest.raises(KeyError, match="unknown format 'fp8_block'"):
         get_format("fp8_block")
     assert "weight_scale_inv" not in SCALE_SUFFIXES and value_rules("weight_scale_inv") == set()
-    assert format_for_quant_algo("FP8_PB_WO") is None and FP8B.quant_algo is None and FP8B.layer_config() is None
+    assert format_for_quant_algo("FP8_PB_WO") is None and format_for_quant_algo("fp8_pb_wo") is None
+    # written only as it is stored, in ModelOpt's FP8_PB_WO form (its exporter's spelling, no config_groups bits)
+    assert isinstance(format_for_quant_algo("FP8_PB_WO", source=True), FP8Block)
+    assert FP8B.quant_algo == "fp8_pb_wo" and FP8B.layer_config() == {"quant_algo": "fp8_pb_wo"}
     t = random_fp8_block((256, 128))
     observed = {k: (tuple(v.shape), v.dtype) for k, v in t.items()}
     assert detect(observed, (256, 128), BF) is None and FP8B.matches(observed, (256, 128), BF)
     assert FP8B.value_rule("weight_scale_inv") == "positive"
-    with pytest.raises(KeyError):
-        FP8B.config_group_bits()
+    assert FP8B.config_group_bits() is None
 
 
 def test_config_group_bits_are_exports_table():
@@ -839,7 +842,7 @@ def test_requantize_takes_a_registered_fast_path_and_falls_back(monkeypatch):
     quantize(source.dequantize(...)) bit for bit; the registered MXFP8 -> NVFP4 path equals it."""
     calls = []
 
-    def spy(tensors, source, target, *, input_amax=None, name="", encoder="modelopt"):
+    def spy(tensors, source, target, *, global_amax=None, input_amax=None, name="", encoder="modelopt"):
         calls.append((source.name, target.name, input_amax, name))
         return {"weight": torch.zeros(1)}
 
