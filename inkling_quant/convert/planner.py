@@ -318,8 +318,8 @@ def _units(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTen
            opts: Options, calibrated: dict[str, float], root: str) -> list[Unit]:
     """Each tensor's unit, format and activation amax, in source order; a format error names the
     tensor at once, missing activation amaxes are reported together at the end. A quantized
-    source's stored tensors (a scale, MXFP4's blocks) go with their weight's unit; where the
-    scheme quantizes nothing the source is copied as it is stores it."""
+    source's stored tensors (a scale, MXFP4's scales) go with their weight's unit; where the
+    scheme quantizes nothing such a source is copied as it is."""
     units: list[Unit] = []
     by_name = {t.name: t for t in tensors}
     done: set[str] = set()
@@ -329,12 +329,13 @@ def _units(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTen
     for t in tensors:
         if t.name in done:
             continue
+        if copy:  # a quantized source the scheme leaves alone: every tensor as it is
+            units.append(Unit((t,), "passthrough", (None,), (None,), writing=Copy()))
+            continue
         rec = layout.classify(t.name)
         fmt = scheme.format_name(cfg, rec)
         stored = _stored_of(layout, t, by_name)
-        if stored is None or copy:  # a companion of a quantized source's weight (its unit has it), or a copy
-            if copy:
-                units.append(Unit((t,), "passthrough", (None,), (None,), writing=Copy()))
+        if stored is None:  # a companion of a quantized source's weight (a scale): its weight's unit has it
             continue
         if rec.part != "expert":
             if fmt != "passthrough":  # the schemes quantize routed experts only
@@ -389,9 +390,9 @@ def _source_format(layout: Layout, stored: list[SrcTensor]) -> str | None:
 
 
 def _kept_unit(layout: Layout, form: OutputForm, stored: list[SrcTensor], opts: Options) -> Unit:
-    """A quantized source's module outside the routed experts (or experts the scheme leaves
-    alone): written as the output form writes that source format (ModelOpt's FP8_PB_WO: the bytes
-    kept), or with --dequantize-fp8 dequantized to BF16 (`form.kept`)."""
+    """A quantized source's module outside the routed experts: written as the output form writes
+    that source format (ModelOpt's FP8_PB_WO: the bytes kept), or with --dequantize-fp8
+    dequantized to BF16 (`form.kept`)."""
     src = _source_format(layout, stored)
     fmt = get_format(src, source=True)
     weight = stored[0]

@@ -251,7 +251,9 @@ class Format:
                 want = {k: (tuple(o.shape), o.dtype) for k, o in self.out_specs(shape, dtype, act).items()}
             except Exception:  # noqa: BLE001 - a shape this format cannot hold: not a match
                 continue
-            if want == {k: (tuple(v[0]), v[1]) for k, v in observed.items()}:
+            if set(want) == set(observed) and all(
+                    tuple(observed[k][0]) == w[0] and (observed[k][1] == w[1] or observed[k][1] in
+                                                       self.stored_dtypes.get(k, ())) for k, w in want.items()):
                 return True
         return False
 

@@ -12,9 +12,9 @@ A transcoder returns the target's tensors, or None where it does not apply (a te
 device), and then the dequantize + quantize fallback runs. It must equal that fallback bit for
 bit, errors included (tests/test_formats.py holds every registered pair to it), with one kind of
 exception: where the target's encoder has published its own cast for that source, the
-transcoder is that cast, bit for bit, and says so. Registered: MXFP8 -> NVFP4 (the fallback's
-bits, read from the bytes) and MXFP4 -> NVFP4 (ModelOpt's ``quantize_mxfp4_to_nvfp4_lossless``
-for its encoder; the fallback for the release's). A transcoder may report figures beside the
+transcoder is that cast, bit for bit, and says so. Registered: MXFP8 -> NVFP4 and FP8 block ->
+NVFP4 / MXFP8 (the fallback's bits, read from the bytes), MXFP4 -> NVFP4 (ModelOpt's
+``quantize_mxfp4_to_nvfp4_lossless`` for its encoder; the fallback for the release's). A transcoder may report figures beside the
 tensors (`STATS` keys), which callers take out before writing. Formats never import each other
 for this: nvfp4.py knows nothing of mxfp8.py or mxfp4.py.
 """
@@ -25,16 +25,19 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from ..errors import FormatError
 from . import _jit
-from ._cpu import _E4M3_TO_F32, _buf, _nonfinite
+from ._cpu import _E4M3_TO_F32, _buf, _nonfinite, _run_chunks, _where
 from .base import TRANSCODERS, Format, Transcoder
-from .mxfp8 import amax_before_reading, stored_bytes
+from .mxfp8 import _MX_CHUNK_BLOCKS, amax_before_reading, e8m0_exponent, stored_bytes
+from .mxfp8 import BLOCK_SIZE as MX_BLOCK
 from .mxfp4 import E2M1_MAGNITUDES
 from .nvfp4 import (_MODELOPT, _NV_CHUNK_BLOCKS, BLOCK_SIZE, E2M1_MAX, E4M3_MAX, GLOBAL_DIV, MIN_BLOCK_SCALE,
-                    RELEASE_DENOMINATOR, _e2m1_codes_torch, _global_scale, _nvfp4_chunks, _tensors, nvfp4_input_scale,
-                    release_rule)
+                    RELEASE_DENOMINATOR, _as_amax, _e2m1_codes_torch, _global_scale, _nvfp4_chunks, _tensors,
+                    nvfp4_input_scale, release_rule)
 
-__all__ = ["TRANSCODERS", "transcoder", "find", "nvfp4_from_mxfp8", "nvfp4_from_mxfp4", "STATS"]
+__all__ = ["TRANSCODERS", "transcoder", "find", "nvfp4_from_mxfp8", "nvfp4_from_mxfp4", "nvfp4_from_fp8_block",
+           "mxfp8_from_fp8_block", "STATS"]
 
 
 def transcoder(source: str, target: str):
@@ -172,3 +175,93 @@ def _requantize_blocks(b: torch.Tensor, e8: torch.Tensor, k: torch.Tensor, in_ra
     codes = _e2m1_codes_torch(y.reshape(-1)).reshape(y.shape)
     packed[todo] = codes[:, 0::2] | (codes[:, 1::2] << 4)
     scale[todo] = sc.view(torch.uint8).unsqueeze(-1).expand(-1, 2)
+
+
+# ============================================================================ FP8 block-scaled -> NVFP4, MXFP8
+def _fp8_factors(s: torch.Tensor, m: int, n: int, per: int) -> np.ndarray:
+    """The fp32 scale of each `per`-element block of an [m, n] FP8 block-scaled weight (its tile's),
+    flat in row-major block order: the [ceil(m/128), ceil(n/128)] grid repeated over rows and
+    over the blocks of a tile's 128 columns, cropped."""
+    rows = np.repeat(s.numpy(), 128, axis=0)[:m]
+    return np.ascontiguousarray(np.repeat(rows, 128 // per, axis=1)[:, : n // per]).reshape(-1)
+
+
+def _fp8_bytes(tensors, source: Format, per: int, name: str):
+    """(e4m3 bytes flat, fp32 scale grid, (m, n)) of a 2-D CPU weight whose blocks of `per` fit its
+    last dim and whose scales are finite and > 0; None otherwise (the plain path then decides,
+    errors included)."""
+    w, s = source._stored(tensors, name)
+    if w.device.type != "cpu" or w.dim() != 2 or w.shape[-1] % per or not bool(((s > 0) & (s < np.inf)).all()):
+        return None
+    return w.contiguous().view(torch.uint8).reshape(-1).numpy(), s.contiguous(), tuple(w.shape)
+
+
+@transcoder("fp8_block", "nvfp4")
+def nvfp4_from_fp8_block(tensors: Mapping[str, torch.Tensor], source: Format, target: Format, *, global_amax=None,
+                         input_amax: float | None = None, name: str = "",
+                         encoder: str = "modelopt") -> dict[str, torch.Tensor] | None:
+    """NVFP4 of an FP8 block-scaled weight (one expert's projection) on CPU, its bytes read once:
+    per chunk the values ``fp32(e4m3) * scale`` decoded into a cache-sized fp32 scratch and the
+    NVFP4 kernel's own code on them (_jit.nvfp4_from_e4m3); the global amax the caller's (gate
+    and up's shared one) or the weight's, from the bytes (`FP8Block.amax`, exact). Bit for bit
+    ``quantize(dequantize(tensors, float32), global_amax=...)``; no fp32 copy of the weight."""
+    got = _fp8_bytes(tensors, source, BLOCK_SIZE, name)
+    if got is None:
+        return None
+    q, s, shape = got
+    release = target.encoder_rule(encoder) != "modelopt"
+    g = None if global_amax is None else _as_amax(global_amax, "global_amax", name)
+    if g is None or g == 0:  # the weight's own amax (a NaN byte or an overflow otherwise shows in the kernel)
+        true_amax = source.amax(tensors)
+        if not bool(torch.isfinite(true_amax)):
+            raise _nonfinite(name)
+        if g == 0 and float(true_amax) != 0.0:
+            raise FormatError(f"{_where(name)}global_amax is 0 but the tensor is not all zero", tensor=name or None)
+        g = np.float32(true_amax.item()) if g is None else g
+    rel = release_rule(g, RELEASE_DENOMINATOR, name) if release else _MODELOPT
+    s2 = _global_scale(g, name, RELEASE_DENOMINATOR if release else GLOBAL_DIV)
+    factor = _fp8_factors(s, *shape, BLOCK_SIZE)
+
+    def blocks(b0: int, b1: int, s2f, out, scratch) -> int:
+        return _jit.nvfp4_from_e4m3(q[b0 * 16: b1 * 16], factor[b0:b1], s2f, rel, _E4M3_TO_F32, *out,
+                                    _buf("nv:tmp8", (_NV_CHUNK_BLOCKS * 16,), np.uint8), *scratch,
+                                    _buf("nv:x", (_NV_CHUNK_BLOCKS * 16,), np.float32))
+    packed, scale = _nvfp4_chunks(blocks, q.size // BLOCK_SIZE, s2, name)
+    out = _tensors(shape, packed, scale, s2, input_amax, name)
+    if release:
+        out["weight_amax"] = torch.tensor(g, dtype=torch.float32)
+    return out
+
+
+@transcoder("fp8_block", "mxfp8")
+def mxfp8_from_fp8_block(tensors: Mapping[str, torch.Tensor], source: Format, target: Format, *, global_amax=None,
+                         input_amax: float | None = None, name: str = "",
+                         encoder: str = "modelopt") -> dict[str, torch.Tensor] | None:
+    """MXFP8 (ModelOpt's rule) of an FP8 block-scaled weight on CPU from its bytes: each 32-block's
+    amax from its largest byte times its scale (exact), ModelOpt's exponent of it (its fp32
+    ``log2`` expression, `mxfp8.e8m0_exponent`, as MXFP8 quantizes any fp32 weight), then per
+    chunk the values decoded into a scratch and MXFP8's own encoder (_jit.mxfp8_from_e4m3). Bit
+    for bit ``quantize(dequantize(tensors, float32))``. None for the release's rule."""
+    got = _fp8_bytes(tensors, source, MX_BLOCK, name)
+    if got is None or target.encoder_rule(encoder) != "modelopt":
+        return None
+    q, s, shape = got
+    nblk = q.size // MX_BLOCK
+    factor = _fp8_factors(s, *shape, MX_BLOCK)
+    amax = np.empty(nblk, dtype=np.float32)
+    _jit.e4m3_block_amax(q, factor, MX_BLOCK, _E4M3_TO_F32, _buf("mx:tmp8", (_MX_CHUNK_BLOCKS * 32,), np.uint8), amax)
+    if nblk and not np.isfinite(amax).all():
+        raise _nonfinite(name)
+    e8 = e8m0_exponent(torch.from_numpy(amax)).numpy()
+    out = np.empty(q.size, dtype=np.uint8)
+
+    def chunk(b0: int, b1: int) -> None:
+        M = _MX_CHUNK_BLOCKS
+        if _jit.mxfp8_from_e4m3(q[b0 * 32: b1 * 32], factor[b0:b1], _E4M3_TO_F32, e8[b0:b1], out[b0 * 32: b1 * 32],
+                                _buf("mx:tmp8", (M * 32,), np.uint8), _buf("mx:top", (M,), np.uint32),
+                                _buf("mx:u", (M * 32,), np.uint32), _buf("mx:f", (M * 32,), np.float32)) != _jit.OK:
+            raise _nonfinite(name)
+
+    _run_chunks(chunk, nblk, _MX_CHUNK_BLOCKS)
+    return {"weight": torch.from_numpy(out).view(torch.float8_e4m3fn).reshape(shape),
+            "weight_scale": torch.from_numpy(e8).reshape(*shape[:-1], shape[-1] // MX_BLOCK)}

@@ -54,7 +54,7 @@ FAMILIES: tuple[Family, ...] = (
     # biases, gate/up interleaved along 2I (`gate, up = gate_up[..., ::2], gate_up[..., 1::2]`,
     # l.82), attention sinks and q/k/v/o biases; the MXFP4 release stores the experts as
     # `*_blocks` / `*_scales` [E, out, in/32, 16] (model/sources.py)
-    Family("gpt_oss", ("gpt_oss",), tested=True, qkv_bias=True, gate_up_interleaved=True),
+    Family("gpt_oss", ("gpt_oss",), qkv_bias=True, gate_up_interleaved=True),
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 

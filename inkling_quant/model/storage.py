@@ -38,6 +38,7 @@ class ExpertStorage:
     stacked: ClassVar[bool]             # all experts of a projection in one [E, ...] tensor
     pattern: ClassVar[re.Pattern]       # a layer tensor's name after `layers.N.`: groups block, proj, suffix
     transposed: ClassVar[bool] = False  # stored [E, in, out] (a field of Stacked)
+    interleaved: ClassVar[bool] = False  # a stacked gate/up tensor's rows alternate (a field of Stacked)
     # an expert's modules' names (gate, up, down): a per-expert family's own, else ModelOpt's (unstacked)
     names: ClassVar[tuple[str, str, str]] = PER_EXPERT_NAMES[0]
 
