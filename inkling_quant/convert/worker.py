@@ -19,6 +19,7 @@ from .. import hub
 from ..errors import FormatError
 from ..export.form import Outputs
 from ..formats import FORMATS, get_format
+from ..formats.fp8_block import has_nan_byte
 from ..formats.transcode import STATS
 from ..io.safetensors import DTYPES, ShardWriter, TensorBuffer
 from ..io.shards import ShardReaders
@@ -276,7 +277,7 @@ def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, ta
     nbytes = sum(x.numel() * x.element_size() for x in t)
     if u.storage.transposed:  # an [in, out] slab: quantized as [out, in], blocks along `in`
         slab = slab.t()
-    fmt = FORMATS[u.format] if u.format in FORMATS else get_format(u.format, source=True)
+    fmt = get_format(u.format, source=True)
     stored = None if u.source_format is None else u.stored([slab, *t[1:]])[0]
     if stored is not None and u.source_format == u.format:
         _check_stored(fmt, stored, path, src.name, e)
@@ -358,19 +359,20 @@ def _requantize_expert(u: Unit, fmt, ts: list[torch.Tensor], path_of: dict, devi
     weight's stored tensors checked (errors name the weight or its scale and its file), the
     amax gate and up share taken from the bytes (`Format.amax`: exact, no dequantized copy), then
     each weight requantized alone (`Format.requantize`: bit for bit the format of its exact fp32
-    dequantization)."""
+    dequantization). The checks' amax (one pass over the bytes) is the global amax passed on: the
+    weight's own, or gate and up's larger, so no pass is made twice."""
     src = get_format(u.source_format, source=True)
     stored = [{k: v if device == "cpu" else v.to(device) for k, v in st.items()} for st in u.stored(ts)]
+    amax = []
     for w, st in zip(u.weights, stored):
         try:
-            src.check_stored(st, w.name)
+            amax.append(src.check_stored(st, w.name))  # exact: what quantize(dequantize(...)) takes anyway
         except FormatError as e:
             raise FormatError(e.message, path=path_of.get(e.tensor, path_of[w.name]), tensor=e.tensor) from None
-    g = None
-    if fmt.fuses_gate_up and len(stored) > 1:
-        g = torch.maximum(*[src.amax(st) for st in stored])
+    shared = torch.maximum(*amax) if fmt.fuses_gate_up and len(amax) > 1 else None
     outputs: Outputs = []
-    for w, st, ia in zip(u.weights, stored, u.input_amax):
+    for w, st, ia, a in zip(u.weights, stored, u.input_amax, amax):
+        g = (shared if shared is not None else a) if fmt.fuses_gate_up else None
         try:
             out = fmt.requantize(st, src, global_amax=g, input_amax=ia, encoder=u.encoder, name=w.name)
         except FormatError as e:
@@ -395,8 +397,8 @@ def _check_finite(t: torch.Tensor, path, name: str) -> None:
     an Inf is the min or the max (~7 GB/s on bf16, no temporaries)."""
     if t.numel() == 0 or not t.dtype.is_floating_point:  # a quantized source's codes and e8m0 bytes: no NaN here
         return
-    if t.element_size() == 1:  # float8_e4m3fn (an FP8 source copied as it is): 0x7F / 0xFF are NaN
-        if bool(((t.reshape(-1).view(torch.uint8) & 0x7F) == 0x7F).any()):
+    if t.dtype == torch.float8_e4m3fn:  # an FP8 source copied as it is: 0x7F / 0xFF are NaN
+        if has_nan_byte(t):
             raise FormatError(f"tensor {name!r}: contains NaN", path=path, tensor=name)
         return
     lo, hi = torch.aminmax(t.reshape(-1))

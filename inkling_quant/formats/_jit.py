@@ -423,3 +423,12 @@ def mxfp8_from_e4m3(q, factor, e4m3_values, scale, out, tmp, top, u, f):
             return NONFINITE
         mxfp8_encode(u[:n], scale[b0: b0 + m], out[a: a + n], top[:m], f[:n])
     return OK
+
+
+@_jit
+def e4m3_max_magnitude(q):
+    """The largest magnitude byte (sign cleared) of e4m3 bytes q: 0x7F when one is NaN."""
+    m = np.uint8(0)
+    for i in range(q.size):
+        m = max(m, q[i] & np.uint8(0x7F))
+    return m

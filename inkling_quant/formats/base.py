@@ -172,13 +172,16 @@ class Format:
         return self.dequantize(tensors, torch.float32).abs().amax()
 
     def check_stored(self, tensors: Mapping[str, torch.Tensor], name: str = "",
-                     names: Mapping[str, str] | None = None) -> None:
+                     names: Mapping[str, str] | None = None) -> torch.Tensor:
         """FormatError naming `name` unless stored tensors of this format are a valid weight (what a
         quantized source's weight must be before it is requantized or kept); the source formats
-        check more and name the scale tensor at fault (`names`: suffix -> checkpoint name)."""
-        if not self.all_finite(tensors):
+        check more and name the scale tensor at fault (`names`: suffix -> checkpoint name).
+        Returns the weight's amax (exact, `amax`), which a caller may share (gate and up)."""
+        amax = self.amax(tensors)
+        if not bool(torch.isfinite(amax)):
             raise FormatError(f"{'tensor ' + repr(name) + ': ' if name else ''}holds NaN or Inf once dequantized "
                               f"({self.name})", tensor=name or None)
+        return amax
 
     def all_finite(self, tensors: Mapping[str, torch.Tensor]) -> bool:
         """Whether stored tensors of this format dequantize to finite values only (a NaN code or

@@ -59,10 +59,11 @@ import torch
 
 from ..errors import FormatError
 from . import _jit
-from ._cpu import _E4M3_TO_F32, _check_dtype, _nonfinite, _where
+from ._cpu import _E4M3_TO_F32, _check_dtype, _nonfinite, _run_chunks, _where
 from .base import MIN_INVERTIBLE_SCALE, Format, OutSpec
 
-__all__ = ["FP8Block", "TILE", "E4M3_MAX", "SCALE_SUFFIX", "MODELOPT_SCALE", "QUANT_ALGO", "SCALE_DTYPES"]
+__all__ = ["FP8Block", "TILE", "E4M3_MAX", "SCALE_SUFFIX", "MODELOPT_SCALE", "QUANT_ALGO", "SCALE_DTYPES", "tile_max",
+           "has_nan_byte"]
 
 TILE = 128                 # rows and cols of the elements one scale covers
 E4M3_MAX = 448.0           # largest float8_e4m3fn magnitude
@@ -99,12 +100,23 @@ def tile_max(w: torch.Tensor) -> torch.Tensor:
     if w.device.type != "cpu":
         return _tiles(w.view(torch.uint8) & 0x7F).amax(dim=(-3, -1))
     *lead, m, n = w.shape
-    out = np.zeros((*lead, -(-m // TILE), -(-n // TILE)), dtype=np.uint8)
+    gm = -(-m // TILE)
+    out = np.zeros((*lead, gm, -(-n // TILE)), dtype=np.uint8)
     flat = w.contiguous().view(torch.uint8).reshape(-1, m * n).numpy()
     grids = out.reshape(-1, *out.shape[-2:])
-    for i in range(flat.shape[0]):
-        _jit.fp8_tile_max(flat[i], n, grids[i])
+    for i in range(flat.shape[0]):  # rows of tiles in turn on the threads (_cpu._run_chunks)
+        _run_chunks(lambda t0, t1, q=flat[i], g=grids[i]: _jit.fp8_tile_max(q[t0 * TILE * n: t1 * TILE * n], n,
+                                                                              g[t0:t1]), gm, 1, 4)
     return torch.from_numpy(out)
+
+
+def has_nan_byte(w: torch.Tensor) -> bool:
+    """Whether e4m3 bytes hold a NaN (0x7F / 0xFF; e4m3fn has no Inf): one compiled pass on CPU
+    (what a converter copying FP8 bytes as they are checks them for)."""
+    b = w.reshape(-1).view(torch.uint8)
+    if b.device.type != "cpu":
+        return bool(((b & 0x7F) == 0x7F).any())
+    return b.numel() > 0 and int(_jit.e4m3_max_magnitude(b.numpy())) == 0x7F
 
 
 def _scale_name(name: str) -> str:
@@ -195,26 +207,32 @@ class FP8Block(Format):
         return per_tile.amax()
 
     def check_stored(self, tensors: Mapping[str, torch.Tensor], name: str = "",
-                     names: Mapping[str, str] | None = None) -> None:
+                     names: Mapping[str, str] | None = None) -> torch.Tensor:
         """FormatError naming the tensor unless stored tensors are a valid weight: dtypes and the
         scale grid's shape, no NaN byte (0x7F/0xFF; e4m3fn has no Inf), every scale finite and
         > 0, and no value past the fp32 range once dequantized. The scale is named as `name`'s
-        `weight_scale_inv` (`names`: suffix -> checkpoint name, where it is named otherwise)."""
+        `weight_scale_inv` (`names`: suffix -> checkpoint name, where it is named otherwise).
+        Returns the weight's amax (exact; `amax`), from the same one pass over the bytes."""
         w, s = self._stored(tensors, name)
-        if w.numel() and int(tile_max(w).max()) == 0x7F:  # the first NaN byte, only on the error path
+        tm = tile_max(w) if w.numel() else None
+        if tm is not None and int(tm.max()) == 0x7F:  # the first NaN byte, only on the error path
             nan = (w.view(torch.uint8) & 0x7F) == 0x7F
             at = tuple(int(i) for i in nan.nonzero()[0])
             raise FormatError(f"{_where(name)}holds {int(nan.sum())} NaN e4m3 byte(s), the first at {at}",
                               tensor=name or None)
         bad = ~torch.isfinite(s) | (s <= 0)
         if bool(bad.any()):
-            sname = _scale_name(name)
+            sname = (names or {}).get(SCALE_SUFFIX) or _scale_name(name)
             at = tuple(int(i) for i in bad.nonzero()[0])
             raise FormatError(f"{_where(sname)}{int(bad.sum())} scale(s) not finite and > 0, the first "
                               f"{float(s[at]):g} at tile {at}", tensor=sname or None)
-        if not bool(torch.isfinite(self.amax(tensors))):
+        if tm is None:
+            return torch.zeros((), dtype=torch.float32)
+        amax = (_E4M3_VALUES.to(w.device)[tm.long()] * s.to(w.device)).amax()
+        if not bool(torch.isfinite(amax)):
             raise FormatError(f"{_where(name)}dequantizes past the fp32 range (a scale too large)",
                               tensor=name or None)
+        return amax
 
     def value_rule(self, suffix):
         return "positive" if suffix in (SCALE_SUFFIX, MODELOPT_SCALE) else None

@@ -130,10 +130,11 @@ class MXFP4(Format):
         return (E2M1_MAGNITUDES.to(b.device)[top.long()] * e8m0_factor(e8)).amax()
 
     def check_stored(self, tensors: Mapping[str, torch.Tensor], name: str = "",
-                     names: Mapping[str, str] | None = None) -> None:
+                     names: Mapping[str, str] | None = None) -> torch.Tensor:
         """FormatError naming the tensor unless stored tensors are a valid weight: dtypes and
         matching shapes, no scale byte 255 (NaN), no value past fp32's range. `names` (suffix ->
-        checkpoint name) names the scale tensor in its error; else `name` is named."""
+        checkpoint name) names the scale tensor in its error; else `name` is named. Returns the
+        weight's amax (exact)."""
         b, e8 = self._stored(tensors, name)
         bad = e8 == SCALE_NAN
         if bool(bad.any()):
@@ -141,9 +142,11 @@ class MXFP4(Format):
             sname = (names or {}).get("weight_scale") or name
             raise FormatError(f"{_where(sname)}{int(bad.sum())} e8m0 scale(s) are 255 (NaN), the first at block {at}",
                               tensor=sname or None)
-        if not bool(torch.isfinite(self.amax(tensors))):
+        amax = self.amax(tensors)
+        if not bool(torch.isfinite(amax)):
             raise FormatError(f"{_where(name)}dequantizes past the fp32 range (an e8m0 scale too large)",
                               tensor=name or None)
+        return amax
 
     def quantize(self, weight, *, global_amax=None, input_amax=None, name: str = "", encoder: str = "modelopt"):
         """ModelOpt's ``MXFP4QTensor.quantize`` rule (module doc), bit for bit; suffix -> tensor

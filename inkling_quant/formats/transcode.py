@@ -249,7 +249,9 @@ def mxfp8_from_fp8_block(tensors: Mapping[str, torch.Tensor], source: Format, ta
     nblk = q.size // MX_BLOCK
     factor = _fp8_factors(s, *shape, MX_BLOCK)
     amax = np.empty(nblk, dtype=np.float32)
-    _jit.e4m3_block_amax(q, factor, MX_BLOCK, _E4M3_TO_F32, _buf("mx:tmp8", (_MX_CHUNK_BLOCKS * 32,), np.uint8), amax)
+    _run_chunks(lambda b0, b1: _jit.e4m3_block_amax(q[b0 * 32: b1 * 32], factor[b0:b1], MX_BLOCK, _E4M3_TO_F32,
+                                                    _buf("mx:tmp8", (_MX_CHUNK_BLOCKS * 32,), np.uint8), amax[b0:b1]),
+                nblk, _MX_CHUNK_BLOCKS)
     if nblk and not np.isfinite(amax).all():
         raise _nonfinite(name)
     e8 = e8m0_exponent(torch.from_numpy(amax)).numpy()
