@@ -47,7 +47,8 @@ class Passthrough:
 
     def __init__(self, run: Recorder, inv: Inventory):
         self.inv = inv
-        self.check = run.new("passthrough", "numerics", "pass-through tensors are byte-identical to the source")
+        self.check = run.new("passthrough", "numerics", "pass-through tensors, and quantized ones kept from a quantized "
+                             "source, are byte-identical to the source")
         self.check.figures.update(tensors_compared=0, bytes_compared=0)
         self.fds: dict[str, int] = {}
         self.buf = TensorBuffer()
@@ -60,7 +61,7 @@ class Passthrough:
 
     def visit(self, seen: Seen):
         if seen.fmt != "passthrough":
-            return None
+            return self._kept(seen)
         renamed = self.inv.expected.source_of.get(seen.name)  # ModelOpt's form: transformers' names
         src = self.inv.source.tensors.get(renamed or seen.name)
         e = seen.entry
@@ -79,6 +80,16 @@ class Passthrough:
         if widened:  # another writer's lossless widening: every value must be equal
             self.check.figures.setdefault("widened", []).append(
                 f"{seen.name}: {DTYPE_NAMES[src.entry.dtype]} -> {DTYPE_NAMES[e.dtype]}")
+        return _SameBytes(self, seen, src)
+
+    def _kept(self, seen: Seen) -> "_SameBytes | None":
+        """A quantized tensor the source holds as it is (same name, dtype and shape, a quantized
+        dtype: the MXFP8 release's experts kept MXFP8) must be its bytes, not a re-encoding."""
+        src = self.inv.source.tensors.get(seen.name)
+        if src is None or src.entry.dtype != seen.entry.dtype or tuple(src.entry.shape) != tuple(seen.entry.shape) \
+                or src.entry.dtype.is_floating_point and src.entry.dtype.itemsize > 1:
+            return None
+        self.check.figures["kept_quantized"] = self.check.figures.get("kept_quantized", 0) + 1
         return _SameBytes(self, seen, src)
 
     def fd(self, shard: str) -> int:
@@ -123,8 +134,9 @@ class _SameBytes:
             return
         first = int((a != b).nonzero()[0, 0])
         where = f"byte {first + offset}" if ratio == 1 else f"element {first + offset // a.element_size()}"
+        what = "pass-through" if self.seen.fmt == "passthrough" else f"a {self.seen.fmt} tensor kept from the source"
         self.pt.check.fail(self.seen.path, self.seen.name, f"differs from the source ({src_root / src.shard}) at "
-                           f"{where} of the tensor: pass-through must be bit-exact"
+                           f"{where} of the tensor: {what} must be bit-exact"
                            + (" (or its exact widening)" if ratio > 1 else ""))
         self.same = False
 
