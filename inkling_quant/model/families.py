@@ -29,10 +29,12 @@ class Family:
     memory_block: str = "mlp"             # the MoE block's name in transformers' in-memory model (PEFT's names)
     dense_width_key: str = "intermediate_size"  # a dense layer's MLP width
     shared_expert_per_layer: bool = False  # one shared expert of the expert width in every MoE layer
+    expert_activation: str = "silu"       # how an expert gates up by gate (kernels' ACTIVATIONS): SwiGLU
 
 
+# transformers 5.25 models/inkling2: softcapped SwiGLU experts (mlp_gate_softcap, mlp_up_softcap)
 INKLING2 = Family("inkling2", ("inkling2", "inkling2_text"), tested=True, strict=True,
-                  recipe="thinkingmachines/Inkling-2-Small (seed recipe)")
+                  recipe="thinkingmachines/Inkling-2-Small (seed recipe)", expert_activation="softcapped-swiglu")
 GENERIC = Family("generic")
 FAMILIES: tuple[Family, ...] = (
     INKLING2,

@@ -238,6 +238,45 @@ def judge(run: Recorder, c: Check, inv: Inventory, fmt: Format, where: tuple[int
                f"(min {fmt.min_cosine:g}): {tail}")
 
 
+def moe_figures(c: Check, gemm: "Gemm", fmt: Format, module: str, source: list[dict[str, torch.Tensor]],
+                quantized: list[dict[str, dict[str, torch.Tensor]]], activation: str) -> None:
+    """The sampled experts as one MoE layer, through the fused MoE entry point (kernels.fused_moe:
+    tokens sorted by expert, gate_up then the gated activation then down, one launch each; on a
+    GPU the Triton kernels, on the CPU the torch reference) against the same layer computed from
+    the BF16 source experts: ACT_ROWS tokens, each routed to up to 8 of them with equal weights.
+    `source`: per expert {"gate", "up", "down"} weights; `quantized`: per expert the gate, up and
+    down modules' tensors (in that order). The error compounds gate/up's and down's through the
+    activation: a figure, a failure only past twice the format's per-GEMM bound (a broken kernel
+    or layout, not the format's own error)."""
+    from .. import kernels
+
+    S, H = len(source), source[0]["gate"].shape[-1]
+    top_k = min(S, 8)
+    ids = (torch.arange(ACT_ROWS)[:, None] + torch.arange(top_k)[None, :]) % S
+    weights = torch.full((ACT_ROWS, top_k), 1.0 / top_k)
+    x = activations(f"{module}.moe", ACT_ROWS, H)
+    ref = kernels.reference.fused_moe(
+        "passthrough", x, ids, weights, {"weight": torch.stack([torch.cat((w["gate"], w["up"])) for w in source])},
+        {"weight": torch.stack([w["down"] for w in source])}, activation=activation).double()
+    gate_up, down = ({k: torch.stack([_fused(q, mods, k) for q in quantized]).to(gemm.dev) for k in fmt.kernel_inputs}
+                     for mods in ((0, 1), (2,)))
+    y = kernels.fused_moe(fmt.name, x.to(gemm.dev), ids.to(gemm.dev), weights.to(gemm.dev), gate_up, down,
+                          activation=activation, path=gemm.path).double().cpu()
+    num, den = float(torch.linalg.vector_norm(y - ref)), float(torch.linalg.vector_norm(ref))
+    rel = num / den if den > 0 else (0.0 if num == 0 else math.inf)
+    c.figures.update(moe_rel_error=round(rel, 6), moe_experts=S, moe_top_k=top_k, moe_path=gemm.path)
+    if not rel <= 2 * fmt.max_rel_error:
+        c.fail(listing(gemm.inv.root), f"{module}", f"the sampled experts as one MoE layer (fused MoE, {gemm.path}) "
+               f"have relative error {rel:.4g} against the BF16 source's (max {2 * fmt.max_rel_error:g})")
+
+
+def _fused(q: dict[str, dict[str, torch.Tensor]], mods: tuple[int, ...], suffix: str) -> torch.Tensor:
+    """One expert's `suffix` tensor of gate and up stacked (gate rows first, as the fused MoE
+    reads gate_up), or down's; a per-tensor scalar (the global scale) is gate's, which up shares."""
+    ts = [list(q.values())[i][suffix] for i in mods]
+    return torch.cat(ts) if ts[0].dim() else ts[0].reshape(())
+
+
 def layer_figures(c: Check, entries: list[dict], experts: list[int]) -> None:
     """A numerics[layer L] check's figures from the entries `judge` recorded for it."""
     c.figures.update(tensors=len(entries), worst_rel_error=max((n["rel_error"] for n in entries), default=0.0),
