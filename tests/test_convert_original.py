@@ -361,3 +361,29 @@ def test_the_release_files_and_a_bit_identical_draft_file(pair, tmp_path):
     assert all(s.startswith("model-") for s in hf.shards) and not (tmp_path / "hf" / "mtp.safetensors").exists()
     s, h = tensors(src), tensors(tmp_path / "hf")
     assert all(torch.equal(bits(h[n]), bits(s[n])) for n in s if n.startswith("mtp."))
+
+
+def test_verify_against_the_release_requires_its_mxfp8_layers_byte_identical(release, tmp_path):
+    """verify --against the MXFP8 release: the MXFP8 layers the default scheme keeps are the
+    release's bytes, compared byte for byte (a re-encoding, even a valid one, is a failure);
+    one changed e4m3 byte is named, though its values would pass the numerics thresholds."""
+    from inkling_quant.io.safetensors import read_header
+    from inkling_quant.verify import verify
+
+    out = tmp_path / "out"
+    convert(release, out, Options(default_activation_amax=AMAX), quiet=True)
+    r = verify(out, against=release)
+    pt = next(c for c in r.checks if c.id == "passthrough")
+    assert r.exit_code == 0 and pt.figures["kept_quantized"] == 4  # layer 5: w13/w2 weight and scale
+    name = "model.llm.layers.5.mlp.experts.w13_weight"
+    shard = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"][name]
+    entry = read_header(out / shard).tensors[name]
+    with open(out / shard, "r+b") as f:
+        f.seek(entry.begin + 7)
+        b = f.read(1)[0]
+        f.seek(entry.begin + 7)
+        f.write(bytes([b ^ 0x01]))  # one e4m3 mantissa step
+    r = verify(out, against=release)
+    pt = next(c for c in r.checks if c.id == "passthrough")
+    assert pt.status == "fail" and pt.problems[0].tensor == name
+    assert "mxfp8 tensor kept from the source must be bit-exact" in pt.problems[0].message

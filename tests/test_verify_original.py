@@ -231,3 +231,43 @@ def test_weight_only_and_unquantized_conversions_pass(pair, tmp_path):
     convert(src, tmp_path / "none", Options(scheme="none"), quiet=True)
     r = verify(tmp_path / "none", against=src)
     assert r.ok and not r.numerics and r.check("passthrough").figures["tensors_compared"] > 100
+
+
+# --------------------------------------------------------------------------- the fused MoE
+def test_numerics_runs_the_sampled_experts_as_one_moe_layer(pair):
+    """numerics[layer L] also runs the layer's sampled experts as one MoE layer through the
+    fused MoE entry point (verify --device cuda: the Triton kernels; here the torch reference),
+    against the BF16 experts' layer: its error is a figure, within twice the per-GEMM bound. The
+    same figure through the Triton kernels (the interpreter on CPU) agrees with the reference's."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from inkling_quant import kernels
+    from inkling_quant.verify.numerics import moe_figures
+    from inkling_quant.verify.report import Check
+
+    src, out = pair
+    r = verify(out, against=src, sample=2)
+    for layer, fmt in ((0, "nvfp4"), (LAYERS - 1, "mxfp8")):
+        f = next(c for c in r.checks if c.id == f"numerics[layer {layer}]").figures
+        assert f["moe_path"] == "torch-reference" and f["moe_experts"] == 2 and f["moe_top_k"] == 2
+        assert 0 < f["moe_rel_error"] <= 2 * FORMATS[fmt].max_rel_error
+    # moe_figures itself on tiny experts, reference path against the Triton kernel's
+    g = torch.Generator().manual_seed(0)
+    nv = FORMATS["nvfp4"]
+    source, quantized = [], []
+    for _ in range(3):
+        w = {p: (torch.randn(*s, generator=g) * 0.05).to(torch.bfloat16)
+             for p, s in (("gate", (32, 64)), ("up", (32, 64)), ("down", (64, 32)))}
+        a = nv.fused_global_amax([w["gate"], w["up"]])
+        source.append(w)
+        quantized.append({"gate": nv.quantize(w["gate"], global_amax=a), "up": nv.quantize(w["up"], global_amax=a),
+                          "down": nv.quantize(w["down"])})
+    figures = {}
+    for path in (kernels.PATH_REFERENCE, kernels.PATH_SPLITK):
+        c = Check("numerics[layer 0]", "numerics", "")
+        moe_figures(c, SimpleNamespace(dev=torch.device("cpu"), path=path, inv=SimpleNamespace(root=out)), nv,
+                    "m", source, quantized, "softcapped-swiglu")
+        assert c.status != "fail" and c.figures["moe_top_k"] == 3
+        figures[path] = c.figures["moe_rel_error"]
+    assert abs(figures[kernels.PATH_SPLITK] - figures[kernels.PATH_REFERENCE]) < 1e-2, figures

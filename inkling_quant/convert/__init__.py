@@ -25,7 +25,7 @@ import torch
 from .. import __version__, hub
 from ..errors import CheckpointError, OutputError, UsageError
 from ..export import form_for
-from ..formats import FORMATS, get_format
+from ..formats import get_format
 from ..io.checkpoint import CONFIG_NAME, INDEX_NAME, copy_file_atomic, write_json_atomic
 from ..io.output import CHECKSUMS, OutputLock, check_paths, write_checksums
 from ..io.safetensors import fsync_files, sha256_file

@@ -30,10 +30,12 @@ class Family:
     dense_width_key: str = "intermediate_size"  # a dense layer's MLP width
     shared_expert_per_layer: bool = False  # one shared expert of the expert width in every MoE layer
     gate_up_interleaved: bool = False     # stacked gate_up_proj rows alternate gate/up (not gate then up)
+    expert_activation: str = "silu"       # how an expert gates up by gate (kernels' ACTIVATIONS): SwiGLU
 
 
+# transformers 5.25 models/inkling2: softcapped SwiGLU experts (mlp_gate_softcap, mlp_up_softcap)
 INKLING2 = Family("inkling2", ("inkling2", "inkling2_text"), tested=True, strict=True,
-                  recipe="thinkingmachines/Inkling-2-Small (seed recipe)")
+                  recipe="thinkingmachines/Inkling-2-Small (seed recipe)", expert_activation="softcapped-swiglu")
 GENERIC = Family("generic")
 FAMILIES: tuple[Family, ...] = (
     INKLING2,
@@ -53,7 +55,9 @@ FAMILIES: tuple[Family, ...] = (
     # models/gpt_oss/modeling_gpt_oss.py: experts stacked [E, H, 2I] / [E, I, H] (in, out) with
     # biases, gate/up interleaved along 2I (`gate, up = gate_up[..., ::2], gate_up[..., 1::2]`,
     # l.82), attention sinks and q/k/v/o biases; the MXFP4 release stores the experts as
-    # `*_blocks` / `*_scales` [E, out, in/32, 16] (model/sources.py)
+    # `*_blocks` / `*_scales` [E, out, in/32, 16] (model/sources.py). Its clamped SwiGLU (alpha
+    # 1.702, limit 7) is not among the kernels' activations: verify's MoE figure uses SiLU for it,
+    # the same on both sides of the comparison
     Family("gpt_oss", ("gpt_oss",), qkv_bias=True, gate_up_interleaved=True),
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}

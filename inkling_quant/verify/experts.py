@@ -45,7 +45,7 @@ from .inventory import (CHECKED, DISAGREES, FAILED, SKIPPED, Conf, Expected, Fil
                         config_shape, listing, weight_only_vote)
 from .encoding import read_stacked_expert
 from .sources import kept_modules, read_weight, stored_shapes
-from .numerics import Gemm, judge, layer_figures, module_tensors, sample_experts, start, stored_ok
+from .numerics import Gemm, moe_figures, judge, layer_figures, module_tensors, sample_experts, start, stored_ok
 from .report import Check, Recorder
 from .stream import torch_threads
 
@@ -414,6 +414,7 @@ def _check_layer(run: Recorder, c: Check, inv: Inventory, gemm: Gemm, layer: int
         return
     experts = sample_experts(layer, dims(inv.conf.cfg)[0], sample)
     first = len(run.report.numerics)
+    layer_src, layer_q = [], []  # the sampled experts as one MoE layer (moe_figures)
     for e in experts:
         weights = _source_expert(c, inv, gemm, layer, e)
         if weights is None:
@@ -421,11 +422,17 @@ def _check_layer(run: Recorder, c: Check, inv: Inventory, gemm: Gemm, layer: int
         per = _quantized_expert(c, inv, gemm, fmt, lay, names, module, e)
         if per is None:
             continue
+        mods = {}
         for proj, mod in lay.experts.projections(e):
             (w, what), (tensor, blame, tail) = weights[proj], _judged(lay, module, e, mod, proj)
             judge(run, c, inv, fmt, (layer, e, mod), tensor, gemm.errors(f"{module}.{e}.{mod}", w, per[mod], fmt),
                   blame, f"expert {e} {mod} ({fmt.name}) y = x @ W^T vs the BF16 source ({what})", tail)
+            mods[proj] = per[mod]
+        layer_src.append({p: weights[p][0] for p in CANONICAL})
+        layer_q.append({p: mods[p] for p in CANONICAL})
     layer_figures(c, run.report.numerics[first:], experts)
+    if layer_q and len(layer_q) == len(experts) and fmt.kernel is not None:
+        moe_figures(c, gemm, fmt, module, layer_src, layer_q, inv.conf.cfg.family.expert_activation)
 
 
 def _judged(lay: Layout, module: str, e: int, mod: str, proj: str) -> tuple[str, str, str]:

@@ -47,7 +47,8 @@ class Passthrough:
 
     def __init__(self, run: Recorder, inv: Inventory):
         self.inv = inv
-        self.check = run.new("passthrough", "numerics", "pass-through tensors are byte-identical to the source")
+        self.check = run.new("passthrough", "numerics", "pass-through tensors, and quantized ones kept from a quantized "
+                             "source, are byte-identical to the source")
         self.check.figures.update(tensors_compared=0, bytes_compared=0)
         self.fds: dict[str, int] = {}
         self.readers: dict[str, ShardReader] = {}
@@ -61,7 +62,7 @@ class Passthrough:
 
     def visit(self, seen: Seen):
         if seen.fmt != "passthrough":
-            return None
+            return self._kept(seen)
         if seen.name in self.inv.expected.dequantized:  # a quantized source's module written BF16
             return dequantized_sink(self, seen)
         renamed = self.inv.expected.source_of.get(seen.name)  # ModelOpt's form: transformers' names
@@ -94,6 +95,21 @@ class Passthrough:
         if r is None:
             r = self.readers[shard] = ShardReader(safe_child(self.inv.source.root, shard, "shard"))
         return r
+
+    def _kept(self, seen: Seen) -> "_SameBytes | None":
+        """A quantized tensor the source holds as it is (same name, dtype and shape, a quantized
+        dtype: the MXFP8 release's experts kept MXFP8) must be its bytes, not a re-encoding. A source
+        stored in a source-only format (FP8 block, MXFP4) keeps nothing here: its e4m3 bytes under
+        another format's name are requantized (its kept modules are verify/sources.py's)."""
+        quant = self.inv.source.layout.source if self.inv.source.layout is not None else None
+        if quant is not None:
+            return None
+        src = self.inv.source.tensors.get(seen.name)
+        if src is None or src.entry.dtype != seen.entry.dtype or tuple(src.entry.shape) != tuple(seen.entry.shape) \
+                or src.entry.dtype.is_floating_point and src.entry.dtype.itemsize > 1:
+            return None
+        self.check.figures["kept_quantized"] = self.check.figures.get("kept_quantized", 0) + 1
+        return _SameBytes(self, seen, src)
 
     def fd(self, shard: str) -> int:
         fd = self.fds.get(shard)
@@ -140,8 +156,9 @@ class _SameBytes:
             return
         first = int((a != b).nonzero()[0, 0])
         where = f"byte {first + offset}" if ratio == 1 else f"element {first + offset // a.element_size()}"
+        what = "pass-through" if self.seen.fmt == "passthrough" else f"a {self.seen.fmt} tensor kept from the source"
         self.pt.check.fail(self.seen.path, self.seen.name, f"differs from the source ({src_root / src.shard}) at "
-                           f"{where} of the tensor: pass-through must be bit-exact"
+                           f"{where} of the tensor: {what} must be bit-exact"
                            + (" (or its exact widening)" if ratio > 1 else ""))
         self.same = False
 
@@ -277,6 +294,45 @@ def judge(run: Recorder, c: Check, inv: Inventory, fmt: Format, where: tuple[int
         c.fail(inv.root / inv.files.tensors[blame].shard, blame,
                f"{head}: relative error {rel:.4g} (max {fmt.max_rel_error:g}), cosine {cos:.6f} "
                f"(min {fmt.min_cosine:g}): {tail}")
+
+
+def moe_figures(c: Check, gemm: "Gemm", fmt: Format, module: str, source: list[dict[str, torch.Tensor]],
+                quantized: list[dict[str, dict[str, torch.Tensor]]], activation: str) -> None:
+    """The sampled experts as one MoE layer, through the fused MoE entry point (kernels.fused_moe:
+    tokens sorted by expert, gate_up then the gated activation then down, one launch each; on a
+    GPU the Triton kernels, on the CPU the torch reference) against the same layer computed from
+    the BF16 source experts: ACT_ROWS tokens, each routed to up to 8 of them with equal weights.
+    `source`: per expert {"gate", "up", "down"} weights; `quantized`: per expert the gate, up and
+    down modules' tensors (in that order). The error compounds gate/up's and down's through the
+    activation: a figure, a failure only past twice the format's per-GEMM bound (a broken kernel
+    or layout, not the format's own error)."""
+    from .. import kernels
+
+    S, H = len(source), source[0]["gate"].shape[-1]
+    top_k = min(S, 8)
+    ids = (torch.arange(ACT_ROWS)[:, None] + torch.arange(top_k)[None, :]) % S
+    weights = torch.full((ACT_ROWS, top_k), 1.0 / top_k)
+    x = activations(f"{module}.moe", ACT_ROWS, H)
+    ref = kernels.reference.fused_moe(
+        "passthrough", x, ids, weights, {"weight": torch.stack([torch.cat((w["gate"], w["up"])) for w in source])},
+        {"weight": torch.stack([w["down"] for w in source])}, activation=activation).double()
+    gate_up, down = ({k: torch.stack([_fused(q, mods, k) for q in quantized]).to(gemm.dev) for k in fmt.kernel_inputs}
+                     for mods in ((0, 1), (2,)))
+    y = kernels.fused_moe(fmt.name, x.to(gemm.dev), ids.to(gemm.dev), weights.to(gemm.dev), gate_up, down,
+                          activation=activation, path=gemm.path).double().cpu()
+    num, den = float(torch.linalg.vector_norm(y - ref)), float(torch.linalg.vector_norm(ref))
+    rel = num / den if den > 0 else (0.0 if num == 0 else math.inf)
+    c.figures.update(moe_rel_error=round(rel, 6), moe_experts=S, moe_top_k=top_k, moe_path=gemm.path)
+    if not rel <= 2 * fmt.max_rel_error:
+        c.fail(listing(gemm.inv.root), f"{module}", f"the sampled experts as one MoE layer (fused MoE, {gemm.path}) "
+               f"have relative error {rel:.4g} against the BF16 source's (max {2 * fmt.max_rel_error:g})")
+
+
+def _fused(q: dict[str, dict[str, torch.Tensor]], mods: tuple[int, ...], suffix: str) -> torch.Tensor:
+    """One expert's `suffix` tensor of gate and up stacked (gate rows first, as the fused MoE
+    reads gate_up), or down's; a per-tensor scalar (the global scale) is gate's, which up shares."""
+    ts = [list(q.values())[i][suffix] for i in mods]
+    return torch.cat(ts) if ts[0].dim() else ts[0].reshape(())
 
 
 def layer_figures(c: Check, entries: list[dict], experts: list[int]) -> None:

@@ -18,8 +18,7 @@ import torch
 from ..errors import InklingQuantError
 from ..export.modelopt import read_quantization
 from ..formats import Format, format_for_quant_algo, get_format
-from ..model.layout import Layout
-from .inventory import Conf, Files, Located, Shape, Source
+from .inventory import Conf, Files, Shape, Source
 
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
