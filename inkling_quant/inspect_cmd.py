@@ -32,7 +32,7 @@ from . import hub
 from .units import human_bytes
 from .errors import ConfigError, InklingQuantError, printable
 from .export.modelopt import format_of, read_quantization
-from .formats import FORMATS, SCALE_SUFFIXES
+from .formats import FORMATS, SCALE_SUFFIXES, format_for_quant_algo, get_format
 from .formats import detect as detect_format
 from .export.inkling import projection_specs
 from .model.inkling2 import Inkling2Config, checkpoint_tensors, classify, experts_module
@@ -196,10 +196,18 @@ def _summarize_moe(root: Path, ckpt: Checkpoint, config: MoEConfig | Inkling2Con
                 detected=_detected(lay, cfg))
     modules: dict[tuple[int, int, str], dict[str, TensorEntry]] = defaultdict(dict)
     parts: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "params": 0, "bytes": 0, "formats": defaultdict(int)})
+    names = {e.name for e in entries}
     for e in entries:
         t = lay.classify(e.name)
+        own = lay.source.owner(e.name) if lay.source is not None else None  # a quantized source's stored tensor
         if t.part == "expert":
-            modules[(t.layer, -1 if t.expert is None else t.expert, t.projection)][t.suffix] = e
+            modules[(t.layer, -1 if t.expert is None else t.expert, t.projection)][own[1] if own else t.suffix] = e
+            continue
+        if (kept := _source_module(lay, e, own, names)) is not None:  # e.g. FP8 attention: weight + scale
+            _add(parts[t.part], 1, e.nbytes, 0 if own else math.prod(e.shape), kept)
+            continue
+        if (kept := _kept_module(q, t, e)) is not None:  # a converted FP8 source's FP8_PB_WO module
+            _add(parts[t.part], 1, e.nbytes, math.prod(e.shape) if t.suffix == "weight" else 0, kept)
             continue
         label = "passthrough" if e.dtype in SOURCE_DTYPES and t.suffix not in SCALE_SUFFIXES else UNRECOGNIZED
         if label == UNRECOGNIZED:
@@ -209,16 +217,16 @@ def _summarize_moe(root: Path, ckpt: Checkpoint, config: MoEConfig | Inkling2Con
     counts: dict[int, set[int]] = defaultdict(set)
     for (layer, expert, proj), observed in sorted(modules.items()):
         shape = _expert_shape(lay, cfg, proj)
-        fmt, act = _module_format(observed, shape)
+        fmt, act = _module_format(observed, shape, lay)
         experts = lay.experts_modules[layer]
         if fmt == UNRECOGNIZED:
             found = ", ".join(f"{k} {e.dtype} {list(e.shape)}" for k, e in sorted(observed.items()))
             s.unrecognized.append(f"{experts}.{'' if expert < 0 else f'{expert}.'}{proj} ({found})")
         else:
-            declared = format_of(q, experts)
-            note = (f"{experts}: tensors are {fmt}, the quantization config declares "
-                    f"{declared.name if declared is not None else 'none (unquantized)'}")
-            if (declared.name if declared is not None else "passthrough") != fmt and note not in s.mismatched:
+            declared = lay.source.format if lay.source is not None else \
+                getattr(format_of(q, experts), "name", "none (unquantized)")
+            note = f"{experts}: tensors are {fmt}, the quantization config declares {declared}"
+            if declared.replace("none (unquantized)", "passthrough") != fmt and note not in s.mismatched:
                 s.mismatched.append(note)
         _add(parts["expert"], len(observed), sum(e.nbytes for e in observed.values()), math.prod(shape),
              _label(fmt, act))
@@ -254,13 +262,39 @@ def _expert_shape(lay: Layout, cfg: MoEConfig, proj: str) -> tuple[int, ...]:
     return (cfg.num_experts, inp, out) if lay.experts.transposed else (cfg.num_experts, out, inp)
 
 
-def _module_format(observed: dict[str, TensorEntry], shape: tuple[int, ...]) -> tuple[str, bool | None]:
+def _kept_module(q: dict | None, t, e: TensorEntry) -> str | None:
+    """The format of a module a quantization config declares in a format only sources store,
+    written as they store it (ModelOpt's FP8_PB_WO: convert keeps an FP8 source's attention so),
+    for its tensors of that format's ModelOpt form; else None."""
+    entry = ((q or {}).get("quantized_layers") or {}).get(t.module)
+    fmt = format_for_quant_algo(entry.get("quant_algo"), source=True) if isinstance(entry, dict) else None
+    if fmt is None or not fmt.source_only:
+        return None
+    spec = fmt.modelopt_specs((1, 1)).get(t.suffix)  # the form's tensors and dtypes (shapes aside)
+    return fmt.name if spec is not None and spec.dtype == e.dtype else None
+
+
+def _source_module(lay: Layout, e: TensorEntry, own: tuple[str, str] | None, names: set[str]) -> str | None:
+    """The source format of a quantized source's stored tensor outside the routed experts (an FP8
+    weight, or its scale, with its pair present), else None."""
+    q = lay.source
+    if q is None or q.experts_only or (own is None and e.dtype in SOURCE_DTYPES):
+        return None
+    weight = own[0] if own is not None else e.name
+    return q.format if set(q.stored(weight).values()) <= names else None
+
+
+def _module_format(observed: dict[str, TensorEntry], shape: tuple[int, ...],
+                   lay: Layout | None = None) -> tuple[str, bool | None]:
     """(format, carries an activation scale) whose tensors for a source weight of `shape` are
-    exactly `observed` (suffix -> entry), as the formats say."""
+    exactly `observed` (suffix -> entry), as the formats say (a quantized source's format too)."""
     w = observed.get("weight")
     dtype = w.dtype if w is not None and w.dtype in SOURCE_DTYPES else torch.bfloat16
     got = {k: (tuple(e.shape), e.dtype) for k, e in observed.items()}
     fmt = detect_format(got, shape, dtype)
+    if fmt is None and lay is not None and lay.source is not None:
+        src = get_format(lay.source.format, source=True)
+        return (src.name, None) if src.matches(got, shape, dtype) else (UNRECOGNIZED, None)
     if fmt is None:
         return UNRECOGNIZED, None
     return fmt.name, (set(got) == set(fmt.out_specs(shape, dtype, True)) if fmt.quant_algo else None)
@@ -274,7 +308,9 @@ def _detected(lay: Layout, cfg: MoEConfig) -> dict:
             "expert_storage": lay.experts.kind, "transposed": lay.experts.transposed if stacked else None,
             "projections": list(lay.experts.stored_names),
             "expert_layers": list(lay.expert_layers), "experts": cfg.num_experts,
-            "vision_prefix": lay.vision_prefix, "projector_prefix": lay.projector_prefix, "lm_head": lay.lm_head}
+            "vision_prefix": lay.vision_prefix, "projector_prefix": lay.projector_prefix, "lm_head": lay.lm_head,
+            "source_format": lay.source.format if lay.source is not None else None,
+            "gate_up_interleaved": lay.experts.interleaved if stacked else None}
 
 
 def _render_layout(d: dict) -> list[str]:
@@ -287,7 +323,9 @@ def _render_layout(d: dict) -> list[str]:
             f"layers {spans or 'none'}",
             f"  vision tower    {d['vision_prefix'] or 'none'}",
             f"  projector       {d['projector_prefix'] or 'none'}",
-            f"  lm_head         {d['lm_head'] or 'none'}", ""]
+            f"  lm_head         {d['lm_head'] or 'none'}"] \
+        + ([f"  stored          {d['source_format']} (a quantized source: convert requantizes its routed experts)"]
+           if d.get("source_format") else []) + [""]
 
 
 def _finish(s: Summary, parts: dict, per_layer: dict[int, tuple[str, int]], draft_expected: bool) -> None:

@@ -10,6 +10,8 @@ import sys
 import numba
 import numpy as np
 import pytest
+import warnings
+
 import torch
 
 from inkling_quant.errors import FormatError
@@ -692,7 +694,8 @@ def test_fp8_block_shape_errors_name_the_tensor():
         FP8B.quantize(torch.zeros(256, dtype=BF), name=name)
     assert e.value.tensor == name
     stored = random_fp8_block((300, 200))
-    for bad in (torch.zeros(2, 2), torch.zeros(3, 3), torch.zeros(3, 2, dtype=BF)):
+    for bad in (torch.zeros(2, 2), torch.zeros(3, 3), torch.zeros(3, 2, dtype=torch.float64),
+                torch.zeros(3, 2, dtype=U8)):
         with pytest.raises(FormatError, match=r"needs float32 \(3, 2\)") as e:
             FP8B.check_stored({**stored, "weight_scale_inv": bad}, name)
         assert e.value.tensor == "model.layers.5.mlp.experts.7.down_proj.weight_scale_inv"
@@ -788,20 +791,22 @@ def test_fp8_block_is_a_source_format_only():
     quant_algo lookups) sees it."""
     from inkling_quant.export import value_rules
     from inkling_quant.formats import SCALE_SUFFIXES, detect, format_for_quant_algo
-    assert set(FORMATS) == {"nvfp4", "mxfp8", "passthrough"} and set(SOURCE_FORMATS) == {"fp8_block"}
+    assert set(FORMATS) == {"nvfp4", "mxfp8", "passthrough"} and set(SOURCE_FORMATS) == {"fp8_block", "mxfp4"}
     assert isinstance(SOURCE_FORMATS["fp8_block"], FP8Block)
     assert get_format("fp8_block", source=True) is SOURCE_FORMATS["fp8_block"]
     assert get_format("nvfp4", source=True) is FORMATS["nvfp4"]
     with pytest.raises(KeyError, match="unknown format 'fp8_block'"):
         get_format("fp8_block")
     assert "weight_scale_inv" not in SCALE_SUFFIXES and value_rules("weight_scale_inv") == set()
-    assert format_for_quant_algo("FP8_PB_WO") is None and FP8B.quant_algo is None and FP8B.layer_config() is None
+    assert format_for_quant_algo("FP8_PB_WO") is None and format_for_quant_algo("fp8_pb_wo") is None
+    # written only as it is stored, in ModelOpt's FP8_PB_WO form (its exporter's spelling, no config_groups bits)
+    assert isinstance(format_for_quant_algo("FP8_PB_WO", source=True), FP8Block)
+    assert FP8B.quant_algo == "fp8_pb_wo" and FP8B.layer_config() == {"quant_algo": "fp8_pb_wo"}
     t = random_fp8_block((256, 128))
     observed = {k: (tuple(v.shape), v.dtype) for k, v in t.items()}
     assert detect(observed, (256, 128), BF) is None and FP8B.matches(observed, (256, 128), BF)
     assert FP8B.value_rule("weight_scale_inv") == "positive"
-    with pytest.raises(KeyError):
-        FP8B.config_group_bits()
+    assert FP8B.config_group_bits() is None
 
 
 def test_config_group_bits_are_exports_table():
@@ -826,7 +831,7 @@ def test_transcode_registry_lookup():
     assert transcode.TRANSCODERS is TRANSCODERS
     assert TRANSCODERS[("mxfp8", "nvfp4")] is transcode.nvfp4_from_mxfp8
     assert transcode.find(MXFP8(), NVFP4()) is transcode.find("mxfp8", "nvfp4") is transcode.nvfp4_from_mxfp8
-    assert transcode.find("fp8_block", "nvfp4") is None and transcode.find("nvfp4", "mxfp8") is None
+    assert transcode.find("mxfp4", "mxfp8") is None and transcode.find("nvfp4", "mxfp8") is None
     tree = ast.parse(Path(nv_module.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert "mxfp8" not in imported and "requantize" not in NVFP4.__dict__
@@ -839,7 +844,7 @@ def test_requantize_takes_a_registered_fast_path_and_falls_back(monkeypatch):
     quantize(source.dequantize(...)) bit for bit; the registered MXFP8 -> NVFP4 path equals it."""
     calls = []
 
-    def spy(tensors, source, target, *, input_amax=None, name="", encoder="modelopt"):
+    def spy(tensors, source, target, *, global_amax=None, input_amax=None, name="", encoder="modelopt"):
         calls.append((source.name, target.name, input_amax, name))
         return {"weight": torch.zeros(1)}
 
@@ -856,3 +861,118 @@ def test_requantize_takes_a_registered_fast_path_and_falls_back(monkeypatch):
         fast = NVFP4().requantize(stored, MXFP8(), input_amax=3.5)
         plain = NVFP4().quantize(MXFP8().dequantize(stored), input_amax=3.5)
         assert set(fast) == set(plain) and all(torch.equal(_bits(fast[k]), _bits(plain[k])) for k in plain)
+
+
+# ------------------------------------------------------------------------------ source formats: bf16 scales, mxfp4
+def test_fp8_block_reads_bf16_scales_and_writes_modelopt_fp8_pb_wo():
+    """Qwen3's FP8 releases store weight_scale_inv in bf16: it widens exactly. ModelOpt's FP8_PB_WO
+    form (its 0.47 exporter: `weight` + fp32 `weight_scale` [gm, 1, gn, 1]) keeps the bytes."""
+    t = random_fp8_block((300, 200), seed=5)
+    half = {**t, "weight_scale_inv": t["weight_scale_inv"].to(BF)}
+    assert torch.equal(FP8B.dequantize(half), fp8_block_reference({**t, "weight_scale_inv": half["weight_scale_inv"].float()}))
+    FP8B.check_stored(half, "m.weight")
+    mo = FP8B.modelopt_tensors(half)
+    assert torch.equal(_bits(mo["weight"]), _bits(t["weight"])) and mo["weight_scale"].dtype == torch.float32
+    assert mo["weight_scale"].shape == (3, 1, 2, 1) and torch.equal(mo["weight_scale"].reshape(3, 2),
+                                                                    half["weight_scale_inv"].float())
+    assert {k: (tuple(o.shape), o.dtype) for k, o in FP8B.modelopt_specs((300, 200)).items()} == \
+        {"weight": ((300, 200), torch.float8_e4m3fn), "weight_scale": ((3, 1, 2, 1), torch.float32)}
+    observed = {k: (tuple(v.shape), v.dtype) for k, v in half.items()}
+    assert FP8B.matches(observed, (300, 200), BF)
+
+
+def _modelopt_mxfp4():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from modelopt.torch.export.shard_cast_utils import (dequantize_mxfp4_to_bf16, mxfp4_kmax,
+                                                            quantize_mxfp4_to_nvfp4_lossless)
+        from modelopt.torch.quantization.qtensor import MXFP4QTensor
+    return MXFP4QTensor, dequantize_mxfp4_to_bf16, mxfp4_kmax, quantize_mxfp4_to_nvfp4_lossless
+
+
+def test_mxfp4_quantize_and_dequantize_are_modelopts():
+    """MXFP4.quantize is ModelOpt 0.47's MXFP4QTensor.quantize bit for bit (zeros as code 8, ties
+    down); dequantize is exact, equal to ModelOpt's and transformers' decoders."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    MXFP4QTensor, deq, _, _ = _modelopt_mxfp4()
+    fmt = get_format("mxfp4", source=True)
+    w = outliers(64, 256)
+    w[3, :32] = 0
+    w[5, 32:64] *= 2.0 ** -60
+    q, e8 = MXFP4QTensor.quantize(w, 32)
+    st = fmt.quantize(w)
+    assert st["weight"].shape == (64, 8, 16) and st["weight_scale"].shape == (64, 8)
+    assert torch.equal(st["weight"].reshape(-1), q._quantized_data.reshape(-1))
+    assert torch.equal(st["weight_scale"].reshape(-1), e8.reshape(-1))
+    x = fmt.dequantize(st)
+    assert torch.equal(x.to(BF), deq(st["weight"].reshape(64, 128), st["weight_scale"], "cpu"))
+    tf = convert_moe_packed_tensors(st["weight"][None], st["weight_scale"][None], dtype=torch.float32)[0]
+    assert torch.equal(x, tf.T) and torch.equal(fmt.amax(st), x.abs().amax())
+    assert fmt.weight_shape({"weight": (4, 64, 8, 16), "weight_scale": (4, 64, 8)}) == (4, 64, 256)
+
+
+def test_mxfp4_check_stored_names_the_scale():
+    fmt = get_format("mxfp4", source=True)
+    st = fmt.quantize(outliers(64, 256))
+    bad = {**st, "weight_scale": st["weight_scale"].clone()}
+    bad["weight_scale"][2, 3] = 255
+    with pytest.raises(FormatError, match=r"255 \(NaN\).*\(2, 3\)") as e:
+        fmt.check_stored(bad, "x_blocks", {"weight_scale": "x_scales"})
+    assert e.value.tensor == "x_scales"
+    big = {**st, "weight_scale": torch.full_like(st["weight_scale"], 254)}
+    with pytest.raises(FormatError, match="fp32 range"):
+        fmt.check_stored(big, "x_blocks")
+    with pytest.raises(FormatError, match="do not match"):
+        fmt.dequantize({**st, "weight_scale": st["weight_scale"][:, :3]})
+
+
+@pytest.mark.parametrize("case", ["gaussian", "out_of_window", "zero_e8m0", "scale_one"])
+def test_nvfp4_from_mxfp4_is_modelopts_lossless_cast(case):
+    """The MXFP4 -> NVFP4 transcoder is ModelOpt 0.47's quantize_mxfp4_to_nvfp4_lossless bit for
+    bit (k_max of the slab; in-window blocks' codes verbatim, -0 to +0; the rest re-rounded),
+    and reports its block counts; the release's encoder takes the plain path."""
+    MXFP4QTensor, _, kmax, lossless = _modelopt_mxfp4()
+    fmt = get_format("mxfp4", source=True)
+    w = outliers(96, 512).float()
+    if case == "out_of_window":
+        w[3, :32] *= 2.0 ** -30
+        w[7, 64:96] *= 2.0 ** -19
+    st = fmt.quantize(w.to(BF))
+    if case == "zero_e8m0":
+        st["weight_scale"][0, 0] = 0
+    if case == "scale_one":
+        st["weight_scale"][1, 1] = 1
+    got = NVFP4().requantize(st, fmt, input_amax=3.5)
+    q, sc, s2, nb, nl = lossless(st["weight"].reshape(96, 256), st["weight_scale"], kmax(st["weight_scale"]), "cpu")
+    assert torch.equal(got["weight"], q) and torch.equal(_bits(got["weight_scale"]), _bits(sc))
+    assert torch.equal(got["weight_scale_2"], s2) and (int(got["mxfp4_blocks"]), int(got["mxfp4_lossless_blocks"])) == (nb, nl)
+    assert torch.equal(got["input_scale"], NVFP4().quantize(w[:1, :16], input_amax=3.5)["input_scale"])
+    assert (nl < nb) == (case in ("out_of_window", "scale_one"))
+    plain = NVFP4().quantize(fmt.dequantize(st), encoder="release")
+    rel = NVFP4().requantize(st, fmt, encoder="release")
+    assert all(torch.equal(_bits(rel[k]), _bits(plain[k])) for k in plain)
+
+
+@pytest.mark.parametrize("shape", [(300, 256), (130, 160), (256, 384)])
+def test_fp8_block_transcoders_equal_dequantize_then_quantize(shape):
+    """The FP8 block -> NVFP4 / MXFP8 fast paths (bytes decoded per chunk, never an fp32 copy)
+    are bit for bit quantize(dequantize(...)), with the weight's own or a shared global amax,
+    for both encoders, on every e4m3 byte under scales spanning 60 binades (subnormal values)."""
+    assert transcode.find("fp8_block", "nvfp4") is transcode.nvfp4_from_fp8_block
+    assert transcode.find("fp8_block", "mxfp8") is transcode.mxfp8_from_fp8_block
+    st = random_fp8_block(shape, seed=sum(shape), scale_range=(0.0, 1.0))
+    st["weight_scale_inv"] = torch.exp2(st["weight_scale_inv"] * 60 - 45)
+    x = FP8B.dequantize(st)
+    g = x.abs().amax() * 1.5
+    cases = [(NVFP4(), dict(input_amax=3.5)), (NVFP4(), dict(global_amax=g)), (NVFP4(), dict(encoder="release")),
+             (NVFP4(), dict(global_amax=g, encoder="release")), (MXFP8(), {}), (MXFP8(), dict(encoder="release"))]
+    for target, kw in cases:
+        fast, plain = target.requantize(st, FP8B, **kw), target.quantize(x, **kw)
+        assert set(fast) == set(plain) and all(torch.equal(_bits(fast[k]), _bits(plain[k])) for k in plain), (target.name, kw)
+    bad = {**st, "weight": st["weight"].clone()}
+    bad["weight"].view(U8)[5, 7] = 0x7F
+    for target in (NVFP4(), MXFP8()):
+        with pytest.raises(FormatError, match="NaN or Inf") as e:
+            target.requantize(bad, FP8B, name="m.weight")
+        assert e.value.tensor == "m.weight"

@@ -11,6 +11,11 @@ row-interleaved experts w13 [E, 4608, 4608] and w2 [E, 4608, 2304] bf16, fewer l
   release      the MXFP8 release form made from it (``convert --scheme mxfp8``, the stacked form
                Inkling-2-Small-MXFP8 stores; docs/convert.md: an accepted source), untimed;
   passthrough  pass-through-heavy, default 2 layers x 1 expert (1.2 GB, 10 % experts);
+  fp8          an FP8 block-scaled source in DeepSeek-V3's layout at its real shapes (hidden 7168, expert
+               width 2048, its MLA attention, one shared expert; `weight` e4m3 + `weight_scale_inv`
+               fp32 per 128x128 tile, config quant_method fp8), default 2 layers x 32 experts
+               (3.2 GB, 88 % routed experts; vocab 8192): its copy floor against ``default`` (FP8
+               experts -> NVFP4/MXFP8, the rest kept FP8);
   sweep        peak RSS of ``convert --scheme default`` on 1 layer with experts grown to ~1, 2, 4 and
                8 GB of input (--sweep-gb, --max-gb).
 
@@ -67,7 +72,7 @@ ATTN_LORA = ("q_proj.linear", "k_proj.linear", "v_proj.linear", "o_proj.linear")
 # ============================================================================ children
 def child(spec: dict) -> None:
     """Runs inside a measured (or helper) process; result JSON to spec['result']."""
-    res = {"cli": _child_cli, "adapter": _child_adapter}[spec["kind"]](spec)
+    res = {"cli": _child_cli, "adapter": _child_adapter, "fp8_input": _child_fp8_input}[spec["kind"]](spec)
     Path(spec["result"]).write_text(json.dumps(res))
 
 
@@ -115,6 +120,78 @@ def _child_adapter(spec: dict) -> dict:
         "use_rslora": False, "fan_in_fan_out": False, "target_modules": list(ATTN_LORA),
         "base_model_name_or_path": "thinkingmachines/Inkling-2-Small"}))
     return {"modules": len(tensors) // 2}
+
+
+def _child_fp8_input(spec: dict) -> dict:
+    """A DeepSeek-V3 FP8 block-scaled checkpoint at its real shapes (deepseek-ai/DeepSeek-V3
+    inference/configs/config_671B.json: hidden 7168, expert width 2048, MLA q_lora 1536, kv_lora
+    512, 128 heads), spec['layers'] MoE layers of spec['experts'] routed experts and one shared
+    expert, vocab 8192: every Linear weight random e4m3 bytes (no NaN) with a float32
+    `weight_scale_inv` per 128x128 tile (U(1e-4, 1e-2)); norms, router, embedding and LM head
+    bf16. Shards of about spec['shard_size'] bytes and an index. Returns its stats."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+    from safetensors.torch import save_file
+
+    from inkling_quant.cli.options import parse_size
+
+    L, E, H, I = spec["layers"], spec["experts"], 7168, 2048
+    gen = torch.Generator().manual_seed(0)
+
+    def fp8(name, rows, cols):
+        q = torch.randint(0, 255, (rows, cols), generator=gen, dtype=torch.int32).to(torch.uint8)
+        q[(q & 0x7F) == 0x7F] ^= 1                                   # no NaN byte
+        s = torch.rand((-(-rows // 128), -(-cols // 128)), generator=gen) * 0.0099 + 1e-4
+        return {name: q.view(torch.float8_e4m3fn), name + "_scale_inv": s}
+
+    def bf16(name, *shape):
+        return {name: (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)}
+
+    def layer(i):
+        p = f"model.layers.{i}."
+        t = {**fp8(p + "self_attn.q_a_proj.weight", 1536, H), **bf16(p + "self_attn.q_a_layernorm.weight", 1536),
+             **fp8(p + "self_attn.q_b_proj.weight", 128 * 192, 1536), **fp8(p + "self_attn.kv_a_proj_with_mqa.weight", 576, H),
+             **bf16(p + "self_attn.kv_a_layernorm.weight", 512), **fp8(p + "self_attn.kv_b_proj.weight", 128 * 256, 512),
+             **fp8(p + "self_attn.o_proj.weight", H, 128 * 128), **bf16(p + "input_layernorm.weight", H),
+             **bf16(p + "post_attention_layernorm.weight", H), **bf16(p + "mlp.gate.weight", E, H),
+             p + "mlp.gate.e_score_correction_bias": torch.zeros(E)}
+        for m in ["mlp.shared_experts"] + [f"mlp.experts.{e}" for e in range(E)]:
+            for proj, (r, c) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                t.update(fp8(f"{p}{m}.{proj}.weight", r, c))
+        return t
+
+    out, limit = Path(spec["out"]), parse_size(spec["shard_size"])
+    out.mkdir(parents=True)
+    groups, cur, size = [], {}, 0
+    for tensors in [{**bf16("model.embed_tokens.weight", 8192, H)}, *(layer(i) for i in range(L)),
+                    {**bf16("model.norm.weight", H), **bf16("lm_head.weight", 8192, H)}]:
+        for k, v in tensors.items():
+            if cur and size + v.nbytes > limit:
+                groups.append(cur)
+                cur, size = {}, 0
+            cur[k], size = v, size + v.nbytes
+    groups.append(cur)
+    weight_map, parts = {}, {}
+    for n, g in enumerate(groups):
+        f = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file(g, out / f, metadata={"format": "pt"})
+        for k, v in g.items():
+            weight_map[k] = f
+            part = "expert" if ".mlp.experts." in k else "attention" if ".self_attn." in k else "other"
+            parts[part] = parts.get(part, 0) + v.nbytes
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 8192, "hidden_size": H,
+        "intermediate_size": 18432, "moe_intermediate_size": I, "num_hidden_layers": L, "first_k_dense_replace": 0,
+        "n_routed_experts": E, "n_shared_experts": 1, "num_experts_per_tok": min(8, E),
+        "n_group": 8 if E % 8 == 0 else 1, "topk_group": 4 if E % 8 == 0 else 1,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "max_position_embeddings": 4096,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "weight_block_size": [128, 128]}}))
+    return {"bytes": sum(parts.values()), "expert_bytes": parts.get("expert", 0), "parts": parts,
+            "shards": len(groups)}
 
 
 # ============================================================================ cases
@@ -167,6 +244,9 @@ def plan_cases(args, peer: bool) -> dict[str, list[dict]]:
         + (mo if not args.skip_modelopt else []) + lc,
         "release": [cli("none", "convert --scheme none (the release's copy floor)"),
                     cli("default", "convert --scheme default (MXFP8 release -> default)"), shell],
+        "fp8": [cli("none", "convert --scheme none (the FP8 source's copy floor)"),
+                cli("default", "convert --scheme default (FP8 source -> default)"),
+                cli("mxfp8", "convert --scheme mxfp8 (FP8 source -> MXFP8)"), shell],
         "passthrough": ours + [shell,
                                cli("draft", "draft extract", ["draft", "extract", "{src}", "{out}", "--quiet"],
                                    bytes_="draft"),
@@ -278,6 +358,7 @@ TARGETS = [  # (what, input, case, baseline input, baseline case, at least this 
     ("nvfp4 >= 0.9x our copy floor (expert-heavy)", "experts", "nvfp4", "experts", "none", 0.9),
     ("mxfp8 >= 0.9x our copy floor (expert-heavy)", "experts", "mxfp8", "experts", "none", 0.9),
     ("MXFP8 release -> default >= 0.8x the release's copy floor", "release", "default", "release", "none", 0.8),
+    ("FP8 source -> default >= 0.8x its copy floor", "fp8", "default", "fp8", "none", 0.8),
     ("copy floor >= 0.8x cp + sha256sum (expert-heavy)", "experts", "none", "experts", "cp", 0.8),
     ("copy floor >= 0.8x cp + sha256sum (pass-through-heavy)", "passthrough", "none", "passthrough", "cp", 0.8),
     ("draft extract >= 0.8x cp + sha256sum", "passthrough", "draft", "passthrough", "cp", 0.8),
@@ -358,8 +439,10 @@ def parse_args(argv):
                    help="the expert-heavy input (default 2,32: 5.2 GB, 78%% routed experts)")
     p.add_argument("--passthrough-input", default="2,1", metavar="LAYERS,EXPERTS",
                    help="the pass-through-heavy input (default 2,1: 1.2 GB, 10%% routed experts)")
-    p.add_argument("--inputs", default="experts,release,passthrough,sweep",
+    p.add_argument("--inputs", default="experts,release,passthrough,fp8,sweep",
                    help="which inputs to run (comma list; default all)")
+    p.add_argument("--fp8-input", default="2,32", metavar="LAYERS,EXPERTS",
+                   help="the FP8 block-scaled source (DeepSeek-V3 shapes; default 2,32: 3.2 GB, 88%% routed experts)")
     p.add_argument("--sweep-gb", default="1,2,4,8", help="RSS sweep input sizes, GB")
     p.add_argument("--max-gb", type=float, default=8.0, help="leave out sweep sizes above this")
     p.add_argument("--sweep-layers", type=int, default=1, help="layers of the sweep inputs (1: 0.92 GB without experts)")
@@ -417,6 +500,17 @@ def run_inputs(args, work: Path, env: dict, lc_py: str | None) -> tuple[list[dic
             describe(rel, env, work)
             rows += bench_input(rel, cases["release"], args, work, None)
             shutil.rmtree(rel["dir"])
+        shutil.rmtree(inp["dir"])
+    if "fp8" in which:
+        layers, experts = _pair(args.fp8_input)
+        inp = inputs["fp8"] = {"key": "fp8", "dir": work / "fp8", "layers": layers, "experts": experts,
+                               "what": f"DeepSeek-V3 FP8 block-scaled source, {layers} layers x {experts} experts"}
+        inp["stats"] = st = helper(ME, {"kind": "fp8_input", "out": str(inp["dir"]), "layers": layers,
+                                        "experts": experts, "shard_size": args.src_shard_size}, work / "h.json", env)
+        print(f"\n== fp8: {inp['what']}: {mb(st['bytes']):.0f} MB in {st['shards']} shards ("
+              + ", ".join(f"{k} {100 * v / st['bytes']:.0f}%" for k, v in sorted(st["parts"].items()))
+              + f"); load {os.getloadavg()[0]:.1f}", flush=True)
+        rows += bench_input(inp, cases["fp8"], args, work, None)
         shutil.rmtree(inp["dir"])
     if "passthrough" in which:
         inp = inputs["passthrough"] = make_input("passthrough", *_pair(args.passthrough_input), work, args, env)

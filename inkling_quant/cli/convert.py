@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="whose rules write the quantized bits: 'release' (the Inkling 2 release's nvfp4_nearest / "
                         "mxfp8_nearest; the default of --output-format inkling) or 'modelopt' (NVIDIA ModelOpt 0.47's; "
                         "the default of modelopt-hf, bit-identical to its export); recorded in the output's config")
+    p.add_argument("--dequantize-fp8", action="store_true",
+                   help="an FP8 block-scaled source's modules outside the routed experts (attention, shared experts, "
+                        "dense MLPs) written as BF16 (exact fp32 dequantization rounded once) instead of kept FP8 as "
+                        "ModelOpt's FP8_PB_WO (docs/convert.md)")
     a = p.add_argument_group("NVFP4 activation scales (W4A4 needs one input_scale per expert projection)")
     a.add_argument("--activation-scales", metavar="FILE|DIR",
                    help="calibration amax per module: JSON {module: amax}, safetensors {module.input_amax}, or a "
@@ -58,7 +62,7 @@ def run(args) -> int:
                    default_activation_amax=args.default_activation_amax,
                    activation_scales=args.activation_scales, max_shard_bytes=args.max_shard_size,
                    workers=args.workers, device=args.device, buffered_io=args.buffered_io,
-                   output_format=args.output_format, encoder=args.encoder)
+                   output_format=args.output_format, encoder=args.encoder, dequantize_fp8=args.dequantize_fp8)
     if args.finalize:
         if args.part:
             raise UsageError("--finalize runs once, after all --part runs: drop --part")
@@ -106,6 +110,9 @@ def print_summary(r: dict, file=None) -> None:
         print("  NVFP4 activation scales: " + ", ".join(f"{v} {k}" for k, v in act.items() if v), file=file)
     print(f"  bytes: {r['bytes_in'] / 1e9:.3f} GB in, {r['bytes_out'] / 1e9:.3f} GB out in {r['shards']} shards"
           f" ({r['shards_resumed']} resumed)", file=file)
+    for layer, b in (r.get("mxfp4_to_nvfp4_blocks") or {}).items():
+        print(f"  MXFP4 -> NVFP4 layer {layer}: {b['lossless']} blocks cast losslessly, {b['rerounded']} re-rounded",
+              file=file)
     print(f"  time: {r['seconds']:.2f} s, {r['source_mb_per_s']:.0f} MB/s of source, peak RSS {r['peak_rss_mb']:.0f} MB,"
           f" {r['workers']} worker(s)", file=file)
 

@@ -25,7 +25,7 @@ import torch
 from .. import __version__, hub
 from ..errors import CheckpointError, OutputError, UsageError
 from ..export import form_for
-from ..formats import FORMATS
+from ..formats import get_format
 from ..io.checkpoint import CONFIG_NAME, INDEX_NAME, copy_file_atomic, write_json_atomic
 from ..io.output import CHECKSUMS, OutputLock, check_paths, write_checksums
 from ..io.safetensors import fsync_files, sha256_file
@@ -80,7 +80,8 @@ def convert(src: str, out: str | Path, opts: Options, *, resume: bool = False, o
         done = start_output(out, prep, jobs, manifest, resume)
         todo = [j for j in jobs if j.file not in done]
         timings = run_jobs(prep, todo, jobs, done, manifest, out, opts, quiet)
-        report = _report(src, out, opts, jobs if part else prep.jobs, todo, t0) | timings
+        blocks = _blocks_by_layer(prep, timings.pop("source_blocks", {}))
+        report = _report(src, out, opts, jobs if part else prep.jobs, todo, t0) | timings | blocks
         if part is None:
             _finalize_io(out, prep, opts)
         else:
@@ -143,7 +144,7 @@ def quantized_layers(prep: Prepared) -> dict:
     """experts module -> Format of every quantized unit of the planned conversion (the module the
     output form lists it under: a layer's experts module, or Inkling's stacked tensor's module);
     gate/up and down share the layer's format."""
-    return {m: FORMATS[u.format] for j in prep.jobs for u in j.units
+    return {m: get_format(u.format, source=True) for j in prep.jobs for u in j.units
             if u.format != "passthrough" and (m := u.writing.quantized_module(u, prep.layout)) is not None}
 
 
@@ -163,7 +164,7 @@ def _write_configs(out: Path, prep: Prepared, opts: Options) -> list[str]:
 def _applied_scheme(prep: Prepared):
     """The scheme as the output holds it: where a quantized source's experts (the MXFP8 release)
     were left alone by the scheme they keep their stored format, and the record says so."""
-    kept = {u.source_format for j in prep.jobs for u in j.units if u.source_format
+    kept = {u.source_format for j in prep.jobs for u in j.units if u.source_format and u.storage is not None
             and prep.scheme.format_name(prep.cfg, prep.layout.classify(u.sources[0].name)) == "passthrough"}
     return prep.scheme.keeping(kept.pop(), prep.cfg.num_hidden_layers) if kept else prep.scheme
 
@@ -184,7 +185,7 @@ def _report(src, out: Path, opts: Options, jobs: list[ShardJob], todo: list[Shar
     act = {"calibrated": 0, "default": 0}  # where each module's activation amax came from
     for j in jobs:
         for u in j.units:
-            counts[u.format] = counts.get(u.format, 0) + (1 if u.stacked else len(u.sources))
+            counts[u.format] = counts.get(u.format, 0) + (1 if u.stacked else len(u.weights))
             for o in u.amax_origin:
                 if o is not None:
                     act[o] += 1
@@ -197,6 +198,17 @@ def _report(src, out: Path, opts: Options, jobs: list[ShardJob], todo: list[Shar
         "source_mb_per_s": round(sum(j.src_bytes for j in todo) / 1e6 / max(seconds, 1e-9), 1),
         "workers": min(opts.workers, max(1, len(todo))), "peak_rss_mb": round(_peak_rss_mb(), 1),
     }
+
+
+def _blocks_by_layer(prep: Prepared, blocks: dict[str, list[int]]) -> dict:
+    """The MXFP4 -> NVFP4 cast's block counts (the converted shards') per layer: blocks cast
+    losslessly (ModelOpt's count) and re-rounded (the rest); {} when nothing was cast."""
+    out: dict[int, dict[str, int]] = {}
+    for name, (n, ok) in blocks.items():
+        got = out.setdefault(prep.layout.classify(name).layer, {"lossless": 0, "rerounded": 0})
+        got["lossless"] += ok
+        got["rerounded"] += n - ok
+    return {"mxfp4_to_nvfp4_blocks": {str(k): out[k] for k in sorted(out)}} if out else {}
 
 
 def _peak_rss_mb() -> float:

@@ -14,7 +14,7 @@ from .. import hub
 from ..errors import CheckpointError, ConfigError, FormatError, UsageError
 from ..export import INKLING, Copy, OutputForm, Writing
 from ..export.inkling import projection_specs
-from ..formats import FORMATS, SCALE_SUFFIXES
+from ..formats import FORMATS, SCALE_SUFFIXES, get_format
 from ..io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child, shard_name
 from ..io.safetensors import DTYPE_NAMES, DTYPES
 from ..io.shards import plan_files, plan_shards
@@ -51,10 +51,14 @@ class Unit:
     format: str
     input_amax: tuple[float | None, ...]
     amax_origin: tuple[str | None, ...] = ()  # "calibrated" or "default" (None: no activation scale)
-    source_format: str | None = None  # a quantized source's format (the MXFP8 release); None: float
+    source_format: str | None = None  # a quantized source's format (the MXFP8 release, FP8, MXFP4); None: float
     storage: ExpertStorage | None = None
     writing: Writing = Copy()
     encoder: str = "modelopt"  # which rule writes a quantized unit's bits (formats' `encoders`)
+    # a quantized source's stored tensors per weight, in `sources` order (("weight", "weight_scale_inv"):
+    # sources are weight, scale, weight, scale, ...); () : each source is one weight
+    stored_suffixes: tuple[str, ...] = ()
+    shapes: tuple[tuple[int, ...], ...] = ()  # each weight's shape where its stored tensors' differ (MXFP4)
 
     @property
     def activation_scale(self) -> bool:
@@ -66,6 +70,21 @@ class Unit:
     def stacked(self) -> bool:
         """A stacked expert tensor, converted expert by expert."""
         return self.storage is not None and self.storage.stacked
+
+    @property
+    def weights(self) -> tuple[SrcTensor, ...]:
+        """The weights it converts: each source, or the first of each weight's stored tensors."""
+        return self.sources[::len(self.stored_suffixes)] if self.stored_suffixes else self.sources
+
+    def weight_shape(self, i: int = 0) -> tuple[int, ...]:
+        """Weight i's shape as a float weight ([..., out, in]; an MXFP4 weight's, not its blocks')."""
+        return self.shapes[i] if self.shapes else self.weights[i].shape
+
+    def stored(self, tensors: list) -> list[dict]:
+        """Read tensors (one per source, in order) as one dict per weight, by the source format's
+        suffixes (for `Format.requantize` / `dequantize` / `check_stored`)."""
+        n = len(self.stored_suffixes)
+        return [dict(zip(self.stored_suffixes, tensors[i:i + n])) for i in range(0, len(tensors), n)]
 
     def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """Every output tensor (name, dtype name, shape), in write order (the form's writing)."""
@@ -94,6 +113,7 @@ class Options:
     buffered_io: bool = False  # how the bytes are written, not which: left out of the resume fingerprint
     output_format: str | None = None  # "inkling" (stacked, original names) or "modelopt-hf"; None: the source's
     encoder: str | None = None  # "release" or "modelopt"; None: the output form's own (OutputForm.encoder)
+    dequantize_fp8: bool = False  # an FP8 source's modules outside the routed experts written BF16, not kept FP8
 
 
 @dataclass
@@ -149,12 +169,17 @@ def validate_source(cfg: Inkling2Config | MoEConfig, listing: Listing, root: str
     expected = expected_tensors(cfg, layout)
     if layout.original_names:  # the MXFP8 release's experts are read under the original names
         _release_experts(layout, expected, entries)
+    _source_experts(layout, expected, entries)
+    kept = _source_modules(layout, entries, root)
     strict = layout.naming is not None  # Inkling 2: every tensor listed by the config
     tensors, unexpected = [], []
     for name, (shard, dtype, shape) in entries.items():
         path, spec = f"{root}/{shard}", expected.get(name)
         if spec is None and strict:
             unexpected.append(name)
+            continue
+        if spec is None and name in kept:  # a quantized source's module outside the routed experts (checked)
+            tensors.append(SrcTensor(name, shard, dtype, shape))
             continue
         quantized = spec.dtype not in FLOAT_SOURCES if spec is not None else False
         if (DTYPES[dtype] != spec.dtype) if quantized else (DTYPES[dtype] not in FLOAT_SOURCES):
@@ -187,6 +212,59 @@ def _release_experts(layout: Layout, expected: dict[str, Spec], entries: dict) -
             release = INKLING.stacked(None, layout, name, rec.projection, RELEASE_EXPERT_FORMAT)
             for k, o in projection_specs(FORMATS[RELEASE_EXPERT_FORMAT], release.proj, spec.shape).items():
                 expected[release.prefix + k] = Spec(release.prefix + k, tuple(o.shape), o.dtype)
+
+
+def _source_experts(layout: Layout, expected: dict[str, Spec], entries: dict) -> None:
+    """A quantized source's routed experts expected as it stores them (model.sources names; the
+    source format's shapes, and its dtypes: an FP8 scale may be stored bf16). An FP8 source's
+    expert stored as a float weight (no scale beside it) stays expected as a float weight."""
+    q = layout.source
+    if q is None:
+        return
+    fmt = get_format(q.format, source=True)
+    for name, spec in list(expected.items()):
+        rec = layout.part_of(name)
+        stored = q.stored(name)
+        if rec is None or rec.part != "expert" or not (q.experts_only or stored.keys() - {"weight"} <= {
+                k for k, n in stored.items() if n in entries}):
+            continue
+        del expected[name]
+        for suffix, o in fmt.out_specs(spec.shape).items():
+            got = entries.get(stored[suffix])
+            ok = got is not None and DTYPES[got[1]] in fmt.stored_dtypes.get(suffix, ())
+            expected[stored[suffix]] = Spec(stored[suffix], tuple(o.shape), DTYPES[got[1]] if ok else o.dtype)
+
+
+def _source_modules(layout: Layout, entries: dict, root: str) -> set[str]:
+    """The stored tensors (weight and scale) of a quantized source's modules outside the routed
+    experts (an FP8 source's attention, shared experts, dense MLPs, draft layers), each pair
+    checked: the weight in the format's dtype with its scale beside it, the scale grid of the
+    weight's shape in a dtype the format reads. CheckpointError naming the file and tensor."""
+    q = layout.source
+    if q is None or q.experts_only:
+        return set()
+    fmt, out = get_format(q.format, source=True), set()
+    for name, (shard, dtype, shape) in entries.items():
+        own = q.owner(name)
+        weight = own[0] if own is not None else name
+        rec = layout.part_of(weight)
+        if rec is None or rec.part == "expert" or (own is None and DTYPES[dtype] in FLOAT_SOURCES):
+            continue
+        stored = q.stored(weight)
+        missing = [n for n in stored.values() if n not in entries]
+        if missing:
+            raise CheckpointError(f"tensor {name!r}: its {q.format} {'scale' if own is None else 'weight'} "
+                                  f"{missing[0]!r} is missing ({q.describe()})", path=f"{root}/{shard}", tensor=name)
+        wshape = entries[stored["weight"]][2]
+        for suffix, o in fmt.out_specs(wshape).items():
+            t = stored[suffix]
+            tdtype, tshape = DTYPES[entries[t][1]], entries[t][2]
+            if tdtype not in fmt.stored_dtypes.get(suffix, (o.dtype,)) or tshape != tuple(o.shape):
+                raise CheckpointError(f"tensor {t!r}: {entries[t][1]} {list(tshape)}; the {q.format} weight "
+                                      f"{stored['weight']!r} {list(wshape)} needs {DTYPE_NAMES[o.dtype]} "
+                                      f"{list(o.shape)} there", path=f"{root}/{entries[t][0]}", tensor=t)
+        out.update(stored.values())
+    return out
 
 
 def _check_unlisted(cfg: MoEConfig, rec: TensorName, path: str) -> None:
@@ -239,28 +317,42 @@ def plan(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTenso
 def _units(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTensor], scheme: Scheme, form: OutputForm,
            opts: Options, calibrated: dict[str, float], root: str) -> list[Unit]:
     """Each tensor's unit, format and activation amax, in source order; a format error names the
-    tensor at once, missing activation amaxes are reported together at the end."""
+    tensor at once, missing activation amaxes are reported together at the end. A quantized
+    source's stored tensors (a scale, MXFP4's scales) go with their weight's unit; where the
+    scheme quantizes nothing such a source is copied as it is."""
     units: list[Unit] = []
     by_name = {t.name: t for t in tensors}
     done: set[str] = set()
     missing_amax: list[str] = []
+    copy = layout.source is not None and not any(
+        scheme.format_name(cfg, TensorName(m, "expert", i)) != "passthrough" for i, m in layout.experts_modules.items())
     for t in tensors:
         if t.name in done:
             continue
+        if copy:  # a quantized source the scheme leaves alone: every tensor as it is
+            units.append(Unit((t,), "passthrough", (None,), (None,), writing=Copy()))
+            continue
         rec = layout.classify(t.name)
         fmt = scheme.format_name(cfg, rec)
+        stored = _stored_of(layout, t, by_name)
+        if stored is None:  # a companion of a quantized source's weight (a scale): its weight's unit has it
+            continue
         if rec.part != "expert":
             if fmt != "passthrough":  # the schemes quantize routed experts only
                 raise UsageError(f"convert quantizes routed experts only; the scheme gives {t.name!r} {fmt}",
                                  tensor=t.name)
-            units.append(Unit((t,), fmt, (None,), (None,), writing=form.copy(cfg, layout, t.name)))
+            units.append(_kept_unit(layout, form, stored, opts) if len(stored) > 1 else
+                         Unit((t,), fmt, (None,), (None,), writing=form.copy(cfg, layout, t.name)))
         elif not layout.experts.stacked:
             group = _group(layout, t, rec, fmt, by_name)
             done.update(g.name for g in group)
-            units.append(_expert_unit(layout, form, group, fmt, opts, calibrated, root, missing_amax))
-        elif rec.suffix == "weight":  # a quantized source's scales go with their weight
-            scale = by_name.get(t.name + "_scale") if DTYPES[t.dtype] not in FLOAT_SOURCES else None
-            units.append(_stacked_unit(cfg, layout, form, t, scale, rec.projection, fmt, opts, calibrated, root,
+            if fmt == "passthrough" and len(stored) > 1:
+                raise UsageError(f"the scheme leaves layer {rec.layer}'s routed experts unquantized, and the source "
+                                 f"stores them {_source_format(layout, stored)}: a scheme must quantize every expert "
+                                 f"layer of a quantized source, or none (--scheme none copies it)", tensor=t.name)
+            units.append(_expert_unit(layout, form, group, fmt, opts, calibrated, root, missing_amax, by_name))
+        else:
+            units.append(_stacked_unit(cfg, layout, form, stored, rec.projection, fmt, opts, calibrated, root,
                                        missing_amax))
     if missing_amax:
         raise UsageError(
@@ -268,6 +360,45 @@ def _units(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTen
             f" and {len(missing_amax) - 1} more. Pass --activation-scales FILE (calibration amax per module),"
             f" --default-activation-amax X, or --weight-only for W4A16 output")
     return units
+
+
+def _stored_of(layout: Layout, t: SrcTensor, by_name: dict[str, SrcTensor]) -> list[SrcTensor] | None:
+    """The stored tensors of the weight `t` holds, the weight first (a float weight: itself alone;
+    an FP8 weight and its scale; MXFP4's blocks and scales; the MXFP8 release's weight and
+    `_scale`), or None when `t` is a companion (a scale, taken with its weight)."""
+    q = layout.source
+    if q is not None:
+        own = q.owner(t.name)
+        if own is not None and own[1] != "weight":
+            return None
+        names = q.stored(own[0] if own is not None else t.name)
+        if own is not None or DTYPES[t.dtype] not in FLOAT_SOURCES:
+            return [by_name[n] for n in names.values()]
+        return [t]
+    rec = layout.classify(t.name)
+    if rec.part == "expert" and layout.experts.stacked and rec.suffix != "weight":
+        return None  # the MXFP8 release's scale: with its weight
+    scale = by_name.get(t.name + "_scale") if DTYPES[t.dtype] not in FLOAT_SOURCES else None
+    return [t] if scale is None else [t, scale]
+
+
+def _source_format(layout: Layout, stored: list[SrcTensor]) -> str | None:
+    """The format a weight's stored tensors are in (None: a float weight)."""
+    if len(stored) == 1:
+        return None
+    return layout.source.format if layout.source is not None else RELEASE_EXPERT_FORMAT
+
+
+def _kept_unit(layout: Layout, form: OutputForm, stored: list[SrcTensor], opts: Options) -> Unit:
+    """A quantized source's module outside the routed experts: written as the output form writes
+    that source format (ModelOpt's FP8_PB_WO: the bytes kept), or with --dequantize-fp8
+    dequantized to BF16 (`form.kept`)."""
+    src = _source_format(layout, stored)
+    fmt = get_format(src, source=True)
+    weight = stored[0]
+    writing = form.kept(layout, weight.name, src, opts.dequantize_fp8)
+    return Unit(tuple(stored), "passthrough" if opts.dequantize_fp8 else src, (None,), (None,), source_format=src,
+                writing=writing, stored_suffixes=tuple(fmt.out_specs(weight.shape)))
 
 
 def _group(layout: Layout, t: SrcTensor, rec: TensorName, fmt: str, by_name: dict[str, SrcTensor]) -> list[SrcTensor]:
@@ -282,10 +413,12 @@ def _group(layout: Layout, t: SrcTensor, rec: TensorName, fmt: str, by_name: dic
 
 
 def _expert_unit(layout: Layout, form: OutputForm, group: list[SrcTensor], fmt: str, opts: Options,
-                 calibrated: dict[str, float], root: str, missing_amax: list[str]) -> Unit:
+                 calibrated: dict[str, float], root: str, missing_amax: list[str],
+                 by_name: dict[str, SrcTensor]) -> Unit:
     """An expert's projection(s) of a per-expert source (the form's writing: under their own names
     with the format's suffixes, what ModelOpt exports); gate and up read the same activations:
-    one amax."""
+    one amax. A quantized source's expert reads each weight's stored tensors (an FP8 weight and
+    its scale)."""
     amax, origin = [], []
     for g in group:
         a, o = None, None
@@ -297,8 +430,11 @@ def _expert_unit(layout: Layout, form: OutputForm, group: list[SrcTensor], fmt: 
         origin.append(o)
     if len(group) == 2 and None not in amax:
         amax = [max(amax)] * 2
-    u = Unit(tuple(group), fmt, tuple(amax), tuple(origin), storage=layout.experts, writing=form.per_expert(layout),
-             encoder=opts.encoder or form.encoder)
+    stored = [_stored_of(layout, g, by_name) for g in group]
+    src = _source_format(layout, stored[0])
+    u = Unit(tuple(x for st in stored for x in st), fmt, tuple(amax), tuple(origin), source_format=src,
+             storage=layout.experts, writing=form.per_expert(layout), encoder=opts.encoder or form.encoder,
+             stored_suffixes=tuple(get_format(src, source=True).out_specs(group[0].shape)) if src else ())
     for g in group:  # the weight's own checks (block divisibility), naming it
         try:
             Unit((g,), fmt, (None,), writing=u.writing).specs()
@@ -307,26 +443,32 @@ def _expert_unit(layout: Layout, form: OutputForm, group: list[SrcTensor], fmt: 
     return u
 
 
-def _stacked_unit(cfg, layout: Layout, form: OutputForm, t: SrcTensor, scale: SrcTensor | None, projection: str,
-                  fmt: str, opts: Options, calibrated: dict[str, float], root: str, missing_amax: list[str]) -> Unit:
-    """One stacked expert tensor (all experts of a layer's gate/up or down; with `scale`, stored
-    in the MXFP8 release form), its activation amax keyed by its own name; its format checked
-    against every expert's shape here. An MXFP8 source kept MXFP8 (or left as is) is copied
-    bit-exact; a stacked tensor the scheme leaves alone is written as the form writes it (ModelOpt's
-    form: transformers' stacked tensor as it is)."""
-    source_format = None if scale is None else RELEASE_EXPERT_FORMAT
+def _stacked_unit(cfg, layout: Layout, form: OutputForm, stored: list[SrcTensor], projection: str, fmt: str,
+                  opts: Options, calibrated: dict[str, float], root: str, missing_amax: list[str]) -> Unit:
+    """One stacked expert tensor (all experts of a layer's gate/up or down; for a quantized source
+    its stored tensors: the MXFP8 release's weight and `_scale`, MXFP4's blocks and scales), its
+    activation amax keyed by the stacked weight's name; its format checked against every
+    expert's shape here. A source kept in its format (the MXFP8 release kept MXFP8, or left as
+    is) is copied bit-exact; a stacked tensor the scheme leaves alone is written as the form
+    writes it (ModelOpt's form: transformers' stacked tensor as it is)."""
+    t, source_format = stored[0], _source_format(layout, stored)
     if source_format is not None and fmt == "passthrough":
         fmt = source_format  # nothing to quantize: the stored experts pass through
-    writing = form.stacked(cfg, layout, t.name, projection, fmt)
+    own = layout.source.owner(t.name) if layout.source is not None else None
+    weight = own[0] if own is not None else t.name  # the stacked weight (MXFP4: what `_blocks` holds)
+    writing = form.stacked(cfg, layout, weight, projection, fmt)
     if isinstance(writing, Copy):
         return Unit((t,), fmt, (None,), (None,), writing=writing)
     a, o = None, None
     if FORMATS[fmt].static_activation_scale and not opts.weight_only:
-        a, o = _activation_amax(t.name, fmt, opts, calibrated)
+        a, o = _activation_amax(weight, fmt, opts, calibrated)
         if a is None:
-            missing_amax.append(t.name)
-    u = Unit((t,) if scale is None else (t, scale), fmt, (a,), (o,), source_format=source_format,
-             storage=layout.experts, writing=writing, encoder=opts.encoder or form.encoder)
+            missing_amax.append(weight)
+    src_fmt = get_format(source_format, source=True) if source_format else None
+    shapes = (src_fmt.weight_shape({k: x.shape for k, x in zip(src_fmt.suffixes, stored)}),) if src_fmt else ()
+    u = Unit(tuple(stored), fmt, (a,), (o,), source_format=source_format, storage=layout.experts, writing=writing,
+             encoder=opts.encoder or form.encoder, shapes=shapes,
+             stored_suffixes=tuple(src_fmt.suffixes) if src_fmt is not None else ())
     try:
         u.specs()
     except FormatError as e:

@@ -291,6 +291,7 @@ def run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: d
     pooled = min(opts.workers, len(todo)) if opts.workers > 1 and len(todo) > 1 else 0  # no idle workers
     needs = [[s.shard for u in j.units for s in u.sources] for j in todo]  # what a hub source prefetches
     stages: dict[str, float] = {}
+    blocks: dict[str, list[int]] = {}  # source tensor -> [MXFP4 blocks, of them lossless] (worker.ShardResult)
     with _progress_bars(jobs, todo, done, quiet) as (bar_bytes, bar_shards), \
             hub.shard_source(prep.repo, prep.revision, needs, pooled) as source:
         def record(r: ShardResult):
@@ -298,6 +299,9 @@ def run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: d
             _write_manifest(manifest, prep.fingerprint, done)
             for k, v in r.stages.items():
                 stages[k] = round(stages.get(k, 0.0) + v, 3)
+            for k, (n, ok) in r.source_blocks.items():
+                got = blocks.setdefault(k, [0, 0])
+                got[0], got[1] = got[0] + n, got[1] + ok
             bar_shards.update(1)
             source.finished(r)
 
@@ -325,7 +329,7 @@ def run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: d
         except BaseException:
             _stop(pool, out, todo, done)
             raise
-    return source.report() | {"stage_seconds": stages}
+    return source.report() | {"stage_seconds": stages} | ({"source_blocks": blocks} if blocks else {})
 
 
 @contextmanager

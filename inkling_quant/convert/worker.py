@@ -18,7 +18,9 @@ import torch
 from .. import hub
 from ..errors import FormatError
 from ..export.form import Outputs
-from ..formats import FORMATS
+from ..formats import FORMATS, get_format
+from ..formats.fp8_block import has_nan_byte
+from ..formats.transcode import STATS
 from ..io.safetensors import DTYPES, ShardWriter, TensorBuffer
 from ..io.shards import ShardReaders
 from .planner import ShardJob, Unit
@@ -37,6 +39,8 @@ class ShardResult:
     fetch_seconds: float = 0.0  # of `seconds`, waiting for hub downloads
     # busy seconds of each pipeline stage (reading, converting, writing): the largest bounds the shard
     stages: dict[str, float] = field(default_factory=dict)
+    # source tensor -> [MXFP4 blocks read, of them cast losslessly] (MXFP4 -> NVFP4: transcode.STATS)
+    source_blocks: dict[str, list[int]] = field(default_factory=dict)
 
 
 def _sources(root: Path, repo: str | None, revision: str | None) -> ShardReaders:
@@ -59,10 +63,11 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
     the converting process)."""
     start, fetched = time.perf_counter(), hub.fetch_seconds()
     counts: dict[str, int] = {}
+    blocks: dict[str, list[int]] = {}
     writer = ShardWriter(Path(out_dir) / job.file, [(n, DTYPES[d], s) for n, d, s in job.specs], SHARD_METADATA,
                          direct=not buffered_io)
     sources = _sources(Path(src_root), repo, revision)
-    steps = _ReadAhead(_job_steps(job, sources, device, counts, progress, Path(out_dir)))
+    steps = _ReadAhead(_job_steps(job, sources, device, (counts, blocks), progress, Path(out_dir)))
     io = cf.ThreadPoolExecutor(1, thread_name_prefix="inkling-quant-write")
     pending: cf.Future | None = None
     busy = {"read": 0.0, "convert": 0.0, "write": 0.0}
@@ -90,7 +95,7 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
     finally:
         sources.close()
     return ShardResult(job.file, sha, job.out_bytes, job.src_bytes, counts, time.perf_counter() - start,
-                       hub.fetch_seconds() - fetched, {k: round(v, 3) for k, v in busy.items()})
+                       hub.fetch_seconds() - fetched, {k: round(v, 3) for k, v in busy.items()}, blocks)
 
 
 # ---------------------------------------------------------------------------- the pipeline
@@ -163,13 +168,16 @@ class _ReadAhead:
         return self.seconds
 
 
-def _job_steps(job: ShardJob, sources: ShardReaders, device: str, counts: dict[str, int],
+def _job_steps(job: ShardJob, sources: ShardReaders, device: str, tallies: tuple[dict, dict],
                progress, out_dir: Path) -> Iterator[_Step]:
+    counts = tallies[0]
     for u in job.units:
-        if u.storage is None:
+        if u.storage is None and u.source_format is not None:
+            yield _kept_step(u, sources, counts, progress)
+        elif u.storage is None:
             yield from _passthrough_steps(u, sources, counts, progress)
         elif u.stacked:
-            yield from _stacked_steps(u, sources, device, counts, progress, out_dir)
+            yield from _stacked_steps(u, sources, device, tallies, progress, out_dir)
         else:
             yield _per_expert_unit(u, sources, device, counts, progress)
 
@@ -206,7 +214,34 @@ def _passthrough_steps(u: Unit, sources: ShardReaders, counts: dict[str, int], p
         yield _Step([read], lambda t, first=k == 0: compute(t, first))
 
 
-def _stacked_steps(u: Unit, sources: ShardReaders, device: str, counts: dict[str, int],
+def _kept_step(u: Unit, sources: ShardReaders, counts: dict[str, int], progress) -> _Step:
+    """A quantized source's module written without requantizing (`OutputForm.kept`: ModelOpt's
+    FP8_PB_WO, the bytes kept; or dequantized to BF16): its stored tensors read whole and checked
+    (NaN bytes, scales not finite and > 0, a wrong scale grid: named), then the writing's tensors."""
+    w = u.weights[0]
+    path = sources.get(w.shard).path
+    src = get_format(u.source_format, source=True)
+
+    def compute(ts: list[torch.Tensor]) -> Outputs:
+        stored = u.stored(ts)[0]
+        try:
+            src.check_stored(stored, w.name)
+        except FormatError as e:
+            raise FormatError(e.message, path=sources.get(_blamed(u, e).shard).path, tensor=e.tensor or w.name) from None
+        _count(counts, u.format)
+        if progress is not None:
+            progress(sum(t.numel() * t.element_size() for t in ts))
+        return u.writing.write_kept(u, stored, path)
+
+    return _Step([lambda b, s=s: sources.get(s.shard).get(s.name, b) for s in u.sources], compute)
+
+
+def _blamed(u: Unit, e: FormatError):
+    """The source tensor a format error names (a scale, else the weight)."""
+    return next((s for s in u.sources if s.name == e.tensor), u.sources[0])
+
+
+def _stacked_steps(u: Unit, sources: ShardReaders, device: str, tallies: tuple[dict, dict],
                    progress, out_dir: Path) -> Iterator[_Step]:
     """A stacked expert tensor ([E, ...]), one expert at a time: read only its slice, quantize it
     as stored (gate/up rows stay as the source holds them: every block scale lies along a row) and
@@ -218,28 +253,32 @@ def _stacked_steps(u: Unit, sources: ShardReaders, device: str, counts: dict[str
     writer = u.writing.open(u, out_dir)
     for e in range(src.shape[0]):
         def piece(t: list[torch.Tensor], e=e) -> Outputs:
-            return writer.expert(e, _quantize_slab(u, t, e, path, device, counts, progress), path)
+            return writer.expert(e, _quantize_slab(u, t, e, path, device, tallies, progress), path)
         yield _Step(_slab_reads(u, sources, e), piece)
     for back in writer.after():
         yield _Step([], lambda t, back=back: back())
 
 
 def _slab_reads(u: Unit, sources: ShardReaders, e: int) -> list[Callable[[TensorBuffer], torch.Tensor]]:
-    """Expert e's slice of the stacked tensor (and of its e8m0 scale, for an MXFP8-release source)."""
-    return [lambda b, s=s: sources.get(s.shard).get_slice(s.name, e, b) for s in u.sources[:2]]
+    """Expert e's slice of the stacked tensor (and of its stored companions: the MXFP8 release's
+    e8m0 scale, MXFP4's scales)."""
+    return [lambda b, s=s: sources.get(s.shard).get_slice(s.name, e, b) for s in u.sources]
 
 
-def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, counts: dict[str, int],
+def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, tallies: tuple[dict, dict],
                    progress) -> dict[str, torch.Tensor]:
     """Expert e's slab of a stacked unit in the unit's format, as `Format.quantize` returns it:
-    a float slab quantized as stored; an MXFP8-release slab copied bit-exact when the format is
-    kept, else requantized (`Format.requantize`: exactly what its dequantized weight gives)."""
+    a float slab quantized as stored; a quantized source's slab (the MXFP8 release, MXFP4) copied
+    bit-exact when its format is kept, else requantized (`Format.requantize`: exactly what its
+    dequantized weight gives, or the encoder's published cast: transcode.py). A cast's figures
+    (transcode.STATS) are tallied per source tensor."""
+    counts, blocks = tallies
     src, slab = u.sources[0], t[0]
     nbytes = sum(x.numel() * x.element_size() for x in t)
     if u.storage.transposed:  # an [in, out] slab: quantized as [out, in], blocks along `in`
         slab = slab.t()
-    fmt = FORMATS[u.format]
-    stored = None if u.source_format is None else {"weight": slab, "weight_scale": t[1]}  # the MXFP8 release
+    fmt = get_format(u.format, source=True)
+    stored = None if u.source_format is None else u.stored([slab, *t[1:]])[0]
     if stored is not None and u.source_format == u.format:
         _check_stored(fmt, stored, path, src.name, e)
         q = stored  # kept: copied bit-exact
@@ -248,14 +287,21 @@ def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, co
             _check_finite(slab, path, src.name)
         try:
             if stored is not None:
-                q = fmt.requantize({k: v.to(device) for k, v in stored.items()}, FORMATS[u.source_format],
-                                   input_amax=u.input_amax[0], encoder=u.encoder)
+                get_format(u.source_format, source=True).check_stored(
+                    stored, src.name, dict(zip(u.stored_suffixes, (x.name for x in u.sources))))
+                q = fmt.requantize({k: v.to(device) for k, v in stored.items()},
+                                   get_format(u.source_format, source=True), input_amax=u.input_amax[0],
+                                   encoder=u.encoder, name=src.name)
+                _tally(blocks, src.name, q)
             else:
                 x = slab if device == "cpu" else slab.to(device)
                 q = fmt.quantize(x, global_amax=fmt.fused_global_amax([x]), input_amax=u.input_amax[0],
                                  encoder=u.encoder)
         except FormatError as err:
-            raise FormatError(f"tensor {src.name!r}, expert {e}: {err.message}", path=path, tensor=src.name) from None
+            blamed = err.tensor if err.tensor in {x.name for x in u.sources} else src.name
+            where = next((x for x in u.sources if x.name == blamed), src)
+            raise FormatError(f"tensor {blamed!r}, expert {e}: {err.message}", path=path.parent / where.shard,
+                              tensor=blamed) from None
         q = {k: v.cpu() for k, v in q.items()}
     _count(counts, u.format)
     if progress is not None:
@@ -263,13 +309,26 @@ def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, co
     return q
 
 
+def _tally(blocks: dict[str, list[int]], name: str, q: dict[str, torch.Tensor]) -> None:
+    """Take a transcoder's figures (transcode.STATS) out of its tensors, adding them to `blocks`."""
+    if STATS[0] in q:
+        got = blocks.setdefault(name, [0, 0])
+        for i, k in enumerate(STATS):
+            got[i] += int(q.pop(k))
+
+
 def _per_expert_unit(u: Unit, sources: ShardReaders, device: str, counts: dict[str, int], progress) -> _Step:
     """One unit of a per-expert source (an expert's gate and up sharing one global scale, or one
-    projection): read, quantize, written under the source's names."""
+    projection): read, quantize, written under the source's names. A quantized source's weights
+    (FP8: weight and scale) are checked, their shared amax taken from the stored bytes (exact), and
+    each requantized alone: one expert's projection in fp32 at a time."""
     fmt = FORMATS[u.format]
-    paths = [sources.get(s.shard).path for s in u.sources]
+    paths = [sources.get(s.shard).path for s in u.weights]
 
     def compute(ts: list[torch.Tensor]) -> Outputs:
+        if u.source_format is not None:
+            return _requantize_expert(u, fmt, ts, {x.name: sources.get(x.shard).path for x in u.sources}, device,
+                                      counts, progress)
         ws = []
         for src, w, path in zip(u.sources, ts, paths):
             if u.format == "passthrough":  # the quantizers check their own input
@@ -294,6 +353,37 @@ def _per_expert_unit(u: Unit, sources: ShardReaders, device: str, counts: dict[s
     return _Step([lambda b, s=s: sources.get(s.shard).get(s.name, b) for s in u.sources], compute)
 
 
+def _requantize_expert(u: Unit, fmt, ts: list[torch.Tensor], path_of: dict, device: str, counts: dict[str, int],
+                       progress) -> Outputs:
+    """A per-expert unit of a quantized source (an FP8 expert's gate and up, or its down): each
+    weight's stored tensors checked (errors name the weight or its scale and its file), the
+    amax gate and up share taken from the bytes (`Format.amax`: exact, no dequantized copy), then
+    each weight requantized alone (`Format.requantize`: bit for bit the format of its exact fp32
+    dequantization). The checks' amax (one pass over the bytes) is the global amax passed on: the
+    weight's own, or gate and up's larger, so no pass is made twice."""
+    src = get_format(u.source_format, source=True)
+    stored = [{k: v if device == "cpu" else v.to(device) for k, v in st.items()} for st in u.stored(ts)]
+    amax = []
+    for w, st in zip(u.weights, stored):
+        try:
+            amax.append(src.check_stored(st, w.name))  # exact: what quantize(dequantize(...)) takes anyway
+        except FormatError as e:
+            raise FormatError(e.message, path=path_of.get(e.tensor, path_of[w.name]), tensor=e.tensor) from None
+    shared = torch.maximum(*amax) if fmt.fuses_gate_up and len(amax) > 1 else None
+    outputs: Outputs = []
+    for w, st, ia, a in zip(u.weights, stored, u.input_amax, amax):
+        g = (shared if shared is not None else a) if fmt.fuses_gate_up else None
+        try:
+            out = fmt.requantize(st, src, global_amax=g, input_amax=ia, encoder=u.encoder, name=w.name)
+        except FormatError as e:
+            raise FormatError(f"tensor {w.name!r}: {e.message}", path=path_of[w.name], tensor=w.name) from None
+        outputs += [(fmt.tensor_name(w.name, k), t.cpu(), True) for k, t in out.items() if k in fmt.suffixes]
+        _count(counts, u.format)
+    if progress is not None:
+        progress(sum(t.numel() * t.element_size() for t in ts))
+    return outputs
+
+
 def _check_stored(fmt, stored: dict[str, torch.Tensor], path, name: str, e: int) -> None:
     """A quantized expert copied as it is must still be valid: its dequantization finite (a NaN
     e4m3 byte or an e8m0 255 shows there) — what the quantizers assure of every other path."""
@@ -305,7 +395,11 @@ def _check_stored(fmt, stored: dict[str, torch.Tensor], path, name: str, e: int)
 def _check_finite(t: torch.Tensor, path, name: str) -> None:
     """NaN/Inf anywhere ends the run. One fused min/max pass: NaN propagates through both and
     an Inf is the min or the max (~7 GB/s on bf16, no temporaries)."""
-    if t.numel() == 0:
+    if t.numel() == 0 or not t.dtype.is_floating_point:  # a quantized source's codes and e8m0 bytes: no NaN here
+        return
+    if t.dtype == torch.float8_e4m3fn:  # an FP8 source copied as it is: 0x7F / 0xFF are NaN
+        if has_nan_byte(t):
+            raise FormatError(f"tensor {name!r}: contains NaN", path=path, tensor=name)
         return
     lo, hi = torch.aminmax(t.reshape(-1))
     if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):

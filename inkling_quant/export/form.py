@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
+from ..errors import UsageError
 from ..io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG
 from ..io.safetensors import DTYPE_NAMES, DTYPES
 
@@ -47,6 +48,11 @@ class Writing:
     def open(self, u, out_dir) -> ExpertWriter:
         """The writer of a stacked unit (converted expert by expert)."""
         raise NotImplementedError(f"{type(self).__name__} writes no stacked unit")
+
+    def write_kept(self, u, stored: dict[str, torch.Tensor], path) -> Outputs:
+        """What to write for a kept unit (`OutputForm.kept`) from its weight's stored tensors
+        (by the source format's suffixes), checked by the worker first."""
+        raise NotImplementedError(f"{type(self).__name__} writes no kept module")
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,13 @@ class OutputForm:
     def per_expert(self, layout: "Layout") -> Writing:
         """The writing of a per-expert source's unit (an expert's gate and up, or one projection)."""
         raise NotImplementedError
+
+    def kept(self, layout: "Layout", weight: str, source_format: str, dequantize: bool) -> Writing:
+        """The writing of a quantized source's module that is not requantized (an FP8 source's
+        attention, shared experts, ...): in the form's entry for that source format, or
+        (`dequantize`) as a BF16 weight. UsageError where the form has none."""
+        raise UsageError(f"--output-format {self.name} cannot hold {weight!r}, stored {source_format}: use "
+                         f"--output-format modelopt-hf")
 
     def stacked(self, cfg, layout: "Layout", name: str, projection: str, fmt: str) -> Writing:
         """The writing of a stacked expert tensor `name` (canonical `projection` gate_up/down) in `fmt`."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError, FormatError, UsageError, short_repr
-from ..formats import FORMATS, Format, format_for_quant_algo
+from ..formats import FORMATS, Format, format_for_quant_algo, get_format
 from ..io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG, read_json, safe_child
 from ..io.safetensors import DTYPE_NAMES, DTYPES
 from ..model.inkling2 import modelopt_tensor, transformers_name
@@ -56,7 +56,11 @@ def modelopt_quantization_config(q: dict) -> dict:
     for i, (key, layers) in enumerate(by_entry.items()):
         entry = dict(key)
         algo = entry["quant_algo"]
-        wbits, abits = format_for_quant_algo(algo).config_group_bits(algo)  # ModelOpt 0.47 convert_hf_config.py:23-118
+        bits = format_for_quant_algo(algo, source=True).config_group_bits(algo)  # ModelOpt 0.47 convert_hf_config.py:23-118
+        if bits is None:  # an algo ModelOpt has no bits for (fp8_pb_wo): its `else` branch, the algo alone
+            groups[f"group_{i}"] = {"quant_algo": algo, "targets": sorted(layers)}
+            continue
+        wbits, abits = bits
         gs = entry.get("group_size")
         group = {"input_activations": {"dynamic": False, "num_bits": abits, "type": "float", "group_size": gs}} \
             if abits is not None else {}
@@ -264,7 +268,7 @@ class Modules(Writing):
     format tensors under its own module (`Format.tensor_name`)."""
 
     def specs(self, u) -> list[Spec]:
-        return [s for src in u.sources for s in out_specs(FORMATS[u.format], src.name, src.shape, src.dtype,
+        return [s for src in u.weights for s in out_specs(FORMATS[u.format], src.name, src.shape, _float(src.dtype),
                                                           u.activation_scale)]
 
     def quantized_module(self, u, layout: Layout) -> str | None:
@@ -287,12 +291,12 @@ class ExpertModules(Writing):
 
     def per_module(self, u) -> tuple[int, dict]:
         """(experts, suffix -> OutSpec of one expert's module) of unit `u`."""
-        src, names = u.sources[0], self._names()
-        E, rows, cols = (src.shape[0], src.shape[2], src.shape[1]) if self.storage.transposed else src.shape
+        src, names, shape = u.sources[0], self._names(), u.weight_shape(0)
+        E, rows, cols = (shape[0], shape[2], shape[1]) if self.storage.transposed else shape
         if rows % len(names):
-            raise FormatError(f"{self.projection} of shape {list(src.shape)}: {rows} rows do not split into "
+            raise FormatError(f"{self.projection} of shape {list(shape)}: {rows} rows do not split into "
                               f"{'/'.join(names)}")
-        return E, FORMATS[u.format].out_specs((rows // len(names), cols), DTYPES[src.dtype], u.activation_scale)
+        return E, FORMATS[u.format].out_specs((rows // len(names), cols), DTYPES[_float(src.dtype)], u.activation_scale)
 
     def specs(self, u) -> list[Spec]:
         E, per = self.per_module(u)
@@ -327,8 +331,51 @@ class _ModulesWriter(ExpertWriter):
         return out
 
 
+def _float(dtype: str) -> str:
+    """A source weight's dtype as a pass-through of it would be (a quantized source's: BF16)."""
+    return dtype if DTYPES[dtype] in FORMATS["passthrough"].source_dtypes else "BF16"
+
+
+@dataclass(frozen=True)
+class KeptModule(Writing):
+    """A quantized source's module written in ModelOpt's entry for its format, its bytes kept (an
+    FP8 block-scaled weight as FP8_PB_WO: `FP8Block.modelopt_tensors`)."""
+
+    def _fmt(self, u):
+        return get_format(u.source_format, source=True)
+
+    def specs(self, u) -> list[Spec]:
+        w = u.weights[0]
+        return [(self._fmt(u).tensor_name(w.name, k), DTYPE_NAMES[o.dtype], tuple(o.shape))
+                for k, o in self._fmt(u).modelopt_specs(w.shape).items()]
+
+    def quantized_module(self, u, layout: Layout) -> str | None:
+        return u.weights[0].name[: -len(".weight")]
+
+    def write_kept(self, u, stored, path) -> Outputs:
+        fmt, w = self._fmt(u), u.weights[0]
+        return [(fmt.tensor_name(w.name, k), t, True) for k, t in fmt.modelopt_tensors(stored, w.name).items()]
+
+
+@dataclass(frozen=True)
+class Dequantized(Writing):
+    """A quantized source's module written as a BF16 weight under its own name: the exact fp32
+    dequantization rounded once (DeepSeek-V3 inference/fp8_cast_bf16.py's output; ModelOpt's
+    examples/deepseek dequantizes so before quantizing)."""
+
+    def specs(self, u) -> list[Spec]:
+        w = u.weights[0]
+        return [(w.name, "BF16", tuple(u.weight_shape(0)))]
+
+    def write_kept(self, u, stored, path) -> Outputs:
+        return [(u.weights[0].name, get_format(u.source_format, source=True).dequantize(stored, torch.bfloat16), True)]
+
+
 class ModelOptForm(OutputForm):
     name = "modelopt-hf"
+
+    def kept(self, layout: Layout, weight: str, source_format: str, dequantize: bool) -> Writing:
+        return Dequantized() if dequantize else KeptModule()
 
     def copy(self, cfg, layout: Layout, name: str) -> Copy:
         # Inkling 2 under its original names: transformers' names, lm_head cut to the unpadded rows
@@ -338,6 +385,10 @@ class ModelOptForm(OutputForm):
         return Modules()
 
     def stacked(self, cfg, layout: Layout, name: str, projection: str, fmt: str) -> Writing:
+        if fmt not in FORMATS:  # a source-only format the scheme leaves alone (MXFP4)
+            raise UsageError(f"{name!r} is stored {fmt}, which ModelOpt's form has no entry for: the scheme must "
+                             f"quantize every layer's routed experts (or none: --scheme none copies the source)",
+                             tensor=name)
         if fmt == "passthrough":
             if layout.original_names:  # the interleaved w13 has no ModelOpt form unquantized
                 raise UsageError(f"--output-format modelopt-hf writes quantized experts as ModelOpt exports them; the "

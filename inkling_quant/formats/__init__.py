@@ -5,6 +5,7 @@ from __future__ import annotations
 from . import transcode
 from .base import MIN_INVERTIBLE_SCALE, TRANSCODERS, Format, OutSpec, Passthrough, invertible
 from .fp8_block import FP8Block
+from .mxfp4 import MXFP4
 from .mxfp8 import MXFP8
 from .nvfp4 import NVFP4
 
@@ -12,7 +13,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (NVFP4(), MXFP8(), Passthrough(
 #: formats only ever read from a source (`Format.source_only`), kept out of FORMATS: everything
 #: that iterates FORMATS (schemes, detect, value_rules, SCALE_SUFFIXES, quant_algo lookups, verify)
 #: is about what we write
-SOURCE_FORMATS: dict[str, Format] = {f.name: f for f in (FP8Block(),)}
+SOURCE_FORMATS: dict[str, Format] = {f.name: f for f in (FP8Block(), MXFP4())}
 
 #: every suffix a quantized module adds beside `weight` (the tensor-name vocabulary of the formats)
 SCALE_SUFFIXES: tuple[str, ...] = tuple(dict.fromkeys(s for f in FORMATS.values() for s in f.suffixes
@@ -22,9 +23,11 @@ VALUE_RULES = {"positive": "finite and positive, with a finite fp32 reciprocal (
                "e8m0": "e8m0 exponent in range (not 0xFF)"}
 
 
-def format_for_quant_algo(quant_algo) -> Format | None:
-    """The format a ModelOpt `quant_algo` string names (NVFP4, W4A16_NVFP4, MXFP8), or None."""
-    return next((f for f in FORMATS.values() if quant_algo in f.quant_algos), None)
+def format_for_quant_algo(quant_algo, *, source: bool = False) -> Format | None:
+    """The format a ModelOpt `quant_algo` string names (NVFP4, W4A16_NVFP4, MXFP8; with `source`
+    also a source format written as it is stored: fp8_pb_wo, FP8Block), or None."""
+    known = [*FORMATS.values(), *SOURCE_FORMATS.values()] if source else FORMATS.values()
+    return next((f for f in known if quant_algo in f.quant_algos), None)
 
 
 def detect(observed, shape: tuple[int, ...], dtype) -> Format | None:
@@ -43,5 +46,5 @@ def get_format(name: str, *, source: bool = False) -> Format:
 
 
 __all__ = ["FORMATS", "Format", "MIN_INVERTIBLE_SCALE", "OutSpec", "Passthrough", "NVFP4", "MXFP8", "SCALE_SUFFIXES",
-           "VALUE_RULES", "invertible", "SOURCE_FORMATS", "FP8Block", "TRANSCODERS", "transcode",
+           "VALUE_RULES", "invertible", "SOURCE_FORMATS", "FP8Block", "MXFP4", "TRANSCODERS", "transcode",
            "detect", "format_for_quant_algo", "get_format"]

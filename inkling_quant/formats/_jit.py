@@ -233,14 +233,22 @@ def _mxfp8_chunk(src, shift, mask, rule, scale, q, tmp, top, u, f):
         db = dv.view(np.uint32)
         for b in range(m):
             scale[b] = 0 if db[b] <= 0x400000 else np.uint8((db[b] + np.uint32(0x7FFFFF)) >> 23)
-    fb = top                                           # 2^(127 - E) as fp32 bits (E = 254: 2^-127)
-    for b in range(m):
+    fp32_bits(src, shift, u)
+    mxfp8_encode(u, scale, q, top, f)
+    return OK
+
+
+@_jit
+def mxfp8_encode(u, scale, q, fb, f):
+    """q = the e4m3 bytes of x * 2^(127 - E), clamped to +-448, for the blocks of 32 whose
+    exponents `scale` holds; u: x's fp32 bits. Scratch: fb (uint32) one per block, f (float32)
+    one per element."""
+    for b in range(scale.size):                        # 2^(127 - E) as fp32 bits (E = 254: 2^-127)
         e = np.uint32(scale[b])
         fb[b] = np.uint32(0x400000) if e == 254 else (np.uint32(254) - e) << 23
     factor = fb.view(np.float32)
     for i in range(f.size):
         f[i] = factor[i >> 5]
-    fp32_bits(src, shift, u)
     x = u.view(np.float32)
     for i in range(f.size):
         f[i] = min(max(x[i] * f[i], -E4M3_MAX), E4M3_MAX)
@@ -250,7 +258,6 @@ def _mxfp8_chunk(src, shift, mask, rule, scale, q, tmp, top, u, f):
     e4m3_bytes(a, q)
     for i in range(q.size):
         q[i] |= np.uint8((u[i] >> 24) & 0x80)       # the sign of x (torch keeps -0.0's)
-    return OK
 
 
 @_jit
@@ -334,3 +341,94 @@ def mxfp8_amax_by_scale(q, e8, e4m3_values, levels):
         if e == 0 or best >= E4M3_MAX * np.float32(math.ldexp(1.0, e - 1 - 127)):
             return best
     return np.float32(-1.0)
+
+
+# ============================================================================ FP8 block-scaled sources
+@_jit
+def fp8_tile_max(q, n, out):
+    """out[r // 128, c // 128] = the largest magnitude byte (sign cleared; 0x7F is NaN, the
+    largest) of the e4m3 bytes q of an [m, n] weight (q flat, row-major), per 128x128 tile:
+    the maxima of each row's 128-byte runs. out: uint8 [ceil(m/128), ceil(n/128)], zeroed."""
+    m = q.size // n if n else 0
+    gn = out.shape[1]
+    for r in range(m):
+        row = out[r >> 7]
+        base = r * n
+        for j in range(gn):
+            lo, hi = j * 128, min(n, j * 128 + 128)
+            t = np.uint8(0)
+            for k in range(lo, hi):
+                t = max(t, q[np.uint64(base + k)] & np.uint8(0x7F))
+            row[j] = max(row[j], t)
+
+
+@_jit
+def scaled_e4m3(q, factor, per, e4m3_values, tmp, top, x):
+    """Decode e4m3 bytes q scaled by one fp32 factor per `per` elements (a 16- or 32-block of an
+    FP8 block-scaled weight: its tile's scale) into x, and each block's maximum |x| into top as
+    fp32 bits: from its largest magnitude byte times its factor (exact: a positive factor keeps
+    the bytes' order). Returns NONFINITE for a NaN byte or a non-finite factor."""
+    top8 = byte_block_max(q, tmp, top.size)
+    amax = top.view(np.float32)
+    for b in range(top.size):
+        amax[b] = e4m3_values[top8[b]] * factor[b]
+    if top.max() >= _INF_BITS:
+        return NONFINITE
+    shift = 4 if per == 16 else 5
+    for i in range(x.size):
+        x[i] = e4m3_values[q[i]] * factor[i >> shift]
+    return OK
+
+
+@_jit
+def nvfp4_from_e4m3(q, factor, s2, rel, e4m3_values, packed, scale, tmp, top, pbs, d, dd, codes, x):
+    """nvfp4_blocks of the fp32 weight scaled e4m3 bytes hold (one factor per 16-block), read once:
+    scaled_e4m3 into a cache-sized scratch, then nvfp4_encode. In chunks of top.size blocks."""
+    M = top.size
+    for b0 in range(0, scale.size, M):
+        m = min(M, scale.size - b0)
+        a, n = b0 * 16, m * 16
+        if scaled_e4m3(q[a: a + n], factor[b0: b0 + m], 16, e4m3_values, tmp[:n], top[:m], x[:n]) != OK:
+            return NONFINITE
+        status = nvfp4_encode(x[:n], top[:m], s2, rel, e4m3_values, packed[a // 2: (a + n) // 2], scale[b0: b0 + m],
+                              pbs[:m], d[:m], dd[:n], codes[:n])
+        if status != OK:
+            return status
+    return OK
+
+
+@_jit
+def e4m3_block_amax(q, factor, per, e4m3_values, tmp, out):
+    """out[b] = max |x| of each `per`-block of the scaled e4m3 bytes (scaled_e4m3's maxima alone),
+    as fp32; NaN or Inf where one is held. Chunks of tmp.size // per blocks."""
+    M = tmp.size // per
+    for b0 in range(0, out.size, M):
+        m = min(M, out.size - b0)
+        top8 = byte_block_max(q[b0 * per: (b0 + m) * per], tmp[: m * per], m)
+        for b in range(m):
+            out[b0 + b] = e4m3_values[top8[b]] * factor[b0 + b]
+
+
+@_jit
+def mxfp8_from_e4m3(q, factor, e4m3_values, scale, out, tmp, top, u, f):
+    """MXFP8 (exponents given in `scale`: ModelOpt's rule of each block's amax, taken by the
+    caller) of the fp32 weight scaled e4m3 bytes hold, one factor per 32-block, in chunks of
+    top.size blocks: decoded into u's scratch (as fp32), then mxfp8_encode."""
+    M = top.size
+    for b0 in range(0, scale.size, M):
+        m = min(M, scale.size - b0)
+        a, n = b0 * 32, m * 32
+        if scaled_e4m3(q[a: a + n], factor[b0: b0 + m], 32, e4m3_values, tmp[:n], top[:m],
+                       u[:n].view(np.float32)) != OK:
+            return NONFINITE
+        mxfp8_encode(u[:n], scale[b0: b0 + m], out[a: a + n], top[:m], f[:n])
+    return OK
+
+
+@_jit
+def e4m3_max_magnitude(q):
+    """The largest magnitude byte (sign cleared) of e4m3 bytes q: 0x7F when one is NaN."""
+    m = np.uint8(0)
+    for i in range(q.size):
+        m = max(m, q[i] & np.uint8(0x7F))
+    return m

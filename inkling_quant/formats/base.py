@@ -9,6 +9,7 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
+from ..errors import FormatError
 from ._cpu import _check_shape
 
 # The smallest fp32 scale a serving engine can divide by: 1/x rounds to the largest finite fp32
@@ -22,7 +23,7 @@ def invertible(x: float) -> bool:
 
 
 #: Format-to-format fast paths, (source name, target name) -> fn(tensors, source, target, *,
-#: input_amax, name) returning the target's tensors, or None where it does not apply (another
+#: global_amax, input_amax, name, encoder) returning the target's tensors, or None where it does not apply (another
 #: device). Filled by formats/transcode.py, their one home; kept here because `Format.requantize`
 #: reads it and transcode.py imports the formats (base importing it would be a cycle).
 Transcoder = Callable[..., "dict[str, torch.Tensor] | None"]
@@ -56,6 +57,8 @@ class Format:
     block_size: int = 1        # block_shape's cols: elements per scale along the input (last) dim
     partial_tiles: bool = False  # an edge block may be partial: ceil(M/rows) x ceil(N/cols) scales
     source_only: bool = False  # only ever read from a source (formats.SOURCE_FORMATS)
+    #: suffix -> the dtypes a source may store that tensor in, where more than out_specs' one
+    stored_dtypes: Mapping[str, tuple[torch.dtype, ...]] = {}
     kernel: str | None = None  # the inkling_quant.kernels entry point computing x @ dequant(W)^T
     kernel_inputs: tuple[str, ...] = ()  # the tensors (suffixes) it takes after x, in order
     fuses_gate_up: bool = False        # an expert's gate and up share a scale (`fused_global_amax`)
@@ -142,6 +145,11 @@ class Format:
         """`out_specs` keyed by checkpoint name (`tensor_name`)."""
         return {self.tensor_name(weight_name, k): o for k, o in self.out_specs(shape, dtype, activation_scale).items()}
 
+    def weight_shape(self, stored: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+        """The weight's shape ``[..., out, in]`` from the shapes of its stored tensors (suffix ->
+        shape): the `weight` tensor's, unless the format packs it otherwise (MXFP4's blocks)."""
+        return tuple(stored["weight"])
+
     def nbytes(self, shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16,
                activation_scale: bool = True) -> int:
         return sum(s.nbytes for s in self.out_specs(shape, dtype, activation_scale).values())
@@ -163,24 +171,39 @@ class Format:
         dequantized weight holds one."""
         return self.dequantize(tensors, torch.float32).abs().amax()
 
+    def check_stored(self, tensors: Mapping[str, torch.Tensor], name: str = "",
+                     names: Mapping[str, str] | None = None) -> torch.Tensor:
+        """FormatError naming `name` unless stored tensors of this format are a valid weight (what a
+        quantized source's weight must be before it is requantized or kept); the source formats
+        check more and name the scale tensor at fault (`names`: suffix -> checkpoint name).
+        Returns the weight's amax (exact, `amax`), which a caller may share (gate and up)."""
+        amax = self.amax(tensors)
+        if not bool(torch.isfinite(amax)):
+            raise FormatError(f"{'tensor ' + repr(name) + ': ' if name else ''}holds NaN or Inf once dequantized "
+                              f"({self.name})", tensor=name or None)
+        return amax
+
     def all_finite(self, tensors: Mapping[str, torch.Tensor]) -> bool:
         """Whether stored tensors of this format dequantize to finite values only (a NaN code or
         scale shows there): what a quantized tensor copied as it is must still be."""
         return bool(torch.isfinite(self.amax(tensors)))
 
-    def requantize(self, tensors: Mapping[str, torch.Tensor], source: "Format", *,
+    def requantize(self, tensors: Mapping[str, torch.Tensor], source: "Format", *, global_amax=None,
                    input_amax: float | None = None, name: str = "", encoder: str = "modelopt") -> dict[str, torch.Tensor]:
         """This format's tensors for the weight `tensors` store in `source`'s format: bit for bit
-        ``quantize(source.dequantize(tensors, float32))`` (exact for the formats here: each
-        stored value is an fp32 number). A fast path for the pair (`TRANSCODERS`, filled by
-        formats/transcode.py) runs first and may read the stored bytes directly; where there is
-        none, or it declines (None), the weight is dequantized and quantized."""
+        ``quantize(source.dequantize(tensors, float32), global_amax=global_amax)`` (exact for the
+        formats here: each stored value is an fp32 number), unless the encoder publishes its own
+        cast for the pair (transcode.py: ModelOpt's MXFP4 -> NVFP4). A fast path for the pair
+        (`TRANSCODERS`, filled by formats/transcode.py) runs first and may read the stored bytes
+        directly; where there is none, or it declines (None), the weight is dequantized and
+        quantized. Only its source-format checks' errors name the stored tensors (`name`)."""
         fast = TRANSCODERS.get((source.name, self.name))
-        out = None if fast is None else fast(tensors, source, self, input_amax=input_amax, name=name, encoder=encoder)
+        out = None if fast is None else fast(tensors, source, self, global_amax=global_amax, input_amax=input_amax,
+                                             name=name, encoder=encoder)
         if out is not None:
             return out
-        return self.quantize(source.dequantize(tensors, torch.float32), input_amax=input_amax, name=name,
-                             encoder=encoder)
+        return self.quantize(source.dequantize(tensors, torch.float32), global_amax=global_amax,
+                             input_amax=input_amax, name=name, encoder=encoder)
 
     def fixed_point_misses(self, stored: Mapping[str, torch.Tensor], encoder: str = "release",
                            name: str = "") -> dict[str, int]:
@@ -231,7 +254,9 @@ class Format:
                 want = {k: (tuple(o.shape), o.dtype) for k, o in self.out_specs(shape, dtype, act).items()}
             except Exception:  # noqa: BLE001 - a shape this format cannot hold: not a match
                 continue
-            if want == {k: (tuple(v[0]), v[1]) for k, v in observed.items()}:
+            if set(want) == set(observed) and all(
+                    tuple(observed[k][0]) == w[0] and (observed[k][1] == w[1] or observed[k][1] in
+                                                       self.stored_dtypes.get(k, ())) for k, w in want.items()):
                 return True
         return False
 

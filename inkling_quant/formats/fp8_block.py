@@ -30,27 +30,48 @@ finite fp32 reciprocal. There is no floor of 1e-4 on the amax: that floor belong
 *activation* quantizer of later DeepSeek code (deepseek-ai/DeepSeek-V3.2-Exp inference/kernel.py
 `act_quant_kernel`), and on weights it would move every small tile's scale off weight_quant's rule.
 
-No ModelOpt quant_algo: nvidia-modelopt 0.47.0 names block-FP8 weight-only ``FP8_PB_WO``
-(modelopt/torch/export/model_config.py), but its HF export registers that block scale as
-``weight_scale`` (modelopt/torch/export/unified_export_hf.py) and
-modelopt/torch/export/convert_hf_config.py has no config_groups entry for it, so this layout,
-DeepSeek's, is not what a config naming FP8_PB_WO describes.
+Scales may be stored as float32 (DeepSeek-V3) or bfloat16 / float16 (Qwen3's FP8 releases
+store ``weight_scale_inv`` in bf16): every one widens to fp32 exactly, and the fp32 value is the
+multiplier (transformers 5.25 integrations/finegrained_fp8.py ``Fp8Dequantize``: ``scales.to(
+torch.float32)``, then ``q * s``).
+
+**Written as ModelOpt's FP8_PB_WO.** The same numbers are what nvidia-modelopt 0.47.0's HF
+exporter writes for a 128x128 block-FP8 weight-only module (`quant_utils.py`
+``get_quantization_format``: an fp8 weight quantizer with ``block_sizes`` and ``fake_quant`` is
+``QUANTIZATION_FP8_PB_WO = "fp8_pb_wo"``, model_config.py; its ``quantized_layers`` entry is
+``{"quant_algo": "fp8_pb_wo"}``, the generic ``else`` of ``process_layer_quant_config``; observed
+on an export made with the ``fp8_2d_blockwise_weight_only`` preset's block sizes): ``weight``
+float8_e4m3fn ``[M, N]`` and ``weight_scale`` float32 ``[ceil(M/128), 1, ceil(N/128), 1]``, a
+multiplier (``FP8QTensor.dequantize``: ``quantized_data * scales``). So a stored weight is
+written in that form with its bytes untouched and its scales only reshaped (and widened to fp32
+where stored narrower): `modelopt_tensors`. vLLM 0.33 reads exactly that form (modelopt.py
+``KFp8Block128``: ``weight_scale`` registered ``[cdiv(out, 128), 1, in // 128, 1]`` float32, the
+input width a multiple of 128, a partial last output block padded by ``_Fp8PbWoPartialBlock``).
+ModelOpt's config_groups has no entry for it (convert_hf_config.py ``_quant_algo_to_group_config``
+warns and writes ``{"quant_algo": ...}`` alone): `config_group_bits` is None.
 """
 from __future__ import annotations
 
 from typing import Mapping
 
+import numpy as np
 import torch
 
 from ..errors import FormatError
-from ._cpu import _E4M3_TO_F32, _check_dtype, _nonfinite, _where
+from . import _jit
+from ._cpu import _E4M3_TO_F32, _check_dtype, _nonfinite, _run_chunks, _where
 from .base import MIN_INVERTIBLE_SCALE, Format, OutSpec
 
-__all__ = ["FP8Block", "TILE", "E4M3_MAX", "SCALE_SUFFIX"]
+__all__ = ["FP8Block", "TILE", "E4M3_MAX", "SCALE_SUFFIX", "MODELOPT_SCALE", "QUANT_ALGO", "SCALE_DTYPES", "tile_max",
+           "has_nan_byte"]
 
 TILE = 128                 # rows and cols of the elements one scale covers
 E4M3_MAX = 448.0           # largest float8_e4m3fn magnitude
 SCALE_SUFFIX = "weight_scale_inv"
+MODELOPT_SCALE = "weight_scale"   # the scale's suffix in ModelOpt's FP8_PB_WO form
+QUANT_ALGO = "fp8_pb_wo"          # nvidia-modelopt 0.47.0 export/model_config.py QUANTIZATION_FP8_PB_WO
+#: the dtypes a stored scale may have: each widens to fp32 exactly (Qwen3's FP8 releases: bf16)
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _E4M3_VALUES = torch.from_numpy(_E4M3_TO_F32)  # byte -> fp32 value; 0x7F and 0xFF are NaN
 
 
@@ -72,6 +93,32 @@ def _untile(t: torch.Tensor, m: int, n: int) -> torch.Tensor:
     return t.reshape(*lead, gm * TILE, gn * TILE)[..., :m, :n].contiguous()
 
 
+def tile_max(w: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude byte (sign cleared; 0x7F: a NaN) of each 128x128 tile of e4m3 bytes
+    ``[..., M, N]``, uint8 ``[..., ceil(M/128), ceil(N/128)]``: on CPU one pass of the compiled
+    kernel (_jit.fp8_tile_max) per matrix, elsewhere torch."""
+    if w.device.type != "cpu":
+        return _tiles(w.view(torch.uint8) & 0x7F).amax(dim=(-3, -1))
+    *lead, m, n = w.shape
+    gm = -(-m // TILE)
+    out = np.zeros((*lead, gm, -(-n // TILE)), dtype=np.uint8)
+    flat = w.contiguous().view(torch.uint8).reshape(-1, m * n).numpy()
+    grids = out.reshape(-1, *out.shape[-2:])
+    for i in range(flat.shape[0]):  # rows of tiles in turn on the threads (_cpu._run_chunks)
+        _run_chunks(lambda t0, t1, q=flat[i], g=grids[i]: _jit.fp8_tile_max(q[t0 * TILE * n: t1 * TILE * n], n,
+                                                                              g[t0:t1]), gm, 1, 4)
+    return torch.from_numpy(out)
+
+
+def has_nan_byte(w: torch.Tensor) -> bool:
+    """Whether e4m3 bytes hold a NaN (0x7F / 0xFF; e4m3fn has no Inf): one compiled pass on CPU
+    (what a converter copying FP8 bytes as they are checks them for)."""
+    b = w.reshape(-1).view(torch.uint8)
+    if b.device.type != "cpu":
+        return bool(((b & 0x7F) == 0x7F).any())
+    return b.numel() > 0 and int(_jit.e4m3_max_magnitude(b.numpy())) == 0x7F
+
+
 def _scale_name(name: str) -> str:
     """The checkpoint name of the scale beside the weight `name` (`<module>.weight_scale_inv`)."""
     if not name:
@@ -83,12 +130,13 @@ class FP8Block(Format):
     """FP8 E4M3 weights, one fp32 multiplier per 128x128 tile (DeepSeek-V3's release)."""
 
     name = "fp8_block"
-    quant_algo = None          # see the module doc: not ModelOpt's FP8_PB_WO layout
-    quant_algos = ()
+    quant_algo = QUANT_ALGO    # ModelOpt's FP8_PB_WO, the form it is written in (module doc)
+    quant_algos = (QUANT_ALGO, QUANT_ALGO.upper())  # vLLM and SGLang upper-case it; Kimi-K3's script writes it so
     suffixes = ("weight", SCALE_SUFFIX)
     block_shape = (TILE, TILE)
     partial_tiles = True
     source_only = True
+    stored_dtypes = {"weight": (torch.float8_e4m3fn,), SCALE_SUFFIX: SCALE_DTYPES}
     # no verify thresholds (base: nothing passes): verify never checks a checkpoint written in a
     # source-only format
 
@@ -97,9 +145,10 @@ class FP8Block(Format):
         return {"weight": OutSpec(shape, torch.float8_e4m3fn),
                 SCALE_SUFFIX: OutSpec(self.scale_shape(shape), torch.float32)}
 
-    def quantize(self, weight, *, global_amax=None, input_amax=None, name: str = ""):
+    def quantize(self, weight, *, global_amax=None, input_amax=None, name: str = "", encoder: str = "modelopt"):
         """suffix -> tensor (the module doc's rule). ``global_amax`` and ``input_amax`` do not
-        apply (no global scale, no activation scale) and are ignored. Raises FormatError for a
+        apply (no global scale, no activation scale) and are ignored, as is ``encoder`` (one rule).
+        Raises FormatError for a
         weight of fewer than two dims, another dtype, or NaN/Inf."""
         _check_dtype(weight, self.name, name)
         self.check_shape(weight.shape, name)
@@ -128,11 +177,11 @@ class FP8Block(Format):
                               tensor=name or None)
         self.check_shape(tuple(w.shape), name)
         want, sname = self.scale_shape(tuple(w.shape)), _scale_name(name)
-        if s.dtype != torch.float32 or tuple(s.shape) != want:
+        if s.dtype not in SCALE_DTYPES or tuple(s.shape) != want:
             raise FormatError(f"{_where(sname)}{SCALE_SUFFIX} is {s.dtype} {tuple(s.shape)}; a weight of shape "
                               f"{tuple(w.shape)} needs float32 {want} (one scale per {TILE}x{TILE} tile, "
-                              f"edge tiles partial)", tensor=sname or None)
-        return w, s
+                              f"edge tiles partial; bfloat16 or float16 also read)", tensor=sname or None)
+        return w, s.to(torch.float32)  # exact widening
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``fp32(weight) * weight_scale_inv`` of each element's tile, in fp32, then cast to
@@ -150,32 +199,64 @@ class FP8Block(Format):
         w, s = self._stored(tensors)
         if w.numel() == 0:
             return torch.zeros((), dtype=torch.float32)
-        mag, s = w.view(torch.uint8) & 0x7F, s.to(w.device).abs()
-        per_tile = _E4M3_VALUES.to(w.device)[_tiles(mag).amax(dim=(-3, -1)).long()] * s
+        s = s.to(w.device).abs()
+        per_tile = _E4M3_VALUES.to(w.device)[tile_max(w).long()] * s
         if bool(torch.isinf(s).any()):  # a zero in a tile of infinite scale is 0 x Inf = NaN
-            zero = _tiles(mag, fill=0x7E).amin(dim=(-3, -1)) == 0
+            zero = _tiles(w.view(torch.uint8) & 0x7F, fill=0x7E).amin(dim=(-3, -1)) == 0
             per_tile = torch.where(zero & torch.isinf(s), torch.full_like(s, float("nan")), per_tile)
         return per_tile.amax()
 
-    def check_stored(self, tensors: Mapping[str, torch.Tensor], name: str = "") -> None:
+    def check_stored(self, tensors: Mapping[str, torch.Tensor], name: str = "",
+                     names: Mapping[str, str] | None = None) -> torch.Tensor:
         """FormatError naming the tensor unless stored tensors are a valid weight: dtypes and the
         scale grid's shape, no NaN byte (0x7F/0xFF; e4m3fn has no Inf), every scale finite and
-        > 0, and no value past the fp32 range once dequantized."""
+        > 0, and no value past the fp32 range once dequantized. The scale is named as `name`'s
+        `weight_scale_inv` (`names`: suffix -> checkpoint name, where it is named otherwise).
+        Returns the weight's amax (exact; `amax`), from the same one pass over the bytes."""
         w, s = self._stored(tensors, name)
-        nan = (w.view(torch.uint8) & 0x7F) == 0x7F
-        if bool(nan.any()):
+        tm = tile_max(w) if w.numel() else None
+        if tm is not None and int(tm.max()) == 0x7F:  # the first NaN byte, only on the error path
+            nan = (w.view(torch.uint8) & 0x7F) == 0x7F
             at = tuple(int(i) for i in nan.nonzero()[0])
             raise FormatError(f"{_where(name)}holds {int(nan.sum())} NaN e4m3 byte(s), the first at {at}",
                               tensor=name or None)
         bad = ~torch.isfinite(s) | (s <= 0)
         if bool(bad.any()):
-            sname = _scale_name(name)
+            sname = (names or {}).get(SCALE_SUFFIX) or _scale_name(name)
             at = tuple(int(i) for i in bad.nonzero()[0])
             raise FormatError(f"{_where(sname)}{int(bad.sum())} scale(s) not finite and > 0, the first "
                               f"{float(s[at]):g} at tile {at}", tensor=sname or None)
-        if not bool(torch.isfinite(self.amax(tensors))):
+        if tm is None:
+            return torch.zeros((), dtype=torch.float32)
+        amax = (_E4M3_VALUES.to(w.device)[tm.long()] * s.to(w.device)).amax()
+        if not bool(torch.isfinite(amax)):
             raise FormatError(f"{_where(name)}dequantizes past the fp32 range (a scale too large)",
                               tensor=name or None)
+        return amax
 
     def value_rule(self, suffix):
-        return "positive" if suffix == SCALE_SUFFIX else None
+        return "positive" if suffix in (SCALE_SUFFIX, MODELOPT_SCALE) else None
+
+    # --- ModelOpt's FP8_PB_WO form (module doc) ------------------------------------------
+    def layer_config(self, weight_only: bool = False, encoder: str = "modelopt") -> dict:
+        """Its `quantized_layers` entry as ModelOpt 0.47's exporter writes it (no group_size)."""
+        return {"quant_algo": QUANT_ALGO}
+
+    def config_group_bits(self, quant_algo: str | None = None):
+        """None: ModelOpt's config.json has no config_groups bits for FP8_PB_WO (its group is
+        ``{"quant_algo": ...}`` alone)."""
+        return None
+
+    def modelopt_specs(self, shape: tuple[int, ...]) -> dict[str, OutSpec]:
+        """suffix -> OutSpec of ModelOpt's FP8_PB_WO tensors for a stored weight of `shape`."""
+        shape = tuple(shape)
+        *lead, gm, gn = self.scale_shape(shape)
+        return {"weight": OutSpec(shape, torch.float8_e4m3fn),
+                MODELOPT_SCALE: OutSpec((*lead, gm, 1, gn, 1), torch.float32)}
+
+    def modelopt_tensors(self, tensors: Mapping[str, torch.Tensor], name: str = "") -> dict[str, torch.Tensor]:
+        """Stored tensors in ModelOpt's FP8_PB_WO form: the weight's bytes as they are, the scales
+        widened to fp32 (exact) and viewed ``[ceil(M/128), 1, ceil(N/128), 1]``."""
+        w, s = self._stored(tensors, name)
+        *lead, gm, gn = s.shape
+        return {"weight": w, MODELOPT_SCALE: s.contiguous().reshape(*lead, gm, 1, gn, 1)}

@@ -10,8 +10,13 @@ weight) registers a transcoder here, keyed by (source name, target name), in `TR
 
 A transcoder returns the target's tensors, or None where it does not apply (a tensor on another
 device), and then the dequantize + quantize fallback runs. It must equal that fallback bit for
-bit, errors included (tests/test_formats.py holds every registered pair to it). Formats never
-import each other for this: nvfp4.py knows nothing of mxfp8.py.
+bit, errors included (tests/test_formats.py holds every registered pair to it), with one kind of
+exception: where the target's encoder has published its own cast for that source, the
+transcoder is that cast, bit for bit, and says so. Registered: MXFP8 -> NVFP4 and FP8 block ->
+NVFP4 / MXFP8 (the fallback's bits, read from the bytes), MXFP4 -> NVFP4 (ModelOpt's
+``quantize_mxfp4_to_nvfp4_lossless`` for its encoder; the fallback for the release's). A transcoder may report figures beside the
+tensors (`STATS` keys), which callers take out before writing. Formats never import each other
+for this: nvfp4.py knows nothing of mxfp8.py or mxfp4.py.
 """
 from __future__ import annotations
 
@@ -20,14 +25,19 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from ..errors import FormatError
 from . import _jit
-from ._cpu import _E4M3_TO_F32, _buf, _nonfinite
+from ._cpu import _E4M3_TO_F32, _buf, _nonfinite, _run_chunks, _where
 from .base import TRANSCODERS, Format, Transcoder
-from .mxfp8 import amax_before_reading, stored_bytes
-from .nvfp4 import (_MODELOPT, _NV_CHUNK_BLOCKS, BLOCK_SIZE, GLOBAL_DIV, RELEASE_DENOMINATOR, _global_scale,
-                    _nvfp4_chunks, _tensors, release_rule)
+from .mxfp8 import _MX_CHUNK_BLOCKS, amax_before_reading, e8m0_exponent, stored_bytes
+from .mxfp8 import BLOCK_SIZE as MX_BLOCK
+from .mxfp4 import E2M1_MAGNITUDES
+from .nvfp4 import (_MODELOPT, _NV_CHUNK_BLOCKS, BLOCK_SIZE, E2M1_MAX, E4M3_MAX, GLOBAL_DIV, MIN_BLOCK_SCALE,
+                    RELEASE_DENOMINATOR, _as_amax, _e2m1_codes_torch, _global_scale, _nvfp4_chunks, _tensors,
+                    nvfp4_input_scale, release_rule)
 
-__all__ = ["TRANSCODERS", "transcoder", "find", "nvfp4_from_mxfp8"]
+__all__ = ["TRANSCODERS", "transcoder", "find", "nvfp4_from_mxfp8", "nvfp4_from_mxfp4", "nvfp4_from_fp8_block",
+           "mxfp8_from_fp8_block", "STATS"]
 
 
 def transcoder(source: str, target: str):
@@ -62,7 +72,7 @@ def _nvfp4_blocks_from_mxfp8(q: np.ndarray, e8: np.ndarray, s2: torch.Tensor, re
 
 
 @transcoder("mxfp8", "nvfp4")
-def nvfp4_from_mxfp8(tensors: Mapping[str, torch.Tensor], source: Format, target: Format, *,
+def nvfp4_from_mxfp8(tensors: Mapping[str, torch.Tensor], source: Format, target: Format, *, global_amax=None,
                      input_amax: float | None = None, name: str = "",
                      encoder: str = "modelopt") -> dict[str, torch.Tensor] | None:
     """NVFP4 of an MXFP8 release's weight on CPU, its bytes read once: the global amax from the
@@ -70,7 +80,7 @@ def nvfp4_from_mxfp8(tensors: Mapping[str, torch.Tensor], source: Format, target
     and quantized while it is in the cache, no fp32 copy of the weight made (85 MB for a
     [4608, 4608] w13). Bit-identical to quantizing the dequantized weight, and to ModelOpt's NVFP4
     of it (tests/test_formats.py). None off the CPU."""
-    if tensors["weight"].device.type != "cpu":
+    if tensors["weight"].device.type != "cpu" or global_amax is not None:  # a shared amax: the plain path
         return None
     q, e8, shape = stored_bytes(tensors)
     g = amax_before_reading(q, e8)
@@ -84,3 +94,176 @@ def nvfp4_from_mxfp8(tensors: Mapping[str, torch.Tensor], source: Format, target
     if release:
         out["weight_amax"] = torch.tensor(g, dtype=torch.float32)
     return out
+
+
+# ============================================================================ MXFP4 -> NVFP4
+#: what `nvfp4_from_mxfp4` reports beside the tensors (0-d int64): the MXFP4 blocks it read and
+#: how many of them ModelOpt counts lossless (`quantize_mxfp4_to_nvfp4_lossless`'s n_lossless)
+STATS = ("mxfp4_blocks", "mxfp4_lossless_blocks")
+_E4M3_KMAX, _E4M3_KMIN = 8, -9   # E4M3 holds 2^k exactly for k in [-9, 8] (ModelOpt numeric_utils.py)
+
+
+def _pow2_e4m3(k: torch.Tensor) -> torch.Tensor:
+    """The float8_e4m3fn byte of 2^k for integer k in [-9, 8], exact: subnormals 2^-9..2^-7 are
+    1, 2, 4; normals (k + 7) << 3."""
+    return torch.where(k < -6, torch.bitwise_left_shift(torch.ones_like(k), k + 9), (k + 7) << 3).to(torch.uint8)
+
+
+@transcoder("mxfp4", "nvfp4")
+def nvfp4_from_mxfp4(tensors: Mapping[str, torch.Tensor], source: Format, target: Format, *, global_amax=None,
+                     input_amax: float | None = None, name: str = "",
+                     encoder: str = "modelopt") -> dict[str, torch.Tensor] | None:
+    """NVFP4 of an MXFP4 weight (one expert's slab, gate and up rows together) by ModelOpt's own
+    cast, bit for bit: nvidia-modelopt 0.47.0 export/shard_cast_utils.py
+    ``quantize_mxfp4_to_nvfp4_lossless`` with ``k_max`` = the slab's largest exponent over
+    non-zero e8m0 bytes (``mxfp4_kmax``; for a fused gate/up pair ``build_w13_kmax_overrides``'
+    shared ``max(k1, k3)``: the same number, since the slab holds both). ``weight_scale_2 =
+    2^(k_max - 8)``; a block whose exponent ``k`` lies in E4M3's window (``k >= k_max - 17``:
+    ``numeric_utils.py`` ``mxfp4_to_nvfp4_per_block_amax``) gets the scale ``2^(k - k_max + 8)``
+    exactly and its codes back verbatim (-0 becomes +0: ModelOpt's sign is ``y < 0``); any other
+    block is requantized from its values (block amax ``max_code * 2^k``, scale clamped to
+    [2^-9, 448], then NVFP4's rounding). Those two cases are read from the bytes here without a
+    float pass for the first. Reported beside the tensors (`STATS`): the MXFP4 blocks and those
+    ModelOpt counts lossless (``(k >= k_max - 17) | (e8m0 == 0)``). Per-projection calls with the
+    shared k_max give the same bytes (a block in one projection's window but not the shared one
+    clamps to 2^-9 either way). None (the plain path: quantize the dequantized weight) for the
+    release's encoder or a caller's shared amax."""
+    if target.encoder_rule(encoder) != "modelopt" or global_amax is not None:
+        return None
+    source.check_stored(tensors, name)
+    b, e8 = source._stored(tensors, name)
+    shape = source.weight_shape({k: tuple(v.shape) for k, v in (("weight", b), ("weight_scale", e8))})
+    k = e8.to(torch.int32) - 127
+    nonzero = e8 > 0
+    k_max = int(k[nonzero].max()) if bool(nonzero.any()) else 0          # mxfp4_to_nvfp4_global_amax
+    inner_max = k_max if bool(nonzero.any()) else -127                    # mxfp4_to_nvfp4_per_block_amax
+    s2 = torch.tensor(2.0 ** (k_max - _E4M3_KMAX), dtype=torch.float32)
+    delta = k - (inner_max - _E4M3_KMAX)
+    in_range = (delta >= _E4M3_KMIN) & (delta <= _E4M3_KMAX)
+    exact = in_range & nonzero     # codes verbatim, scale 2^(k - k_max + 8)
+    scale = torch.empty((*e8.shape, 2), dtype=torch.uint8)    # two NVFP4 16-blocks per MXFP4 32-block
+    packed = b.clone()
+    # -0 (code 8) -> +0 in both nibbles; every other code as it is
+    packed &= ~(((packed & 0x0F) == 0x08).to(torch.uint8) * 0x0F) & ~(((packed >> 4) == 0x08).to(torch.uint8) * 0xF0)
+    scale[...] = _pow2_e4m3(torch.clamp(k - k_max + _E4M3_KMAX, _E4M3_KMIN, _E4M3_KMAX)).unsqueeze(-1)
+    if not bool(exact.all()):
+        _requantize_blocks(b, e8, k, in_range, ~exact, s2, packed, scale, source)
+    lossless = int(((k >= k_max - (_E4M3_KMAX - _E4M3_KMIN)) | ~nonzero).sum())
+    out = {"weight": packed.reshape(*shape[:-1], shape[-1] // 2),
+           "weight_scale": scale.reshape(*shape[:-1], shape[-1] // BLOCK_SIZE).view(torch.float8_e4m3fn),
+           "weight_scale_2": s2}
+    if input_amax is not None:
+        out["input_scale"] = nvfp4_input_scale(input_amax, name)
+    out[STATS[0]], out[STATS[1]] = torch.tensor(e8.numel()), torch.tensor(lossless)
+    return out
+
+
+def _requantize_blocks(b: torch.Tensor, e8: torch.Tensor, k: torch.Tensor, in_range: torch.Tensor,
+                       todo: torch.Tensor, s2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                       source: Format) -> None:
+    """The MXFP4 blocks `todo` (outside the window, or e8m0 0) by ModelOpt's arithmetic, in place:
+    block amax ``6 * 2^k`` in the window else ``max_code * 2^k`` (per_block_amax), scale
+    ``e4m3(clamp(amax / (6 * s2), 2^-9, 448))`` for both 16-halves, values ``w / (scale * s2)``
+    rounded as NVFP4QTensor.quantize rounds (nvfp4._e2m1_codes_torch)."""
+    bt, et, kt, rt = b[todo], e8[todo], k[todo], in_range[todo]          # [n, 16], [n], ...
+    pow2 = torch.exp2(kt.float())
+    top = torch.maximum(bt & 0x07, (bt >> 4) & 0x07).amax(dim=-1)
+    amax = torch.where(rt, E2M1_MAX * pow2, E2M1_MAGNITUDES[top.long()] * pow2)
+    sc = (amax / (E2M1_MAX * s2)).clamp(min=MIN_BLOCK_SCALE, max=E4M3_MAX).to(torch.float8_e4m3fn)
+    vals = source.dequantize({"weight": bt.unsqueeze(1), "weight_scale": et.unsqueeze(1)}, torch.float32)  # [n, 32]
+    y = vals / (sc.to(torch.float32) * s2).unsqueeze(-1)
+    codes = _e2m1_codes_torch(y.reshape(-1)).reshape(y.shape)
+    packed[todo] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    scale[todo] = sc.view(torch.uint8).unsqueeze(-1).expand(-1, 2)
+
+
+# ============================================================================ FP8 block-scaled -> NVFP4, MXFP8
+def _fp8_factors(s: torch.Tensor, m: int, n: int, per: int) -> np.ndarray:
+    """The fp32 scale of each `per`-element block of an [m, n] FP8 block-scaled weight (its tile's),
+    flat in row-major block order: the [ceil(m/128), ceil(n/128)] grid repeated over rows and
+    over the blocks of a tile's 128 columns, cropped."""
+    rows = np.repeat(s.numpy(), 128, axis=0)[:m]
+    return np.ascontiguousarray(np.repeat(rows, 128 // per, axis=1)[:, : n // per]).reshape(-1)
+
+
+def _fp8_bytes(tensors, source: Format, per: int, name: str):
+    """(e4m3 bytes flat, fp32 scale grid, (m, n)) of a 2-D CPU weight whose blocks of `per` fit its
+    last dim and whose scales are finite and > 0; None otherwise (the plain path then decides,
+    errors included)."""
+    w, s = source._stored(tensors, name)
+    if w.device.type != "cpu" or w.dim() != 2 or w.shape[-1] % per or not bool(((s > 0) & (s < np.inf)).all()):
+        return None
+    return w.contiguous().view(torch.uint8).reshape(-1).numpy(), s.contiguous(), tuple(w.shape)
+
+
+@transcoder("fp8_block", "nvfp4")
+def nvfp4_from_fp8_block(tensors: Mapping[str, torch.Tensor], source: Format, target: Format, *, global_amax=None,
+                         input_amax: float | None = None, name: str = "",
+                         encoder: str = "modelopt") -> dict[str, torch.Tensor] | None:
+    """NVFP4 of an FP8 block-scaled weight (one expert's projection) on CPU, its bytes read once:
+    per chunk the values ``fp32(e4m3) * scale`` decoded into a cache-sized fp32 scratch and the
+    NVFP4 kernel's own code on them (_jit.nvfp4_from_e4m3); the global amax the caller's (gate
+    and up's shared one) or the weight's, from the bytes (`FP8Block.amax`, exact). Bit for bit
+    ``quantize(dequantize(tensors, float32), global_amax=...)``; no fp32 copy of the weight."""
+    got = _fp8_bytes(tensors, source, BLOCK_SIZE, name)
+    if got is None:
+        return None
+    q, s, shape = got
+    release = target.encoder_rule(encoder) != "modelopt"
+    g = None if global_amax is None else _as_amax(global_amax, "global_amax", name)
+    if g is None or g == 0:  # the weight's own amax (a NaN byte or an overflow otherwise shows in the kernel)
+        true_amax = source.amax(tensors)
+        if not bool(torch.isfinite(true_amax)):
+            raise _nonfinite(name)
+        if g == 0 and float(true_amax) != 0.0:
+            raise FormatError(f"{_where(name)}global_amax is 0 but the tensor is not all zero", tensor=name or None)
+        g = np.float32(true_amax.item()) if g is None else g
+    rel = release_rule(g, RELEASE_DENOMINATOR, name) if release else _MODELOPT
+    s2 = _global_scale(g, name, RELEASE_DENOMINATOR if release else GLOBAL_DIV)
+    factor = _fp8_factors(s, *shape, BLOCK_SIZE)
+
+    def blocks(b0: int, b1: int, s2f, out, scratch) -> int:
+        return _jit.nvfp4_from_e4m3(q[b0 * 16: b1 * 16], factor[b0:b1], s2f, rel, _E4M3_TO_F32, *out,
+                                    _buf("nv:tmp8", (_NV_CHUNK_BLOCKS * 16,), np.uint8), *scratch,
+                                    _buf("nv:x", (_NV_CHUNK_BLOCKS * 16,), np.float32))
+    packed, scale = _nvfp4_chunks(blocks, q.size // BLOCK_SIZE, s2, name)
+    out = _tensors(shape, packed, scale, s2, input_amax, name)
+    if release:
+        out["weight_amax"] = torch.tensor(g, dtype=torch.float32)
+    return out
+
+
+@transcoder("fp8_block", "mxfp8")
+def mxfp8_from_fp8_block(tensors: Mapping[str, torch.Tensor], source: Format, target: Format, *, global_amax=None,
+                         input_amax: float | None = None, name: str = "",
+                         encoder: str = "modelopt") -> dict[str, torch.Tensor] | None:
+    """MXFP8 (ModelOpt's rule) of an FP8 block-scaled weight on CPU from its bytes: each 32-block's
+    amax from its largest byte times its scale (exact), ModelOpt's exponent of it (its fp32
+    ``log2`` expression, `mxfp8.e8m0_exponent`, as MXFP8 quantizes any fp32 weight), then per
+    chunk the values decoded into a scratch and MXFP8's own encoder (_jit.mxfp8_from_e4m3). Bit
+    for bit ``quantize(dequantize(tensors, float32))``. None for the release's rule."""
+    got = _fp8_bytes(tensors, source, MX_BLOCK, name)
+    if got is None or target.encoder_rule(encoder) != "modelopt":
+        return None
+    q, s, shape = got
+    nblk = q.size // MX_BLOCK
+    factor = _fp8_factors(s, *shape, MX_BLOCK)
+    amax = np.empty(nblk, dtype=np.float32)
+    _run_chunks(lambda b0, b1: _jit.e4m3_block_amax(q[b0 * 32: b1 * 32], factor[b0:b1], MX_BLOCK, _E4M3_TO_F32,
+                                                    _buf("mx:tmp8", (_MX_CHUNK_BLOCKS * 32,), np.uint8), amax[b0:b1]),
+                nblk, _MX_CHUNK_BLOCKS)
+    if nblk and not np.isfinite(amax).all():
+        raise _nonfinite(name)
+    e8 = e8m0_exponent(torch.from_numpy(amax)).numpy()
+    out = np.empty(q.size, dtype=np.uint8)
+
+    def chunk(b0: int, b1: int) -> None:
+        M = _MX_CHUNK_BLOCKS
+        if _jit.mxfp8_from_e4m3(q[b0 * 32: b1 * 32], factor[b0:b1], _E4M3_TO_F32, e8[b0:b1], out[b0 * 32: b1 * 32],
+                                _buf("mx:tmp8", (M * 32,), np.uint8), _buf("mx:top", (M,), np.uint32),
+                                _buf("mx:u", (M * 32,), np.uint32), _buf("mx:f", (M * 32,), np.float32)) != _jit.OK:
+            raise _nonfinite(name)
+
+    _run_chunks(chunk, nblk, _MX_CHUNK_BLOCKS)
+    return {"weight": torch.from_numpy(out).view(torch.float8_e4m3fn).reshape(shape),
+            "weight_scale": torch.from_numpy(e8).reshape(*shape[:-1], shape[-1] // MX_BLOCK)}

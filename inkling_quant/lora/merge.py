@@ -14,6 +14,7 @@ from tqdm import tqdm
 from .. import __version__
 from ..errors import UsageError
 from ..export.modelopt import read_quantization
+from ..model.sources import source_quant
 from ..io.checkpoint import HF_QUANT_CONFIG, INDEX_NAME, Checkpoint, read_json, safe_child, write_json_atomic
 from ..io.derive import carry_checksums, copy_other_files, rewrite_shard, source_checksums
 from ..io.output import link_or_copy, staged_output
@@ -76,6 +77,12 @@ def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0,
     headers = ckpt.headers()
     config_path = safe_child(ckpt.root, "config.json")
     config = read_json(config_path, "config.json")
+    quantized = source_quant(config, str(config_path))
+    if quantized is not None:  # the projections a LoRA targets are stored quantized (FP8), or the experts (MXFP4)
+        raise UsageError(f"the base checkpoint is a quantized source ({quantized.describe()}): lora merge adds a "
+                         f"BF16 delta to BF16 weights and does not merge into {quantized.format} weights. Convert it "
+                         f"first (`inkling-quant convert --dequantize-fp8` writes its attention BF16) and merge into "
+                         f"the converted checkpoint", path=config_path)
     cfg = model_config(config, str(config_path))
     naming = NAMINGS[cfg.family](cfg, ckpt.weight_map) if cfg.family in NAMINGS else \
         HFNaming(cfg, ckpt.weight_map, headers, str(ckpt.root))

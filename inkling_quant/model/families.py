@@ -29,6 +29,7 @@ class Family:
     memory_block: str = "mlp"             # the MoE block's name in transformers' in-memory model (PEFT's names)
     dense_width_key: str = "intermediate_size"  # a dense layer's MLP width
     shared_expert_per_layer: bool = False  # one shared expert of the expert width in every MoE layer
+    gate_up_interleaved: bool = False     # stacked gate_up_proj rows alternate gate/up (not gate then up)
     expert_activation: str = "silu"       # how an expert gates up by gate (kernels' ACTIVATIONS): SwiGLU
 
 
@@ -51,6 +52,13 @@ FAMILIES: tuple[Family, ...] = (
     Family("llama4", ("llama4", "llama4_text"), tested=True, memory_block="feed_forward",
            dense_width_key="intermediate_size_mlp", shared_expert_per_layer=True),
     Family("qwen3_omni_moe", ("qwen3_omni_moe",), qk_norm=True),
+    # models/gpt_oss/modeling_gpt_oss.py: experts stacked [E, H, 2I] / [E, I, H] (in, out) with
+    # biases, gate/up interleaved along 2I (`gate, up = gate_up[..., ::2], gate_up[..., 1::2]`,
+    # l.82), attention sinks and q/k/v/o biases; the MXFP4 release stores the experts as
+    # `*_blocks` / `*_scales` [E, out, in/32, 16] (model/sources.py). Its clamped SwiGLU (alpha
+    # 1.702, limit 7) is not among the kernels' activations: verify's MoE figure uses SiLU for it,
+    # the same on both sides of the comparison
+    Family("gpt_oss", ("gpt_oss",), qkv_bias=True, gate_up_interleaved=True),
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 

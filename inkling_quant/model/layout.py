@@ -27,7 +27,8 @@ from ..errors import CheckpointError, ConfigError
 from .inkling2 import Inkling2Config
 from .naming import MODELOPT, Naming, naming_of
 from .naming import described as described_namings
-from .storage import CANONICAL, PER_EXPERT_NAMES, STORAGES, ExpertStorage, Interleaved, PerExpert
+from .sources import SourceQuant, source_quant
+from .storage import CANONICAL, PER_EXPERT_NAMES, STORAGES, ExpertStorage, Interleaved, PerExpert, Stacked
 from .tensors import TensorName, TensorSpec
 
 
@@ -125,7 +126,7 @@ def _dense_layers(t: ConfigFields, n: int) -> frozenset[int] | None:
 
 _LAYER = re.compile(r"(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?P<rest>.+)")
 _SHARED = re.compile(r"(?:mlp|feed_forward)\.(?:shared_experts?|shared_expert_gate)\..+")
-_ROUTER = re.compile(r"(?:mlp|block_sparse_moe)\.gate\.(?:weight|bias|e_score_correction_bias)|feed_forward\.router\..+")
+_ROUTER = re.compile(r"(?:mlp|block_sparse_moe)\.gate\.(?:weight|bias|e_score_correction_bias)|(?:feed_forward|mlp)\.router\..+")
 _DENSE = re.compile(r"(?:mlp|feed_forward)\.(?:gate_proj|up_proj|down_proj)\..+")
 _ATTENTION = re.compile(r"(?:self_attn|attn)\..+")
 _PER_EXPERT_MODULE = re.compile(r"(?P<experts>.+\.experts)\.(?P<expert>\d{1,9})\.(?P<proj>"
@@ -144,6 +145,7 @@ class Layout:
     lm_head: str | None
     num_layers: int | None = None  # the config's decoder layers: layers past them are MTP/draft layers
     naming: Naming | None = None   # an Inkling 2 checkpoint's naming (model.naming); None for other families
+    source: SourceQuant | None = None  # a quantized source's storage (model/sources.py); None: float weights
 
     def classify(self, name: str) -> TensorName:
         """What `name` is (part, layer, expert, canonical projection gate/up/down, suffix)."""
@@ -192,8 +194,14 @@ class Layout:
 
     def activation_key(self, rec: TensorName) -> str | None:
         """The module a routed expert's activation amax is keyed by (None for other tensors and for
-        a quantized source's scales): `ExpertStorage.activation_key`."""
-        if rec.part != "expert" or rec.suffix != "weight":
+        a quantized source's scales): `ExpertStorage.activation_key`, of the weight a quantized
+        source's stored tensor holds (an MXFP4 source's `..._blocks`: its stacked weight)."""
+        if rec.part != "expert":
+            return None
+        own = self.source.owner(rec.name) if self.source is not None else None
+        if own is not None:
+            return self.experts.activation_key(own[0].rsplit(".", 1)[0], own[0]) if own[1] == "weight" else None
+        if rec.suffix != "weight":
             return None
         return self.experts.activation_key(rec.module, rec.name)
 
@@ -201,7 +209,8 @@ class Layout:
         return (f"text model under {self.text_prefix!r}, routed experts {self.experts.describe()}"
                 f" in {len(self.expert_layers)} layers"
                 + (f", vision tower under {self.vision_prefix!r}" if self.vision_prefix else "")
-                + (f", projector under {self.projector_prefix!r}" if self.projector_prefix else ""))
+                + (f", projector under {self.projector_prefix!r}" if self.projector_prefix else "")
+                + (f"; {self.source.describe()}" if self.source else ""))
 
 
 def _classify(lay: Layout, name: str) -> TensorName | None:
@@ -285,6 +294,8 @@ def detect(names: list[str], cfg: "MoEConfig | Inkling2Config | None" = None, so
                           f"{cfg.model_type!r} model: the config and the tensors must agree (Inkling 2's "
                           f"config.json nests text_config with model_type 'inkling2')", path=source)
     storage = kind(block)
+    if kind is Stacked and cfg is not None and MoEConfig.of(cfg).family.gate_up_interleaved:
+        storage = Stacked(block, interleaved=True)
     if kind is PerExpert:
         proj = next((p for p in PER_EXPERT_NAMES if names_seen <= set(p)), None)
         if proj is None:
@@ -306,8 +317,9 @@ def detect(names: list[str], cfg: "MoEConfig | Inkling2Config | None" = None, so
         raise CheckpointError(f"an Inkling 2 config, but the tensors are laid out as no Inkling 2 checkpoint is "
                               f"(text model under {prefix!r}, routed experts {storage.describe()}); expected one "
                               f"of: {described_namings()}", path=source)
+    quant = source_quant(cfg.raw, f"{source}/config.json") if cfg is not None else None
     lay = Layout(prefix, storage, tuple(sorted(layers)), vision, projector, head,
-                 cfg.num_hidden_layers if cfg is not None else None, naming)
+                 cfg.num_hidden_layers if cfg is not None else None, naming, quant)
     unplaced = [n for n in names if _classify(lay, n) is None]
     if unplaced:
         raise CheckpointError(f"{len(unplaced)} tensor(s) fit no part of the detected layout "

@@ -38,6 +38,7 @@ class ExpertStorage:
     stacked: ClassVar[bool]             # all experts of a projection in one [E, ...] tensor
     pattern: ClassVar[re.Pattern]       # a layer tensor's name after `layers.N.`: groups block, proj, suffix
     transposed: ClassVar[bool] = False  # stored [E, in, out] (a field of Stacked)
+    interleaved: ClassVar[bool] = False  # a stacked gate/up tensor's rows alternate (a field of Stacked)
     # an expert's modules' names (gate, up, down): a per-expert family's own, else ModelOpt's (unstacked)
     names: ClassVar[tuple[str, str, str]] = PER_EXPERT_NAMES[0]
 
@@ -165,14 +166,21 @@ class _Fused(ExpertStorage):
 @dataclass(frozen=True)
 class Stacked(_Fused):
     transposed: bool = False
+    interleaved: bool = False  # gate/up rows alternate (gpt-oss: a family fact, families.Family.gate_up_interleaved)
 
     kind: ClassVar[str] = "stacked"
     fused_names: ClassVar[tuple[str, str]] = ("gate_up_proj", "down_proj")
+    # `_blocks` / `_scales`: an MXFP4 source's stored tensors of the stacked weight (model/sources.py)
     pattern: ClassVar[re.Pattern] = re.compile(
-        r"(?P<block>mlp|feed_forward)\.experts\.(?P<proj>gate_up_proj|down_proj)(?P<suffix>)")
+        r"(?P<block>mlp|feed_forward)\.experts\.(?P<proj>gate_up_proj|down_proj)(?:_(?P<suffix>blocks|scales))?")
 
     def split_gate_up(self, slab, width: int):
+        if self.interleaved:  # row 2j gate_j, 2j+1 up_j (transformers 5.25 modeling_gpt_oss.py: gate_up[..., ::2])
+            return slab[0::2], slab[1::2]
         return slab[:width], slab[width:2 * width]
+
+    def describe(self) -> str:
+        return super().describe() + (", gate/up rows interleaved" if self.interleaved else "")
 
     def oriented(self, shapes: dict[str, Shape], module: str, hidden: int, width: int) -> "Stacked":
         t = stacked_orientation(shapes.get(f"{module}.down_proj", ()), shapes.get(f"{module}.gate_up_proj", ()),

@@ -25,9 +25,10 @@ from typing import Iterator
 
 from ..model.families import family_of, tested_names
 from ..model.fields import ConfigFields
+from ..model.sources import source_quant
 from ..errors import ConfigError, UsageError
 from ..errors import short_repr as _short
-from .placement import HEADS, KV_HEADS, REPLICATED, TP_SPLIT, VOCAB, Weights, add_experts, rank_bytes
+from .placement import HEADS, KV_HEADS, REPLICATED, TP_SPLIT, VOCAB, Weights, add_experts, module_expert_bytes, rank_bytes
 
 # Keys that announce an attention or state kind the plan does not model (the first found is named).
 UNMODELLED_KEYS = {
@@ -84,6 +85,8 @@ class HFText:
     tie_word_embeddings: bool
     dtype: str
     max_position_embeddings: int
+    source_format: str | None = None      # a quantized source's format (model.sources: fp8_block, mxfp4)
+    source_experts_only: bool = True      # only its routed experts are stored so (MXFP4), else its Linears (FP8)
 
     @property
     def dtype_bytes(self) -> int:
@@ -164,6 +167,7 @@ def _text(d: dict, source: str) -> tuple[HFText, list[str]]:
         notes.append("num_nextn_predict_layers: the MTP layer(s) are not counted (transformers does not build "
                      "them; vLLM loads them only for MTP speculative decoding)")
     window, bias = _window(t, notes), t.bool("attention_bias", False)
+    sq = source_quant(d, source)
     text = HFText(
         model_type=mt, vocab_size=t.int("vocab_size"), hidden_size=moe.hidden_size,
         num_hidden_layers=moe.num_hidden_layers, num_attention_heads=heads, num_key_value_heads=kv,
@@ -173,11 +177,17 @@ def _text(d: dict, source: str) -> tuple[HFText, list[str]]:
         o_bias=bias,
         score_bias=family.score_bias or o.get("topk_method") == "noaux_tc", mla=mla, sliding_window=window,
         tie_word_embeddings=_tie(d, t, source), dtype=_dtype(d, t, source),
-        max_position_embeddings=t.int("max_position_embeddings", hi=1 << 40))
+        max_position_embeddings=t.int("max_position_embeddings", hi=1 << 40),
+        source_format=sq.format if sq else None, source_experts_only=sq.experts_only if sq else True)
     if not family.tested:
         notes.append(f"model_type {mt!r}: not one of the families whose counts were checked against transformers "
                      f"({', '.join(tested_names())}); the generic rules apply (docs/budget.md)")
-    if isinstance(d.get("quantization_config"), dict) or isinstance(o.get("quantization_config"), dict):
+    if sq is not None:
+        notes.append(f"a quantized source ({sq.describe()}): the figures are for what convert writes from it: "
+                     + ("" if sq.experts_only else "the FP8 projections outside the routed experts kept FP8 (ModelOpt's "
+                        "FP8_PB_WO: 1 byte per weight and an fp32 scale per 128x128 tile), ")
+                     + "the routed experts per --scheme (as stored where it leaves them alone)")
+    elif isinstance(d.get("quantization_config"), dict) or isinstance(o.get("quantization_config"), dict):
         notes.append("config.json has a quantization_config: the figures are for converting the BF16 model "
                      "with --scheme, not for this checkpoint's own quantization")
     return text, notes
@@ -277,6 +287,14 @@ def _vision_from_headers(root: Path):
         out += [(e.name, e.shape, e.nbytes) for e in h.tensors.values()
                 if e.name.startswith(VISION_PREFIXES + PROJECTOR_PREFIXES)]
     return tuple(sorted(out))
+
+
+def _kept_by_source(t: HFText, name: str, part: str) -> bool:
+    """Whether a quantized source stores this tensor in its format and convert keeps it so: an
+    FP8 source's projections outside the routed experts (attention, dense MLPs, shared experts;
+    FineGrainedFP8's Linear modules, not the routers, norms, embeddings or LM head)."""
+    return (t.source_format is not None and not t.source_experts_only
+            and part in ("attention", "dense_mlp", "shared_expert") and name.endswith(("_proj.weight", "_mqa.weight")))
 
 
 # --------------------------------------------------------------------------- tensors
@@ -391,16 +409,21 @@ def weight_bytes(m: HFModel, scheme_name: str, tp: int, ep: bool = True) -> Weig
     is as stored, in the config's dtype; the vision tower and projector as their headers say."""
     import torch
 
-    from ..formats import FORMATS
+    from ..formats import FORMATS, get_format
     from ..schemes import get_scheme
 
     scheme, t, w = get_scheme(scheme_name), m.text, Weights()
     dtype, stored = getattr(torch, t.dtype), FORMATS["passthrough"]  # schemes quantize routed experts only
+    src = get_format(t.source_format, source=True) if t.source_format else None
     for name, part, split, shape in text_tensors(t):
-        nbytes = stored.nbytes(shape, dtype)
-        w.add(part, stored.name, nbytes, rank_bytes(nbytes, shape[0], split, tp, t.num_key_value_heads),
+        fmt = src if _kept_by_source(t, name, part) else stored
+        nbytes = fmt.nbytes(shape, dtype)
+        w.add(part, fmt.name, nbytes, rank_bytes(nbytes, shape[0], split, tp, t.num_key_value_heads),
               math.prod(shape), split)
-    add_experts(w, t, scheme, t.moe_layers, tp, ep, dtype)
+
+    def expert_bytes(fmt, inter, hidden, dt):  # experts the scheme leaves alone stay as the source stores them
+        return module_expert_bytes(src if src is not None and fmt is stored else fmt, inter, hidden, dt)
+    add_experts(w, t, scheme, t.moe_layers, tp, ep, dtype, expert_bytes)
     for name, shape, nbytes in m.vision or ():  # replicated: the upper bound
         part = "projector" if name.startswith(("model.multi_modal_projector.", "multi_modal_projector.")) else "vision"
         w.add(part, stored.name, nbytes, nbytes, math.prod(shape), REPLICATED)

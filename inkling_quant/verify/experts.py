@@ -34,7 +34,7 @@ import torch
 
 from ..errors import FormatError, InklingQuantError
 from ..export.modelopt import format_of, read_quantization
-from ..formats import FORMATS, SCALE_SUFFIXES, Format
+from ..formats import FORMATS, SCALE_SUFFIXES, Format, get_format
 from ..export import form_of
 from ..export.inkling import unstack_expert
 from ..model.inkling2 import RELEASE_EXPERT_FORMAT, Inkling2Config, checkpoint_tensors
@@ -44,6 +44,7 @@ from ..model.tensors import TensorName, TensorSpec
 from .inventory import (CHECKED, DISAGREES, FAILED, SKIPPED, Conf, Expected, Files, Inventory, Shape, Source,
                         config_shape, listing, weight_only_vote)
 from .encoding import read_stacked_expert
+from .sources import kept_modules, read_weight, stored_shapes
 from .numerics import Gemm, moe_figures, judge, layer_figures, module_tensors, sample_experts, start, stored_ok
 from .report import Check, Recorder
 from .stream import torch_threads
@@ -91,6 +92,11 @@ def _check(c: Check, files: Files, conf: Conf, source: Source | None) -> Expecte
         tensors, source_of = _spec_tensors(spec, lay, conf, files, source)
     else:
         tensors, source_of = _others(files, source if src else None, lay), {}
+    kept = kept_modules(files, conf, source if src else None)
+    tensors.update(kept.tensors)
+    for n in kept.dropped:
+        tensors.pop(n, None)
+    source_of.update(kept.source_of)
     fmt_of, module_tensors = dict.fromkeys(tensors, _PASS.name), {}
     weights = {i: _weights(lay, conf, i, files, source) for i in lay.expert_layers}
     held, declared = _held(files, lay), _declared(conf, lay)
@@ -103,7 +109,8 @@ def _check(c: Check, files: Files, conf: Conf, source: Source | None) -> Expecte
         fmt_of.update(dict.fromkeys(want, fmts[i].name))
         if fmts[i] is not _PASS:
             module_tensors[lay.experts_modules[i]] = list(want)
-    expected = Expected(CHECKED, weight_only, tensors, fmt_of, module_tensors, source_of, layout=lay)
+    expected = Expected(CHECKED, weight_only, tensors, fmt_of, module_tensors, source_of, layout=lay,
+                        kept_modules=kept.modules, dequantized=kept.dequantized)
     compare(c, files, conf, expected, _why(lay, files, src is not None, spec is not None))
     c.figures["detected"] = lay.describe()
     return expected
@@ -350,15 +357,17 @@ def quantized_layers(expected: Expected) -> dict[str, dict] | None:
     not list them)."""
     if expected.status != CHECKED:
         return None
-    return {m: FORMATS[expected.fmt_of[names[0]]].layer_config(expected.weight_only)
-            for m, names in expected.module_tensors.items()}
+    return {**{m: FORMATS[expected.fmt_of[names[0]]].layer_config(expected.weight_only)
+               for m, names in expected.module_tensors.items()},
+            **{m: get_format(f, source=True).layer_config() for m, f in expected.kept_modules.items()}}
 
 
 def unquantized(expected: Expected) -> list[str]:
     """The Linear modules the tensors leave unquantized (a pass-through 2D `<module>.weight`):
     what a quantization config of one format must exclude."""
     return [n[:-len(".weight")] for n, (shape, _) in expected.tensors.items()
-            if n.endswith(".weight") and len(shape) == 2 and expected.fmt_of[n] == _PASS.name]
+            if n.endswith(".weight") and len(shape) == 2 and expected.fmt_of[n] == _PASS.name
+            and n[:-len(".weight")] not in expected.kept_modules]
 
 
 def tensor_namer(expected: Expected) -> Callable[[str], str] | None:
@@ -454,8 +463,9 @@ def _source_expert(c: Check, inv: Inventory, gemm: Gemm, layer: int,
                    e: int) -> dict[str, tuple[torch.Tensor, str]] | None:
     """proj -> (expert e's source weight [out, in], what it is) for gate, up and down, read for
     the source's storage: per expert by name; stacked gate then up along 2I (transposed where
-    stored [E, in, out]); interleaved gate = w13[e, 0::2], up = w13[e, 1::2], an MXFP8 release's
-    e4m3 + `_scale` dequantized as convert reads them. None (the reason in `c`) when the source
+    stored [E, in, out]); interleaved gate = w13[e, 0::2], up = w13[e, 1::2]; a quantized source's
+    stored tensors (the MXFP8 release's e4m3 + `_scale`, FP8's weight + scale, MXFP4's blocks +
+    scales) dequantized exactly, as convert reads them. None (the reason in `c`) when the source
     does not hold them in the config's shapes."""
     src, (E, H, I) = inv.source, dims(inv.conf.cfg)
     storage, module = src.layout.experts, src.layout.experts_modules[layer]
@@ -464,17 +474,18 @@ def _source_expert(c: Check, inv: Inventory, gemm: Gemm, layer: int,
     slabs: dict[str, torch.Tensor] = {}  # gate and up share one stacked slice: read it once
     for proj in CANONICAL:
         name = storage.tensor(module, e, proj)
-        want = shapes[name]
-        where = src.tensors.get(name)
-        if where is None:
-            c.fail(listing(src.root), name, "source lacks this tensor")
-            return None
-        if tuple(where.entry.shape) != want:
-            c.fail(src.root / where.shard, name, f"source has shape {list(where.entry.shape)}, config.json implies "
-                   f"{list(want)}")
-            return None
+        for stored, want in stored_shapes(src, name, shapes[name]).items():
+            where = src.tensors.get(stored)
+            if where is None:
+                c.fail(listing(src.root), stored, "source lacks this tensor")
+                return None
+            if tuple(where.entry.shape) != want:
+                c.fail(src.root / where.shard, stored, f"source has shape {list(where.entry.shape)}, config.json "
+                       f"implies {list(want)}")
+                return None
         if not storage.stacked:
-            out[proj] = (gemm.reader(src.root, src.headers, where.shard).get(name), name)
+            out[proj] = (read_weight(src, name, lambda n: gemm.reader(src.root, src.headers,
+                                                                        src.tensors[n].shard).get(n)), name)
             continue
         if name not in slabs:
             slabs[name] = _source_slab(gemm, inv, name, e, storage.transposed)
@@ -487,7 +498,7 @@ def _source_slab(gemm: Gemm, inv: Inventory, name: str, e: int, transposed: bool
     """Expert e's slice [out, in] of the source's stacked tensor `name`: an MXFP8 release's
     (e4m3 + its `_scale`, Inkling's interleaved form) dequantized exactly, as convert reads it."""
     src = inv.source
-    w = gemm.reader(src.root, src.headers, src.tensors[name].shard).get_slice(name, e)
+    w = read_weight(src, name, lambda n: gemm.reader(src.root, src.headers, src.tensors[n].shard).get_slice(n, e))
     scale = src.tensors.get(name + "_scale") if src.layout.original_names else None  # the MXFP8 release
     if scale is not None:
         s = gemm.reader(src.root, src.headers, scale.shard).get_slice(name + "_scale", e)

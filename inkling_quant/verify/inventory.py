@@ -161,6 +161,10 @@ class Expected:
     module_tensors: dict[str, list[str]] = field(default_factory=dict)  # quantized module -> tensors
     source_of: dict[str, str] = field(default_factory=dict)      # output tensor -> its source tensor, where renamed
     layout: Layout | None = None        # the checkpoint's detected layout (CHECKED)
+    # a quantized source's modules outside the routed experts: kept in their format (module -> format
+    # name; ModelOpt's FP8_PB_WO), or dequantized (output weight -> the source format it was stored in)
+    kept_modules: dict[str, str] = field(default_factory=dict)
+    dequantized: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

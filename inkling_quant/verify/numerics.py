@@ -51,6 +51,7 @@ class Passthrough:
                              "source, are byte-identical to the source")
         self.check.figures.update(tensors_compared=0, bytes_compared=0)
         self.fds: dict[str, int] = {}
+        self.readers: dict[str, ShardReader] = {}
         self.buf = TensorBuffer()
 
     @classmethod
@@ -62,6 +63,8 @@ class Passthrough:
     def visit(self, seen: Seen):
         if seen.fmt != "passthrough":
             return self._kept(seen)
+        if seen.name in self.inv.expected.dequantized:  # a quantized source's module written BF16
+            return dequantized_sink(self, seen)
         renamed = self.inv.expected.source_of.get(seen.name)  # ModelOpt's form: transformers' names
         src = self.inv.source.tensors.get(renamed or seen.name)
         e = seen.entry
@@ -71,8 +74,11 @@ class Passthrough:
             return None
         got, has = tuple(e.shape), tuple(src.entry.shape)
         prefix = renamed is not None and got[1:] == has[1:] and got and 0 < got[0] <= has[0]  # lm_head: the first rows
-        widened = got == has and PASSTHROUGH.widens(src.entry.dtype, e.dtype)
-        if not widened and (src.entry.dtype != e.dtype or not (got == has or prefix)):
+        # a kept scale viewed with unit dims (ModelOpt's FP8_PB_WO [gm, 1, gn, 1] of the source's [gm, gn])
+        viewed = renamed is not None and [d for d in got if d != 1] == [d for d in has if d != 1] \
+            and math.prod(got) == math.prod(has)
+        widened = (got == has or viewed) and PASSTHROUGH.widens(src.entry.dtype, e.dtype)
+        if not widened and (src.entry.dtype != e.dtype or not (got == has or prefix or viewed)):
             self.check.fail(seen.path, seen.name, f"is {DTYPE_NAMES[e.dtype]} {list(e.shape)}, the source"
                             f"{f' ({renamed})' if renamed else ''} has "
                             f"{DTYPE_NAMES[src.entry.dtype]} {list(src.entry.shape)}")
@@ -82,9 +88,22 @@ class Passthrough:
                 f"{seen.name}: {DTYPE_NAMES[src.entry.dtype]} -> {DTYPE_NAMES[e.dtype]}")
         return _SameBytes(self, seen, src)
 
+    def reader(self, name: str) -> ShardReader:
+        """A reader of the source shard holding `name` (kept open for the read)."""
+        shard = self.inv.source.tensors[name].shard
+        r = self.readers.get(shard)
+        if r is None:
+            r = self.readers[shard] = ShardReader(safe_child(self.inv.source.root, shard, "shard"))
+        return r
+
     def _kept(self, seen: Seen) -> "_SameBytes | None":
         """A quantized tensor the source holds as it is (same name, dtype and shape, a quantized
-        dtype: the MXFP8 release's experts kept MXFP8) must be its bytes, not a re-encoding."""
+        dtype: the MXFP8 release's experts kept MXFP8) must be its bytes, not a re-encoding. A source
+        stored in a source-only format (FP8 block, MXFP4) keeps nothing here: its e4m3 bytes under
+        another format's name are requantized (its kept modules are verify/sources.py's)."""
+        quant = self.inv.source.layout.source if self.inv.source.layout is not None else None
+        if quant is not None:
+            return None
         src = self.inv.source.tensors.get(seen.name)
         if src is None or src.entry.dtype != seen.entry.dtype or tuple(src.entry.shape) != tuple(seen.entry.shape) \
                 or src.entry.dtype.is_floating_point and src.entry.dtype.itemsize > 1:
@@ -102,6 +121,9 @@ class Passthrough:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+        for r in self.readers.values():
+            r.close()
+        self.readers.clear()
 
 
 class _SameBytes:
@@ -143,6 +165,42 @@ class _SameBytes:
     def done(self) -> None:
         self.pt.check.figures["tensors_compared"] += 1
         self.pt.check.figures["bytes_compared"] += self.seen.entry.nbytes
+
+
+def dequantized_sink(pt: Passthrough, seen: Seen) -> "_SameDequantized | None":
+    """The comparison of a BF16 weight convert dequantized from a quantized source's module
+    (--dequantize-fp8) with the source's stored tensors dequantized exactly and rounded once."""
+    from .sources import stored_of
+    names = stored_of(pt.inv.source, seen.name)
+    if names is None or tuple(seen.entry.shape) != tuple(pt.inv.source.tensors[names["weight"]].entry.shape) \
+            or seen.entry.dtype != torch.bfloat16:
+        pt.check.fail(seen.path, seen.name, f"is {DTYPE_NAMES[seen.entry.dtype]} {list(seen.entry.shape)}: not the "
+                      f"BF16 dequantization of the source's quantized weight of that name")
+        return None
+    return _SameDequantized(pt, seen, names)
+
+
+class _SameDequantized:
+    """A dequantized weight, compared at `done` with bf16(exact fp32 dequantization) of the source."""
+
+    def __init__(self, pt: Passthrough, seen: Seen, names: dict[str, str]):
+        self.pt, self.seen, self.names = pt, seen, names
+        self.got = bytearray(seen.entry.nbytes)
+
+    def feed(self, piece: memoryview, offset: int) -> None:
+        self.got[offset:offset + len(piece)] = piece
+
+    def done(self) -> None:
+        from .sources import read_weight
+        src = self.pt.inv.source
+        want = read_weight(src, self.seen.name, lambda n: self.pt.reader(n).get(n)).to(torch.bfloat16)
+        got = torch.frombuffer(self.got, dtype=torch.bfloat16).reshape(want.shape)
+        self.pt.check.figures["tensors_compared"] += 1
+        self.pt.check.figures["bytes_compared"] += self.seen.entry.nbytes
+        if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+            first = int((got.view(torch.int16) != want.view(torch.int16)).reshape(-1).nonzero()[0, 0])
+            self.pt.check.fail(self.seen.path, self.seen.name, f"differs at element {first} from the BF16 rounding of "
+                               f"the source's exactly dequantized weight ({', '.join(self.names.values())})")
 
 
 # ============================================================================ numerics[layer L]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import InklingQuantError, short_repr
@@ -10,6 +11,7 @@ from ..io.checkpoint import (INDEX_NAME, RESUME_MANIFEST, SINGLE_NAME, Checkpoin
                              unlisted_draft_file)
 from ..io.safetensors import Header, read_header
 from ..model.layout import Layout, detect, oriented
+from ..model.sources import source_quant
 from .inventory import Conf, Files, Located, Source, load_json
 from .report import PASS, Check, Recorder
 
@@ -194,17 +196,19 @@ def check_source(run: Recorder, src_root: Path, conf: Conf) -> Source:
     headers, tensors = opened if opened is not None else ({}, {})
     layout = None
     if opened is not None:
-        run.guard(c, _compare_source_config, c, src_root, conf, len(headers), len(tensors))
+        src_cfg = run.guard(c, _compare_source_config, c, src_root, conf, len(headers), len(tensors))
         if conf.cfg is not None:
-            layout = run.guard(c, _source_layout, c, src_root, conf, tensors)
+            layout = run.guard(c, _source_layout, c, src_root, conf, tensors, src_cfg)
     return Source(src_root, headers, tensors, ok=c.status == PASS, layout=layout)
 
 
-def _source_layout(c: Check, root: Path, conf: Conf, tensors: dict[str, Located]) -> Layout | None:
-    """The source's detected layout, a stacked storage's orientation settled; None (an error in
-    `c`: nothing can be compared) when its tensors fit no layout."""
+def _source_layout(c: Check, root: Path, conf: Conf, tensors: dict[str, Located], src_cfg: dict | None) -> Layout | None:
+    """The source's detected layout, a stacked storage's orientation settled, and how it stores
+    quantized weights by its own config.json (an FP8 or MXFP4 source: model.sources); None (an
+    error in `c`: nothing can be compared) when its tensors fit no layout."""
     try:
         lay = detect(list(tensors), conf.cfg, str(root))
+        lay = replace(lay, source=source_quant(src_cfg or {}, str(root / "config.json")))
     except InklingQuantError as e:
         c.error(e.path or root, f"source: {e.message}")
         return None
@@ -235,6 +239,7 @@ def _compare_source_config(c: Check, root: Path, conf: Conf, n_shards: int, n_te
             c.fail(conf.root / "config.json", None, f"key {k!r} differs from the source's config.json "
                    f"({short_repr(a, 60)} vs {short_repr(b, 60)})")
     c.figures.update(shards=n_shards, tensors=n_tensors)
+    return src_cfg
 
 
 def _differences(mine, theirs, key: str = "") -> list[tuple[str, object, object]]:

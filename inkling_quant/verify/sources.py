@@ -1,0 +1,124 @@
+"""A quantized source in `verify`: what its tensors become in a converted checkpoint, and its
+weights read back exactly.
+
+- `kept_modules`: an FP8 source's modules outside the routed experts (attention, shared experts,
+  dense MLPs), which convert keeps in ModelOpt's FP8_PB_WO form or dequantizes to BF16
+  (docs/convert.md): what the layout check expects of them, and what the `passthrough` check
+  compares them with (the weight's bytes; the scale renamed and viewed; a dequantized weight's
+  values);
+- `source_weight`: a source's weight (an expert's, or one expert's slice of a stacked tensor) as
+  fp32, its stored tensors dequantized exactly (model.sources names them, the source format
+  decodes them): what `numerics[layer L]` compares a quantized expert with."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import InklingQuantError
+from ..export.modelopt import read_quantization
+from ..formats import Format, format_for_quant_algo, get_format
+from .inventory import Conf, Files, Shape, Source
+
+_FLOAT = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass
+class Kept:
+    """A quantized source's modules outside the routed experts as the output holds them."""
+
+    tensors: dict[str, Shape] = field(default_factory=dict)     # expected output tensors
+    source_of: dict[str, str] = field(default_factory=dict)     # renamed: the kept scale -> the source's
+    dropped: list[str] = field(default_factory=list)            # the source's tensors the output has not
+    modules: dict[str, str] = field(default_factory=dict)       # kept module -> its format
+    dequantized: dict[str, str] = field(default_factory=dict)   # BF16 output weight -> its source format
+
+
+def kept_modules(files: Files, conf: Conf, source: Source | None) -> Kept:
+    """A quantized source's modules outside the routed experts (an FP8 source's attention, shared
+    experts, dense MLPs), as convert writes them: kept in ModelOpt's entry for their format
+    (FP8_PB_WO: the weight's bytes, its scale viewed [gm, 1, gn, 1] under `weight_scale`,
+    `FP8Block.modelopt_specs`), or dequantized to BF16 (--dequantize-fp8). With --against, every
+    such module of the source, the output's dtype saying which way; alone, the modules the
+    quantization config declares in a format only sources store (fp8_pb_wo)."""
+    out = Kept()
+    q = source.layout.source if source is not None else None
+    if source is not None:
+        if q is None or q.experts_only:
+            return out
+        fmt = get_format(q.format, source=True)
+        for name in source.tensors:
+            own = q.owner(name)
+            rec = source.layout.part_of(own[0]) if own is not None else None
+            if rec is None or rec.part == "expert" or own[0] not in source.tensors:
+                continue
+            weight, shape = own[0], tuple(source.tensors[own[0]].entry.shape)
+            got = files.tensors.get(weight)
+            if got is not None and got.entry.dtype in _FLOAT:  # dequantized
+                out.tensors[weight], out.dequantized[weight] = (shape, torch.bfloat16), q.format
+                out.dropped.append(name)
+                continue
+            for k, written in _kept_module(out, fmt, weight, shape).items():
+                if k != "weight":  # the scale, renamed and viewed: compared with the source's
+                    out.source_of[written] = name
+            out.dropped.append(name)
+        return out
+    try:
+        declared = (read_quantization(conf.root, conf.config) or {}).get("quantized_layers") or {}
+    except InklingQuantError:
+        return out  # the config check reports it
+    for module, entry in declared.items():
+        fmt = format_for_quant_algo(entry.get("quant_algo"), source=True)
+        w = files.tensors.get(f"{module}.weight")
+        if fmt is not None and fmt.source_only and w is not None:
+            _kept_module(out, fmt, f"{module}.weight", tuple(w.entry.shape))
+    return out
+
+
+def _kept_module(out: Kept, fmt: Format, weight: str, shape: tuple[int, ...]) -> dict[str, str]:
+    """Expect the kept module of `weight` in ModelOpt's form of `fmt`; suffix -> name written."""
+    names = {}
+    for k, o in fmt.modelopt_specs(shape).items():
+        names[k] = fmt.tensor_name(weight, k)
+        out.tensors[names[k]] = (tuple(o.shape), o.dtype)
+    out.modules[weight[: -len(".weight")]] = fmt.name
+    return names
+
+
+
+
+# ============================================================================ a source's weights, exactly
+def stored_of(src: Source, weight: str) -> dict[str, str] | None:
+    """suffix -> source tensor of each stored tensor that holds `weight` (as a BF16 checkpoint
+    names it) when the source stores it quantized (FP8: the weight and its `weight_scale_inv`;
+    MXFP4: `_blocks` and `_scales`); None for a float weight (read as it is)."""
+    q = src.layout.source if src.layout is not None else None
+    if q is None:
+        return None
+    names = q.stored(weight)
+    if len(names) < 2 or any(n not in src.tensors for n in names.values()):
+        return None
+    return None if src.tensors[names["weight"]].entry.dtype in _FLOAT else names
+
+
+def stored_shapes(src: Source, weight: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """source tensor -> the shape config.json implies for it, of the tensors holding `weight` of
+    `shape` (a float weight: itself; a quantized one: its format's stored tensors)."""
+    names = stored_of(src, weight)
+    if names is None:
+        q = src.layout.source if src.layout is not None else None
+        if q is None or not q.experts_only:
+            return {weight: tuple(shape)}
+        names = q.stored(weight)  # MXFP4 experts: stored so or missing
+    fmt = get_format(src.layout.source.format, source=True)
+    return {names[k]: tuple(o.shape) for k, o in fmt.out_specs(shape).items()}
+
+
+def read_weight(src: Source, weight: str, read) -> torch.Tensor:
+    """`weight` as fp32 (float: as stored; quantized: its stored tensors dequantized exactly by the
+    source format), `read(name)` reading one source tensor (or one expert's slice of it)."""
+    names = stored_of(src, weight)
+    if names is None:
+        return read(weight)
+    fmt = get_format(src.layout.source.format, source=True)
+    return fmt.dequantize({k: read(n) for k, n in names.items()}, torch.float32)
