@@ -26,7 +26,7 @@ from .model import dspark
 from .errors import CheckpointError, ConfigError, UnknownTensorError, UsageError
 from .formats import FORMATS
 from .io.checkpoint import (HF_QUANT_CONFIG, INDEX_NAME, Checkpoint, numbered, read_json, safe_child, shard_name,
-                            write_json_atomic)
+                            write_index, write_json_atomic)
 from .io.derive import carry_checksums, copy_other_files, rewrite_shard, source_checksums
 from .io.output import CHECKSUMS, link_or_copy, staged_output, write_checksums
 from .io.safetensors import DTYPE_NAMES, ShardWriter, TensorBuffer, TensorEntry, sha256_file
@@ -155,7 +155,7 @@ def extract(src: str | Path, out: str | Path, *, overwrite: bool = False, progre
                     bar.update(e.nbytes)
                 sums[name] = w.commit()
         write_json_atomic(tmp / "config.json", dconf)
-        write_json_atomic(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        write_index(tmp / INDEX_NAME, weight_map, total)
         write_checksums(tmp / CHECKSUMS, sums)
     return {"action": "extract", "source": str(src), "output": str(out), "tensors": len(weight_map),
             "bytes": total, "shards": len(plan), "shared_by_reference": shared}
@@ -230,8 +230,7 @@ def strip(src: str | Path, out: str | Path, *, overwrite: bool = False, progress
                 if not dspark.is_draft(e.name):
                     weight_map[e.name] = name
         if indexed:
-            meta = {**ckpt.metadata, "total_size": total}
-            write_json_atomic(tmp / INDEX_NAME, {"metadata": meta, "weight_map": weight_map})
+            write_index(tmp / INDEX_NAME, weight_map, total, ckpt.metadata)
         write_json_atomic(tmp / "config.json", stripped_config(source.config, source))
         copy_other_files(ckpt, tmp, also=[QUANT_CONFIG])
         if sums_in is not None:

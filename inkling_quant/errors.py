@@ -12,10 +12,30 @@ def short_repr(v, limit: int = 80) -> str:
 
 def printable(s: str) -> str:
     """`s` with control characters escaped (\\n, \\x1b, ...), so a name read from a file cannot
-    forge lines in a message, a report or a terminal."""
+    forge lines in a message, a report or a terminal. A byte of a file name that is not UTF-8
+    (os.listdir hands it over as a lone surrogate, U+DC80-U+DCFF) is shown as the byte, \\xff:
+    no terminal, JSON reader or XML file takes the surrogate itself."""
     if s.isprintable():
         return s
-    return "".join(c if c.isprintable() or c == " " else c.encode("unicode_escape").decode("ascii") for c in s)
+    return "".join(_escaped(c) for c in s)
+
+
+def utf8_safe(s: str) -> str:
+    """`s` with its lone surrogates escaped as `printable` escapes them and nothing else changed:
+    for a JSON or XML report, whose format escapes control characters itself."""
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return "".join(_escaped(c) if "\ud800" <= c <= "\udfff" else c for c in s)
+
+
+def _escaped(c: str) -> str:
+    if c.isprintable() or c == " ":
+        return c
+    if "\udc80" <= c <= "\udcff":  # surrogateescape's stand-in for one undecodable byte
+        return f"\\x{ord(c) - 0xDC00:02x}"
+    return c.encode("unicode_escape").decode("ascii")
 
 
 class InklingQuantError(Exception):

@@ -20,7 +20,7 @@ from typing import Iterator
 
 from .errors import CheckpointError, HubError, UsageError
 from .io.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, read_json, safe_child
-from .io.safetensors import DTYPE_NAMES, MAX_HEADER_BYTES, Header, parse_header, read_header
+from .io.safetensors import DTYPE_NAMES, MAX_HEADER_BYTES, Header, check_count, parse_header, read_header
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 WEIGHTS = ["*.safetensors", "*.bin", "*.pt"]
@@ -153,8 +153,11 @@ class _HubCheckpoint(Checkpoint):
 
     fetched: dict[str, Header]
 
-    def header(self, shard: str) -> Header:
-        return self.fetched[shard]
+    def header(self, shard: str, max_tensors: int | None = None) -> Header:
+        h = self.fetched[shard]
+        if max_tensors is not None:  # read before the config was: bounded only by the header cap
+            check_count(len(h.tensors), max_tensors, h.path)
+        return h
 
 
 def open_checkpoint(src: str) -> tuple[Path, Checkpoint]:

@@ -36,7 +36,7 @@ from .formats import FORMATS, SCALE_SUFFIXES, format_for_quant_algo, get_format
 from .formats import detect as detect_format
 from .export.inkling import projection_specs
 from .model.inkling2 import Inkling2Config, checkpoint_tensors, classify, experts_module
-from .model.layout import Layout, MoEConfig, detect, model_config, oriented, text_prefix
+from .model.layout import Layout, MoEConfig, detect, max_tensors, model_config, oriented, text_prefix
 from .model.naming import ORIGINAL, original_names
 from .io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child
 from .io.safetensors import TensorEntry
@@ -109,7 +109,7 @@ def _label(fmt: str, act: bool | None) -> str:
 
 def _summarize(root: Path, ckpt: Checkpoint, cfg: Inkling2Config) -> Summary:
     """Each layer's stacked w13 / w2 recognized as a unit, everything else float and passed through."""
-    headers = ckpt.headers()
+    headers = ckpt.headers(max_tensors(cfg))  # a header of 400k empty tensors: refused, not listed
     entries = [e for h in headers.values() for e in h.tensors.values()]
     q = read_quantization(root, cfg.raw)
     s = Summary(str(root), len(headers), sum(h.file_size for h in headers.values()), len(entries),
@@ -156,8 +156,9 @@ def _summarize(root: Path, ckpt: Checkpoint, cfg: Inkling2Config) -> Summary:
             cfg.draft is not None)
     s.incomplete += [f"{experts_module(i)}: no routed experts, config.json implies {t.n_routed_experts}"
                      for i in range(t.num_hidden_layers) if i not in per_layer][:_LISTED]
+    unknown = set(s.unknown)
     s.disagreeing = _disagreeing(cfg, ORIGINAL, {e.name: tuple(e.shape) for e in entries
-                                                 if e.name not in s.unknown and classify(e.name).part != "expert"})
+                                                 if e.name not in unknown and classify(e.name).part != "expert"})
     return s
 
 
@@ -187,7 +188,7 @@ def _summarize_moe(root: Path, ckpt: Checkpoint, config: MoEConfig | Inkling2Con
     a stacked tensor) recognized as the format whose tensors it holds, everything else float and
     passed through. An Inkling 2 checkpoint under transformers' names is read this way too."""
     cfg = MoEConfig.of(config)
-    headers = ckpt.headers()
+    headers = ckpt.headers(max_tensors(cfg))
     entries = [e for h in headers.values() for e in h.tensors.values()]
     lay = oriented(detect([e.name for e in entries], cfg, str(root)), {e.name: tuple(e.shape) for e in entries}, cfg)
     q = read_quantization(root, cfg.raw)

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from .errors import UsageError
-from .io.checkpoint import INDEX_NAME, copy_file_atomic, write_json_atomic
+from .io.checkpoint import INDEX_NAME, copy_file_atomic, write_index, write_json_atomic
 from .io.output import staged_output
 from .io.safetensors import ShardWriter
 from .io.shards import plan_files
@@ -151,7 +151,7 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, layer
                     weight_map[s.name] = name
                     bar.update(s.nbytes)
                 w.commit()
-        write_json_atomic(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        write_index(tmp / INDEX_NAME, weight_map, total)
         write_json_atomic(tmp / "config.json", cfg_dict)
         for f in sorted(FILES.iterdir()):
             copy_file_atomic(f, tmp / f.name)

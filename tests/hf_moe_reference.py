@@ -89,18 +89,21 @@ def text_layers(model: torch.nn.Module) -> int:
 
 
 def export(family: str, out: Path, source: Path, seed: int = 0, batches: int = 3, seq: int = 24,
-           reload: bool = False) -> Path:
+           reload: bool = False, max_shard_size: str | None = None) -> Path:
     """Save the BF16 model of `family` to `source` (save_pretrained) and ModelOpt's quantized
     export of it to `out`. `reload`: export the model as a user has it, loaded back from `source`
-    by from_pretrained (which keeps DeepSeek-V3's e_score_correction_bias in FP32)."""
+    by from_pretrained (which keeps DeepSeek-V3's e_score_correction_bias in FP32).
+    `max_shard_size`: both sharded (an index beside the shards), else one model.safetensors each."""
     import transformers as T
 
+    shards = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model = build(family, seed)
-    copy.deepcopy(model).save_pretrained(source)  # on a copy: save_pretrained rewrites config.dtype
+    copy.deepcopy(model).save_pretrained(source, **shards)  # on a copy: save_pretrained rewrites config.dtype
     if reload:
         model = T.AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
         model.config.architectures = [type(model).__name__]
     g = torch.Generator().manual_seed(seed + 2)
     ids = [torch.randint(0, 90, (1, seq), generator=g) for _ in range(batches)]
     # routed experts only: `.experts.` (a shared_experts module is no match)
-    return quantize_and_export(model, quant_config([text_layers(model) - 1], "*layers.{i}.*.experts.*"), ids, out)
+    return quantize_and_export(model, quant_config([text_layers(model) - 1], "*layers.{i}.*.experts.*"), ids, out,
+                               **shards)

@@ -62,8 +62,9 @@ def export_tiny(out: Path, seed: int = 0, batches: int = 3, seq: int = 24, sourc
     return quantize_and_export(model, quant_config([cfg.text_config.num_hidden_layers - 1]), ids, out)
 
 
-def quantize_and_export(model, config: dict, ids: list[torch.Tensor], out: Path) -> Path:
-    """ModelOpt's own `mtq.quantize` (calibrated on the batches `ids`) and `export_hf_checkpoint`."""
+def quantize_and_export(model, config: dict, ids: list[torch.Tensor], out: Path, **export_args) -> Path:
+    """ModelOpt's own `mtq.quantize` (calibrated on the batches `ids`) and `export_hf_checkpoint`
+    (`export_args`: its other arguments, such as max_shard_size)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import modelopt.torch.quantization as mtq
@@ -77,7 +78,7 @@ def quantize_and_export(model, config: dict, ids: list[torch.Tensor], out: Path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = mtq.quantize(model, config, forward_loop)
-        export_hf_checkpoint(model, export_dir=str(out))
+        export_hf_checkpoint(model, export_dir=str(out), **export_args)
     return out
 
 

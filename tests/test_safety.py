@@ -566,6 +566,47 @@ def test_shard_name_cannot_forge_verify_report(write_checksums, converted, tmp_p
         assert tree_digest(out / CHECKSUMS) == sums_before, "plain verify changed checksums.sha256"
 
 
+BAD_NAME = b"bad\xffname.txt"  # not UTF-8: os.listdir hands it over as "bad\udcffname.txt"
+
+
+def plant_undecodable(d: Path) -> None:
+    try:
+        fd = os.open(os.path.join(os.fsencode(d), BAD_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError as e:  # a file system that takes only UTF-8 names (APFS): nothing to test
+        pytest.skip(f"cannot create a file name that is not UTF-8 here: {e}")
+    os.write(fd, b"some bytes\n")
+    os.close(fd)
+
+
+def test_file_name_not_utf8(src, converted, tmp_path):
+    """Class 4: a file whose name is not UTF-8 (b"bad\\xffname.txt", there before the run): verify
+    --write-checksums fails saying so, not "appeared while verifying", and writes no checksums.sha256;
+    the text, JSON and JUnit reports show the byte as \\xff (no lone surrogate, which a strict JSON or
+    XML reader refuses); convert refuses such a source file in the same words (exit 2)."""
+    import xml.etree.ElementTree as ET
+
+    out = copy_src(converted, tmp_path / "out")
+    (out / CHECKSUMS).unlink()
+    plant_undecodable(out)
+    js, junit = tmp_path / "report.json", tmp_path / "report.xml"
+    r = call("verify", out, "--write-checksums", "--json", js, "--junit", junit)
+    stderr_is_clean(r)
+    said = "file name is not valid UTF-8: bad\\xffname.txt"
+    assert r.rc == 1 and said in r.out and "appeared while verifying" not in r.out, r.out
+    assert not (out / CHECKSUMS).exists()
+    texts = (r.out, js.read_text(encoding="utf-8"), junit.read_text(encoding="utf-8"))
+    assert not [t for t in texts if "udcff" in t or "\udcff" in t], texts
+    check = next(c for c in json.loads(texts[1])["checks"] if c["id"] == "write_checksums")
+    assert check["status"] == "fail" and said in check["message"], check
+    assert said in ET.parse(junit).getroot().find(".//testcase[@name='write_checksums']/failure").get("message")
+
+    s = copy_src(src, tmp_path / "src")
+    plant_undecodable(s)
+    c = call("convert", s, tmp_path / "conv", *AMAX)
+    assert_refused(c, 2)
+    assert said in c.err and "udcff" not in c.err, c.err
+
+
 # =========================================================================== 5. no tracebacks
 @pytest.mark.parametrize("command", ["convert", "convert-overwrite", "draft-extract", "lora-merge"])
 def test_out_is_a_regular_file(command, src, adapter, tmp_path):
@@ -804,6 +845,62 @@ def test_disk_full_during_finalize_keeps_shards_and_resumes(src, converted, tmp_
     assert _weights_and_configs(out) == _weights_and_configs(converted)
 
 
+@pytest.fixture(scope="module")
+def exported(base, src) -> Path:
+    """`convert src --output-format modelopt-hf`: ModelOpt's form, whose configs name ModelOpt as the
+    producer (only the index names us). Never modified."""
+    out = base / "exported"
+    r = call("convert", src, out, "--output-format", "modelopt-hf", *AMAX)
+    assert r.rc == 0, r.err
+    return out
+
+
+def _edit_index(out: Path, edit) -> None:
+    idx = json.loads((out / INDEX).read_text())
+    edit(idx)
+    (out / INDEX).write_text(json.dumps(idx))
+
+
+_METADATA_EDITS = {"total_size-5": lambda i: i["metadata"].update(total_size=5),
+                   "total_size-missing": lambda i: i["metadata"].pop("total_size"),
+                   "total_size-string": lambda i: i["metadata"].update(total_size=str(i["metadata"]["total_size"])),
+                   "metadata-null": lambda i: i.update(metadata=None),
+                   "metadata-list": lambda i: i.update(metadata=[1])}
+
+
+@pytest.mark.parametrize("edit", list(_METADATA_EDITS))
+def test_index_total_size_of_ours_is_exact(edit, converted, tmp_path):
+    """Class 3: every index inkling-quant writes records the tensors' exact byte count (metadata.total_size)
+    and names it as the producer: in one of ours a wrong, missing or mistyped total_size fails verify
+    (exit 1) naming the index, as does a `metadata` that is not an object (transformers' from_pretrained
+    fails on null or a list, whoever wrote it)."""
+    out = copy_src(converted, tmp_path / "out")
+    _edit_index(out, _METADATA_EDITS[edit])
+    r = call("verify", out)
+    stderr_is_clean(r)
+    assert r.rc == 1 and f"FAIL index: 1 problem(s)\n    {out / INDEX}: " in r.out, r.out
+    assert ("'metadata' must be an object" if edit.startswith("metadata") else "inkling-quant wrote this index") \
+        in r.out, r.out
+
+
+def test_index_total_size_of_another_writer_is_a_note(exported, tmp_path):
+    """Class 3: in an index another tool wrote (ModelOpt's form, our marks taken out), a total_size that
+    does not match is informational (huggingface_hub writes storage bytes, transformers does not read
+    them): verify passes (exit 0) and says so in a note, the JSON figure and JUnit's system-out; a
+    `metadata` that is null still fails."""
+    out = copy_src(exported, tmp_path / "out")
+    _edit_index(out, lambda i: i.update(metadata={"total_parameters": 1, "total_size": 5}))
+    js = tmp_path / "report.json"
+    r = call("verify", out, "--json", js)
+    assert r.rc == 0, r.out
+    assert re.search(r"note index: .*metadata.total_size 5 does not match the \d+ bytes", r.out), r.out
+    index = next(c for c in json.loads(js.read_text())["checks"] if c["id"] == "index")
+    assert index["figures"]["index_total_size_matches"] is False and "does not match" in index["message"]
+    _edit_index(out, lambda i: i.update(metadata=None))
+    r = call("verify", out)
+    assert r.rc == 1 and "'metadata' must be an object, got null" in r.out, r.out
+
+
 def test_fp32_passthrough_source_verifies(src, tmp_path):
     """Class 6: a source whose non-expert tensors are all FP32 (the BF16 ones too) converts (FP32
     passed through) and `verify OUT` (no --against) exits 0."""
@@ -850,6 +947,50 @@ def test_verify_huge_expert_count_is_bounded(converted, tmp_path):
     r = _bounded(["verify", out, "--quiet"])
     assert r.rc != 0, r.out
     stderr_is_clean(r)
+
+
+def add_empty_tensors(ck: Path, n: int, listed: bool) -> None:
+    """A shard `extra.safetensors` whose header holds `n` zero-size tensors (no data: ~80 bytes each),
+    all listed in the index (`listed`) or only the first."""
+    names = [f"model.llm.layers.0.junk.{i}" for i in range(n)]
+    blob = json.dumps(dict.fromkeys(names, {"dtype": "BF16", "shape": [0], "data_offsets": [0, 0]}),
+                      separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    (ck / "extra.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob)
+    _edit_index(ck, lambda i: i["weight_map"].update(dict.fromkeys(names if listed else names[:1], "extra.safetensors")))
+
+
+@pytest.mark.parametrize("listed", [True, False], ids=["in-the-index", "header-only"])
+def test_header_of_empty_tensors_is_bounded(listed, src, converted, tmp_path):
+    """Class 7: a shard whose header holds 100k zero-size tensors (an 8 MB file; the tiny config allows
+    at most ~18k tensors, model.layout.max_tensors): verify, inspect and convert refuse it at the index
+    or the header, naming the file, before an entry is built per tensor (400k of them took verify 17 s
+    and 1 GB, inspect minutes: its unknown names were searched in a list)."""
+    out = copy_src(converted, tmp_path / "out")
+    add_empty_tensors(out, 100_000, listed)
+    where = out / (INDEX if listed else "extra.safetensors")
+    refused = "tensors, more than the "
+    v = _bounded(["verify", out, "--quiet"])
+    stderr_is_clean(v)
+    assert v.rc == 1 and f"{where}: " in v.out and refused in v.out, v.out
+    i = _bounded(["inspect", out])
+    assert_refused(i, 2)
+    assert f"{where}: " in i.err and refused in i.err, i.err
+    s = copy_src(src, tmp_path / "src")
+    add_empty_tensors(s, 100_000, listed)
+    c = _bounded(["convert", s, tmp_path / "conv", *AMAX])
+    assert_refused(c, 2)
+    assert refused in c.err, c.err
+
+
+def test_tensor_bound_admits_the_published_model():
+    """Class 7: the bound is what a config can possibly hold, so no real checkpoint meets it: the published
+    Inkling 2 Small config allows more than its every expert's weights stored apart as ModelOpt's NVFP4
+    export stores them (48 layers x 384 experts x 3 weights x 4 tensors), with ~1,100 other tensors."""
+    from inkling_quant.model.layout import max_tensors, model_config
+
+    path = Path(__file__).resolve().parents[1] / "inkling_quant" / "configs" / "inkling-2-small.json"
+    assert max_tensors(model_config(json.loads(path.read_text()), str(path))) > 48 * 384 * 3 * 4 + 1100 + 50_000
 
 
 def test_lora_check_catastrophic_regex_is_bounded(src, cfg, tmp_path):

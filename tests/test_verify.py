@@ -90,6 +90,7 @@ def _rewrite_shard(root: Path, shard: str, edit) -> None:
     wm = {n: s for n, s in idx["weight_map"].items() if s != shard or n in tensors}
     wm.update({n: shard for n in tensors})
     idx["weight_map"] = wm
+    idx["metadata"]["total_size"] = sum(e.nbytes for s in set(wm.values()) for e in read_header(root / s).tensors.values())
     (root / INDEX_NAME).write_text(json.dumps(idx))
 
 

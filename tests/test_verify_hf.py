@@ -84,6 +84,8 @@ def _rewrite(root: Path, name: str, edit) -> str:
         idx = json.loads((root / INDEX_NAME).read_text())
         kept = {n: s for n, s in idx["weight_map"].items() if s != shard}
         idx["weight_map"] = {**kept, **dict.fromkeys(tensors, shard)}
+        idx["metadata"]["total_size"] = sum(e.nbytes for s in set(idx["weight_map"].values())
+                                            for e in read_header(root / s).tensors.values())
         (root / INDEX_NAME).write_text(json.dumps(idx))
     _reseal(root)
     return shard
@@ -146,6 +148,19 @@ def test_export_passes_every_check(exported, family, kind):
     assert (sums.status, "--require-checksums" in sums.message) == want
     alone = verify(out)
     assert alone.ok, alone.format_summary()
+
+
+def test_sharded_index_total_size_is_exact(tmp_path):
+    """The index's metadata.total_size as transformers' save_pretrained (huggingface_hub's storage
+    bytes) and ModelOpt's sharded export write it equals the tensors' bytes: verify passes both
+    without a note. Only another writer's mismatch would be one (tests/test_safety.py)."""
+    src, mo = tmp_path / "bf16", tmp_path / "modelopt"
+    export("qwen3_moe", mo, src, batches=1, seq=8, max_shard_size="100KB")
+    for ck in (src, mo):
+        assert len(list(ck.glob("*.safetensors"))) > 1 and (ck / INDEX_NAME).is_file()
+        r = verify(ck)
+        index = r.check("index")
+        assert r.ok and index.figures["index_total_size_matches"] and not index.message, r.format_summary()
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_vl_moe"])  # per-expert w1/w3/w2; stacked gate_up_proj

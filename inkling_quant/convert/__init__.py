@@ -26,9 +26,10 @@ from .. import __version__, hub
 from ..errors import CheckpointError, OutputError, UsageError
 from ..export import form_for
 from ..formats import get_format
-from ..io.checkpoint import CONFIG_NAME, INDEX_NAME, copy_file_atomic, write_json_atomic
+from ..io.checkpoint import CONFIG_NAME, INDEX_NAME, copy_file_atomic, write_index, write_json_atomic
 from ..io.output import CHECKSUMS, OutputLock, check_paths, write_checksums
 from ..io.safetensors import fsync_files, sha256_file
+from ..model.layout import max_tensors
 from ..schemes import get_scheme
 from .calibration import load_activation_amax, load_calibration
 from .planner import (FLOAT_SOURCES, Options, Prepared, ShardJob, SrcTensor, Unit, list_source, load_config, plan,
@@ -50,7 +51,7 @@ def prepare(src: str, opts: Options) -> Prepared:
     root, repo, revision = hub.resolve(str(src))
     cfg = load_config(root)
     scheme = get_scheme(opts.scheme)
-    listing, other_files, stat = list_source(root, repo, revision)
+    listing, other_files, stat = list_source(root, repo, revision, max_tensors(cfg))
     tensors, layout = validate_source(cfg, listing, str(src))
     form = form_for(cfg, layout, opts.output_format)
     opts = dataclasses.replace(opts, output_format=form.name, encoder=opts.encoder or form.encoder)
@@ -131,10 +132,8 @@ def _finalize(out: Path, prep: Prepared, opts: Options) -> dict:
         copy_file_atomic(p, out / p.name)
     _write_checksums(out, sums, written + [p.name for p in prep.other_files])
     weight_map = {name: j.file for j in prep.jobs for name, _, _ in j.specs}
-    write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": sum(j.out_bytes for j in prep.jobs),
-                                                      CONVERSION_KEY: prep.conversion,
-                                                      SOURCE_KEY: prep.source_id},
-                                         "weight_map": weight_map})
+    write_index(out / INDEX_NAME, weight_map, sum(j.out_bytes for j in prep.jobs),
+                {CONVERSION_KEY: prep.conversion, SOURCE_KEY: prep.source_id})
     for m in manifests(out):
         m.unlink()
     return {"output": str(out), "shards": len(prep.jobs), "finalized": True}

@@ -135,14 +135,16 @@ class Prepared:
 
 
 # --------------------------------------------------------------------------- the source
-def list_source(root: Path, repo: str | None, revision: str | None) -> tuple[Listing, list[Path], dict]:
+def list_source(root: Path, repo: str | None, revision: str | None,
+                max_tensors: int | None = None) -> tuple[Listing, list[Path], dict]:
     """The source's tensors from its shard headers, its non-weight files, and what identifies its
-    files for the resume fingerprint (size and mtime; a hub repo by its revision)."""
+    files for the resume fingerprint (size and mtime; a hub repo by its revision). A local index or
+    headers holding more than `max_tensors` (model.layout.max_tensors of the config) are refused."""
     if repo:
         listing = {s: {n: (d, tuple(sh)) for n, (d, sh) in e.items()} for s, e in hub.tensor_listing(repo, revision, root).items()}
         return listing, hub.other_files(root), {"repo": repo, "revision": revision}
     ckpt = Checkpoint.open(root)
-    headers = ckpt.headers()
+    headers = ckpt.headers(max_tensors)
     listing = {s: {n: (DTYPE_NAMES[e.dtype], e.shape) for n, e in h.tensors.items()} for s, h in headers.items()}
     stat = {s: [h.file_size, os.stat(h.path).st_mtime_ns] for s, h in headers.items()}
     return listing, ckpt.other_files(), stat

@@ -23,7 +23,8 @@ from tqdm import tqdm
 
 from .. import __version__, hub
 from ..errors import CheckpointError, Interrupted, OutputError, UnsafePathError, UsageError, WorkerDied
-from ..io.checkpoint import INDEX_NAME, RESUME_MANIFEST, read_json, safe_child, write_json_atomic
+from ..io.checkpoint import (CONVERSION_KEY, INDEX_NAME, RESUME_MANIFEST, SOURCE_KEY, read_json, safe_child,
+                               write_json_atomic)
 from ..io.files import temps_of
 from ..io.output import CHECKSUMS, OutputLock, read_checksums
 from ..io.safetensors import DTYPES, sha256_file, shard_file_size
@@ -33,10 +34,6 @@ from .worker import SHARD_METADATA, ShardResult, convert_shard
 
 MANIFEST = RESUME_MANIFEST  # a part's: the same name with its part tag before ".json"
 MANIFEST_GLOB = MANIFEST.removesuffix(".json") + "*.json"
-# in a finished OUT's index metadata: what the conversion was (`fingerprint` without the source files:
-# the same conversion of a copied source, or of a hub repo, records the same), and which source files
-# it read (their sizes and times; a hub repo's revision): a finished OUT is confirmed only for both
-CONVERSION_KEY, SOURCE_KEY = "inkling_quant_conversion", "inkling_quant_source"
 
 
 # --------------------------------------------------------------------------- parts and manifests

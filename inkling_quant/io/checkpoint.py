@@ -11,9 +11,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CheckpointError, UnsafePathError
+from .. import __version__
+from ..errors import CheckpointError, UnsafePathError, printable
 from .files import atomic_file, check_line_safe
-from .safetensors import Header, _encodable, _short, open_regular, parse_json_bytes, read_header
+from .safetensors import Header, _encodable, _short, check_count, open_regular, parse_json_bytes, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -27,6 +28,12 @@ CONFIG_NAME = "config.json"
 HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's export record (export.py reads and writes it)
 CHECKSUMS = "checksums.sha256"
 RESUME_MANIFEST = ".inkling-quant-convert.json"  # convert's, present only while a conversion is unfinished
+# In every index we write: who wrote it (verify holds such an index's total_size to the exact sum).
+PRODUCER = {"name": "inkling-quant", "version": __version__}
+# In a finished OUT's index metadata: what the conversion was (convert's fingerprint without the source
+# files: the same conversion of a copied source, or of a hub repo, records the same), and which source
+# files it read (their sizes and times; a hub repo's revision): a finished OUT is confirmed only for both
+CONVERSION_KEY, SOURCE_KEY = "inkling_quant_conversion", "inkling_quant_source"
 MAX_JSON_BYTES = 64 << 20
 
 
@@ -36,9 +43,11 @@ MAX_NAME_BYTES = 255  # NAME_MAX of every common file system
 def safe_child(root: Path, name: str, what: str = "file", tensor: str | None = None) -> Path:
     """root/name, refusing names that could leave root (or that no file system can hold).
     `what` names the file in messages; `tensor`, the tensor it was named for (the error's field)."""
+    if isinstance(name, str) and not _encodable(name):  # a listed file's bytes, or a JSON "\\udcff"
+        shown = printable(name[:200]) + ("..." if len(name) > 200 else "")
+        raise UnsafePathError(f"{what} name is not valid UTF-8: {shown}", path=root, tensor=tensor)
     if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
-            or "\0" in name or os.path.isabs(name) or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES \
-            or not _encodable(name):
+            or "\0" in name or os.path.isabs(name) or len(name.encode("utf-8")) > MAX_NAME_BYTES:
         raise UnsafePathError(f"refusing {what} name {_short(name)}: must be a plain file name inside the "
                               f"checkpoint", path=root, tensor=tensor)
     check_line_safe(name, root, what, tensor)
@@ -111,6 +120,13 @@ def write_json_atomic(path: Path, obj) -> None:
         f.write("\n")
 
 
+def write_index(path: Path, weight_map: dict[str, str], total_size: int, metadata: dict | None = None) -> None:
+    """The index as every command of ours writes it: `metadata` (a source's, kept), total_size (the
+    tensors' bytes, exactly) and PRODUCER, then the weight map."""
+    meta = {**(metadata or {}), "total_size": total_size, "producer": PRODUCER}
+    write_json_atomic(path, {"metadata": meta, "weight_map": weight_map})
+
+
 @dataclass
 class Checkpoint:
     """A local checkpoint directory, its weight map validated against the shard headers."""
@@ -162,12 +178,20 @@ class Checkpoint:
             shards.append(unlisted)
         return cls(root, wm, shards, meta, () if unlisted is None else (unlisted,))
 
-    def header(self, shard: str) -> Header:
-        return read_header(safe_child(self.root, shard, "shard"))
+    def header(self, shard: str, max_tensors: int | None = None) -> Header:
+        return read_header(safe_child(self.root, shard, "shard"), max_tensors)
 
-    def headers(self) -> dict[str, Header]:
-        """Every shard's header, cross-checked against the index (each tensor exactly once)."""
-        out = {s: self.header(s) for s in self.shards}
+    def headers(self, max_tensors: int | None = None) -> dict[str, Header]:
+        """Every shard's header, cross-checked against the index (each tensor exactly once). With
+        `max_tensors` (model.layout.max_tensors of the config), an index or shards holding more are
+        refused before their entries are built: the work stays bounded by what the config allows."""
+        if max_tensors is not None:
+            check_count(len(self.weight_map), max_tensors, self.root / INDEX_NAME, "the index lists")
+        out: dict[str, Header] = {}
+        room = max_tensors
+        for s in self.shards:
+            out[s] = self.header(s, room)
+            room = None if room is None else room - len(out[s].tensors)
         for s, h in out.items():
             for name in h.tensors:
                 owner = self.weight_map.get(name)

@@ -137,7 +137,7 @@ def _numel(shape: list[int], limit: int) -> int | None:
     return 0 if zero else n
 
 
-def _header_blob(path: Path) -> tuple[bytes, int]:
+def _header_blob(path: Path) -> tuple[bytearray, int]:
     """(the header's JSON bytes, the file size), its length checked against the cap and the file."""
     try:
         fd = open_regular(path)
@@ -151,36 +151,40 @@ def _header_blob(path: Path) -> tuple[bytes, int]:
                 raise CheckpointError(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte cap", path=path)
             if 8 + n > size:
                 raise CheckpointError(f"truncated: header claims {n} bytes, file has {size}", path=path)
-            blob = bytearray()
-            while len(blob) < n:
-                chunk = os.pread(fd, n - len(blob), 8 + len(blob))
-                if not chunk:
+            blob, got = bytearray(n), 0  # n is within the file: read in place, never copied
+            while got < n:
+                k = os.preadv(fd, [memoryview(blob)[got:]], 8 + got)
+                if not k:
                     raise CheckpointError(f"truncated while reading the {n}-byte header", path=path)
-                blob += chunk
+                got += k
         finally:
             os.close(fd)
     except OSError as e:
         raise CheckpointError(f"cannot read: {e.strerror or e}", path=path) from None
-    return bytes(blob), size
+    return blob, size
 
 
-def read_header(path: str | Path) -> Header:
+def read_header(path: str | Path, max_tensors: int | None = None) -> Header:
     """Read and validate a safetensors header; raise CheckpointError naming file and tensor.
     Nothing is allocated from a length or shape in the file before it is checked against the
-    file's size."""
+    file's size, nor an entry built for a header holding more than `max_tensors` tensors."""
     path = Path(path)
     blob, size = _header_blob(path)
-    return parse_header(blob, size, path)
+    return parse_header(blob, size, path, max_tensors)
 
 
-def parse_header(blob: bytes, size: int, path: Path) -> Header:
+def parse_header(blob: bytes | bytearray, size: int, path: Path, max_tensors: int | None = None) -> Header:
     """The checks of `read_header` on a header's JSON bytes and its file's size, read elsewhere
     (inkling_quant.hub reads them over HTTP); `path` names the file in messages."""
     n = len(blob)
+    if max_tensors is not None:  # counted before parsing: 400k entries parse into ~0.5 GB of objects
+        check_count(blob.count(b'"data_offsets"'), max_tensors, path)
     obj = parse_json_bytes(blob, path, "header")
     if not isinstance(obj, dict):
         raise CheckpointError("header is not a JSON object", path=path)
     metadata = obj.pop("__metadata__", None)
+    if max_tensors is not None:  # again, exactly: a key may be spelled with escapes ("\\u0064ata_offsets")
+        check_count(len(obj), max_tensors, path)
     if metadata is None:
         metadata = {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
@@ -233,6 +237,14 @@ def parse_header(blob: bytes, size: int, path: Path) -> Header:
         raise CheckpointError(f"{what}: tensors end at byte {_short(pos)}, file has {size} (last tensor {last})",
                               path=path, tensor=entries[-1].name if entries else None)
     return Header(path, {t.name: t for t in entries}, metadata, data_start, size)
+
+
+def check_count(n: int, max_tensors: int, path: Path, what: str = "header holds") -> None:
+    """Refuse `n` tensors past `max_tensors` (model.layout.max_tensors, less what other shards hold)."""
+    if n > max_tensors:
+        raise CheckpointError(f"{what} {n} tensors, more than the {max_tensors} the checkpoint's config.json "
+                              f"leaves room for (its layers and experts, every weight stored apart with its "
+                              f"scales): refused before reading them", path=path)
 
 
 class ShardReader:

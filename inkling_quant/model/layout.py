@@ -345,6 +345,24 @@ def expert_tensor_count(lay: Layout, moe: MoEConfig) -> int:
     return lay.experts.weights_per_layer(moe.num_experts) * len(lay.expert_layers)
 
 
+# What a checkpoint of a config can hold at most, whatever its naming, expert storage and formats
+# (max_tensors): each stored weight with up to 6 tensors (the weight, block and global scales, an
+# activation scale, an AWQ pre-quant scale, a bias); per decoder layer up to 128 more (attention,
+# norms, router, shared experts or a dense MLP, each quantized too); 8192 for the rest (embeddings,
+# heads, a vision tower, a draft); two layers more for a draft's or an MTP layer's experts.
+TENSORS_PER_WEIGHT, TENSORS_PER_LAYER, TENSORS_ELSEWHERE, EXTRA_LAYERS = 6, 128, 8192, 2
+
+
+def max_tensors(cfg: "MoEConfig | Inkling2Config") -> int:
+    """The most tensors a checkpoint of `cfg` can hold: every routed expert's weights stored apart
+    (PerExpert, the storage with the most), each with its scales. What bounds the work a shard's
+    header or an index can ask for before its entries are built (verify, inspect, convert); a real
+    checkpoint holds far fewer (Inkling 2 Small per expert, NVFP4: ~222k of its ~360k)."""
+    moe = MoEConfig.of(cfg)
+    per_layer = PerExpert().weights_per_layer(moe.num_experts) * TENSORS_PER_WEIGHT + TENSORS_PER_LAYER
+    return (moe.num_hidden_layers + EXTRA_LAYERS) * per_layer + TENSORS_ELSEWHERE
+
+
 def expert_specs(lay: Layout, moe: MoEConfig) -> Iterator[TensorSpec]:
     """The routed experts' weights of every expert layer as `lay` stores them
     (`ExpertStorage.weight_shapes`)."""

@@ -117,8 +117,9 @@ def _run_checks(run: Recorder, o: _Options) -> None:
     readable, src_root = structure.check_input(run, o.root, o.src_root)          # input
     if not readable:
         return
-    files = structure.check_index(run, o.root)                                    # index, header[F]
+    files = structure.check_index(run, o.root, structure.tensor_bound(o.root))    # index, header[F]
     conf = config.load_config(run, o.root, o.scheme)                              # config (1/2)
+    structure.check_total_size(run, files, conf)                                  # index (total_size)
     source = structure.check_source(run, src_root, conf) if src_root else None    # source
     expected = experts.check_layout(run, files, conf, source)                     # layout
     inv = Inventory(o.root, files, conf, source, expected)

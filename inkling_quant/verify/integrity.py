@@ -9,7 +9,7 @@ from ..errors import InklingQuantError, OutputError, UsageError
 from ..io.checkpoint import safe_child
 from ..io.output import CHECKSUMS, OutputLock, read_checksums, write_checksums
 from .inventory import Inventory
-from .report import ERROR, FAIL, Check, Recorder
+from .report import ERROR, FAIL, PASS, Check, Recorder
 
 
 def files_to_hash(inv: Inventory, writing: bool) -> list[str]:
@@ -107,6 +107,13 @@ def write_checksums_file(run: Recorder, root: Path, digests: dict[str, str]) -> 
                f"({', '.join(x.id for x in bad[:5])})")
         return
     files = [q.name for q in sorted(root.iterdir()) if _checksummable(q)]
+    for name in files:  # a name no line can hold (not UTF-8, a control character): the stream skipped it
+        try:
+            safe_child(root, name, "file")
+        except InklingQuantError as e:
+            c.fail(e.path or root, None, e.message)
+    if c.status != PASS:
+        return
     missing = [f for f in files if f not in digests]
     if missing:
         c.fail(root / missing[0], None, "appeared while verifying; not written")

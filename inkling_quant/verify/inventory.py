@@ -47,6 +47,8 @@ class Files:
     headers: dict[str, Header]          # shard -> header
     tensors: dict[str, Located]         # tensor -> where, from the headers
     index_ok: bool                      # the index check passed
+    index_metadata: dict | None = None  # the index's `metadata` ({} when it has none); None: no usable index
+    indexed_bytes: int = 0              # the bytes of the tensors the index lists (an unlisted draft file's not)
 
     @functools.cached_property
     def shards(self) -> list[str]:

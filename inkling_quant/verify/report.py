@@ -15,7 +15,7 @@ from xml.etree import ElementTree as ET
 
 from .. import __version__
 from ..units import human_bytes
-from ..errors import InklingQuantError, printable, short_repr
+from ..errors import InklingQuantError, printable, short_repr, utf8_safe
 from ..formats import FORMATS
 
 MAX_PROBLEMS = 200         # per check, in the report (the count is always exact)
@@ -63,6 +63,11 @@ class Check:
     def error(self, file: str, message: str) -> None:
         self.fail(file, None, message)
         self.status = ERROR
+
+    def note(self, message: str) -> None:
+        """A remark the report shows on a check that passes (a figure that does not add up but
+        decides nothing): its `message`."""
+        self.message = f"{self.message}; {message}" if self.message else message
 
     def skip(self, why: str) -> "Check":
         self.status, self.message = SKIP, why
@@ -187,14 +192,14 @@ def render_junit(r: VerifyReport) -> str:
     counts = r.counts()
     suites = ET.Element("testsuites", name="inkling-quant verify", tests=str(len(r.checks)),
                         failures=str(counts[FAIL]), errors=str(counts[ERROR]), time=f"{r.seconds:.3f}")
-    suite = ET.SubElement(suites, "testsuite", name=f"verify {r.checkpoint}", tests=str(len(r.checks)),
+    suite = ET.SubElement(suites, "testsuite", name=_xml_safe(f"verify {r.checkpoint}"), tests=str(len(r.checks)),
                           failures=str(counts[FAIL]), errors=str(counts[ERROR]), skipped=str(counts[SKIP]),
                           time=f"{r.seconds:.3f}")
     props = ET.SubElement(suite, "properties")
     for k in ("checkpoint", "against", "scheme", "device", "kernel_path", "sample", "version"):
-        ET.SubElement(props, "property", name=k, value=str(getattr(r, k)))
+        ET.SubElement(props, "property", name=k, value=_xml_safe(str(getattr(r, k))))
     for c in r.checks:
-        case = ET.SubElement(suite, "testcase", classname=f"inkling_quant.verify.{c.category}", name=c.id,
+        case = ET.SubElement(suite, "testcase", classname=f"inkling_quant.verify.{c.category}", name=_xml_safe(c.id),
                              time=f"{c.seconds:.4f}")
         if c.status in (FAIL, ERROR):
             body = "\n".join(str(p) for p in c.problems)
@@ -204,8 +209,9 @@ def render_junit(r: VerifyReport) -> str:
                           message=_xml_safe(c.summary())[:1000], type=c.category).text = _xml_safe(body)
         elif c.status == SKIP:
             ET.SubElement(case, "skipped", message=_xml_safe(c.message))
-        if c.figures:
-            ET.SubElement(case, "system-out").text = _xml_safe(json.dumps(_finite(c.figures), default=str))
+        note = f"note: {c.message}\n" if c.status == PASS and c.message else ""
+        if c.figures or note:
+            ET.SubElement(case, "system-out").text = _xml_safe(note + json.dumps(_finite(c.figures), default=str))
     ET.indent(suites)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(suites, encoding="unicode") + "\n"
 
@@ -230,6 +236,8 @@ def render_text(r: VerifyReport) -> str:
                 lines.append(f"    ... and {c.problem_count - 10} more (see --json)")
         elif c.status == SKIP and c.id not in ("source", "passthrough"):
             lines.append(f"  skip {c.id}: {c.message}")
+        elif c.status == PASS and c.message:
+            lines.append(f"  note {c.id}: {c.message}")
     if r.bytes_read:
         lines.append(f"  read {human_bytes(r.bytes_read)} in {r.files_read} files once (hash + values) in "
                      f"{r.stream_seconds:.2f} s: {r.throughput_mb_s:.0f} MB/s; total {r.seconds:.2f} s")
@@ -257,11 +265,14 @@ def _table(rows: list[Row]) -> list[str]:
 
 
 def _finite(o):
-    """JSON without NaN/Infinity (not JSON): non-finite floats become strings."""
+    """JSON any strict reader takes: non-finite floats (not JSON) become strings, and strings
+    with lone surrogates (a file name that is not UTF-8) are escaped (`errors.utf8_safe`)."""
     if isinstance(o, float) and not math.isfinite(o):
         return str(o)
+    if isinstance(o, (str, os.PathLike)):
+        return utf8_safe(os.fspath(o))
     if isinstance(o, dict):
-        return {k: _finite(v) for k, v in o.items()}
+        return {_finite(k) if isinstance(k, str) else k: _finite(v) for k, v in o.items()}
     if isinstance(o, (list, tuple)):
         return [_finite(v) for v in o]
     return o
@@ -271,7 +282,7 @@ _XML_BAD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 
 def _xml_safe(s: str) -> str:
-    return _XML_BAD.sub("?", s)
+    return _XML_BAD.sub("?", utf8_safe(s))
 
 
 # ============================================================================ summary rows

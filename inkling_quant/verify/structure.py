@@ -7,10 +7,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import InklingQuantError, short_repr
-from ..io.checkpoint import (INDEX_NAME, RESUME_MANIFEST, SINGLE_NAME, Checkpoint, add_unlisted, safe_child,
-                             unlisted_draft_file)
-from ..io.safetensors import Header, read_header
-from ..model.layout import Layout, detect, oriented
+from ..io.checkpoint import (CONFIG_NAME, CONVERSION_KEY, HF_QUANT_CONFIG, INDEX_NAME, PRODUCER, RESUME_MANIFEST,
+                             SINGLE_NAME, Checkpoint, add_unlisted, read_json, safe_child, unlisted_draft_file)
+from ..io.safetensors import Header, check_count, read_header
+from ..model.layout import Layout, detect, max_tensors, model_config, oriented
 from ..model.sources import source_quant
 from .inventory import Conf, Files, Located, Source, load_json
 from .report import PASS, Check, Recorder
@@ -39,35 +39,55 @@ def check_input(run: Recorder, root: Path, src_root: Path | None) -> tuple[bool,
 
 
 # ============================================================================ index + headers
-def check_index(run: Recorder, root: Path) -> Files:
+# The most tensors verify lists when config.json cannot say (model.layout.max_tensors): ~3x the
+# published Inkling 2 Small config's bound, ~10x what a 1 TB checkpoint holds (~100k).
+UNCONFIGURED_MAX_TENSORS = 1 << 20
+
+
+def tensor_bound(root: Path) -> int:
+    """model.layout.max_tensors of config.json, read here before the index and the headers are (the
+    config check reads it again and reports its defects); UNCONFIGURED_MAX_TENSORS without one."""
+    try:
+        path = safe_child(root, CONFIG_NAME)
+        return max_tensors(model_config(read_json(path, CONFIG_NAME), str(path)))
+    except Exception:  # noqa: BLE001 - any defect: the config check reports it
+        return UNCONFIGURED_MAX_TENSORS
+
+
+def check_index(run: Recorder, root: Path, bound: int = UNCONFIGURED_MAX_TENSORS) -> Files:
     """The `index` check (and a `header[F]` check per shard): every shard and every tensor
-    exactly once, no stray shard, no unfinished conversion."""
+    exactly once, no stray shard, no unfinished conversion; an index or headers holding more than
+    `bound` tensors (tensor_bound) refused before their entries are built."""
     c = run.new("index", "structure", "the index covers every shard and every tensor exactly once")
     weight_map: dict[str, str] = {}
     headers: dict[str, Header] = {}
     tensors: dict[str, Located] = {}
-    run.guard(c, _index_body, run, c, root, weight_map, headers, tensors)
-    return Files(weight_map, headers, tensors, index_ok=c.status == PASS)
+    meta, indexed = run.guard(c, _index_body, run, c, root, weight_map, headers, tensors, bound) or (None, 0)
+    return Files(weight_map, headers, tensors, index_ok=c.status == PASS, index_metadata=meta, indexed_bytes=indexed)
 
 
-def _index_body(run: Recorder, c: Check, root: Path, weight_map: dict, headers: dict, tensors: dict) -> None:
-    """Fills weight_map, headers and tensors (as far as they can be read)."""
+def _index_body(run: Recorder, c: Check, root: Path, weight_map: dict, headers: dict, tensors: dict,
+                room: int) -> tuple[dict, int] | None:
+    """Fills weight_map, headers and tensors (as far as they can be read). Returns the index's
+    metadata and the bytes of the tensors it lists (None: no usable index)."""
     if (root / CONVERT_MANIFEST).exists():
         c.fail(root / CONVERT_MANIFEST, None, "a conversion into this directory is unfinished "
                "(resume manifest present): run `inkling-quant convert --resume`")
     index = root / INDEX_NAME
     if index.exists():
-        if not _read_index(c, root, index, weight_map):
-            return
+        obj = _read_index(c, root, index, weight_map, room)
+        if obj is None:
+            return None
+        meta = _metadata(c, index, obj)
     elif (root / SINGLE_NAME).exists():
-        _single_file(run, c, root, weight_map, headers, tensors)
-        return
+        _single_file(run, c, root, weight_map, headers, tensors, room)
+        return None
     else:
         c.fail(root, None, f"neither {INDEX_NAME} nor {SINGLE_NAME} found")
-        return
+        return None
     shards = list(dict.fromkeys(weight_map.values()))
     if (unlisted := unlisted_draft_file(root, shards)) is not None:
-        _add_unlisted(c, root, unlisted, weight_map)
+        _add_unlisted(c, root, unlisted, weight_map, room)
         shards.append(unlisted)
     present = []
     for s in shards:
@@ -80,14 +100,14 @@ def _index_body(run: Recorder, c: Check, root: Path, weight_map: dict, headers: 
     for p in sorted(root.glob("*.safetensors")):
         if p.name not in shards:
             c.fail(p, None, "shard is not referenced by the index (a stray or renamed file)")
-    _cross_check(run, c, root, present, weight_map, headers, tensors)
+    _cross_check(run, c, root, present, weight_map, headers, tensors, room)
     data = sum(e.entry.nbytes for e in tensors.values())
     c.figures.update(shards=len(shards), tensors=len(weight_map), tensor_bytes=data)
-    if c.figures.get("index_total_size") is not None:  # informational: HF does not enforce it
-        c.figures["index_total_size_matches"] = c.figures["index_total_size"] == data
+    return meta, data - sum(e.entry.nbytes for e in tensors.values() if e.shard == unlisted)
 
 
-def _single_file(run: Recorder, c: Check, root: Path, weight_map: dict, headers: dict, tensors: dict) -> None:
+def _single_file(run: Recorder, c: Check, root: Path, weight_map: dict, headers: dict, tensors: dict,
+                 room: int) -> None:
     """A checkpoint without an index: its one model.safetensors (and a draft's mtp.safetensors
     beside it, io.checkpoint.DRAFT_FILE), no other shard."""
     unlisted = unlisted_draft_file(root, [SINGLE_NAME])
@@ -95,7 +115,7 @@ def _single_file(run: Recorder, c: Check, root: Path, weight_map: dict, headers:
         if p.name not in (SINGLE_NAME, unlisted):
             c.fail(p, None, f"shard beside {SINGLE_NAME} without an index")
     for s in (SINGLE_NAME, unlisted) if unlisted else (SINGLE_NAME,):
-        h = _header(run, root, s)
+        h = _header(run, root, s, room - len(tensors))
         if h is None:
             continue
         headers[s] = h
@@ -109,12 +129,12 @@ def _single_file(run: Recorder, c: Check, root: Path, weight_map: dict, headers:
         c.figures["unlisted_weight_files"] = [unlisted]
 
 
-def _add_unlisted(c: Check, root: Path, name: str, weight_map: dict) -> None:
+def _add_unlisted(c: Check, root: Path, name: str, weight_map: dict, room: int) -> None:
     """The tensors of a weight file the index omits (mtp.safetensors: io.checkpoint.DRAFT_FILE),
     read all the same, into `weight_map`; a malformed header is its header check's to report."""
     c.figures["unlisted_weight_files"] = [name]
     try:
-        names = read_header(safe_child(root, name, "shard")).tensors
+        names = read_header(safe_child(root, name, "shard"), max(room - len(weight_map), 0)).tensors
     except InklingQuantError:
         return
     try:
@@ -123,15 +143,21 @@ def _add_unlisted(c: Check, root: Path, name: str, weight_map: dict) -> None:
         c.fail(e.path or root / name, e.tensor, e.message)
 
 
-def _read_index(c: Check, root: Path, index: Path, weight_map: dict) -> bool:
-    """The index's weight map into `weight_map` (safe shard names only); False if unusable."""
+def _read_index(c: Check, root: Path, index: Path, weight_map: dict, room: int) -> dict | None:
+    """The index's weight map into `weight_map` (safe shard names only); returns the index's
+    object, None if it is unusable (or lists more than `room` tensors)."""
     obj = load_json(index, "index", c)
     if obj is None:
-        return False
+        return None
     wm = obj.get("weight_map")
     if not isinstance(wm, dict) or not wm:
         c.fail(index, None, "'weight_map' must be a non-empty object")
-        return False
+        return None
+    try:
+        check_count(len(wm), room, index, "the index lists")
+    except InklingQuantError as e:
+        c.fail(index, None, e.message)
+        return None
     safe: dict[str, bool] = {}
     for name, fname in wm.items():
         if not isinstance(fname, str):
@@ -149,20 +175,76 @@ def _read_index(c: Check, root: Path, index: Path, weight_map: dict) -> bool:
             c.fail(index, name, f"maps to the unsafe file name {fname!r}")
             continue
         weight_map[name] = fname
-    total = (obj.get("metadata") or {}).get("total_size") if isinstance(obj.get("metadata"), dict) else None
-    c.figures["index_total_size"] = total
-    return True
+    return obj
+
+
+def _metadata(c: Check, index: Path, obj: dict) -> dict | None:
+    """The index's `metadata` ({} when it has none), which transformers' from_pretrained reads as an
+    object (5.25, utils/hub.py `get_checkpoint_shard_files`: KeyError without one, TypeError on
+    null or a list): one that is not an object fails (None); none at all is a note (vLLM and
+    SGLang read only the weight map)."""
+    if "metadata" not in obj:
+        c.note("no 'metadata' object: transformers' from_pretrained cannot load this index (vLLM and SGLang "
+               "read only its weight_map)")
+        return {}
+    meta = obj["metadata"]
+    if not isinstance(meta, dict):
+        got = "null" if meta is None else short_repr(meta)
+        c.fail(index, None, f"'metadata' must be an object, got {got} (transformers' from_pretrained fails on it)")
+        return None
+    return meta
+
+
+def check_total_size(run: Recorder, files: Files, conf: Conf) -> None:
+    """Part of the `index` check, once the configs are read: metadata.total_size against the bytes
+    of the tensors the index lists. huggingface_hub writes the bytes of each tensor's storage (a
+    view's whole storage) and nothing reads the figure (transformers 5.25 loads an index whose
+    figure is wrong), so another writer's figure that differs is a note; every index of ours
+    records the exact sum (io.checkpoint.write_index), so in one of ours it must be exact."""
+    meta = files.index_metadata
+    if meta is None:
+        return
+    c, data = run.report.check("index"), files.indexed_bytes
+    total = meta.get("total_size")
+    # an index that omits mtp.safetensors (read all the same) may count its bytes or not
+    exact = type(total) is int and total in (data, sum(t.entry.nbytes for t in files.tensors.values()))
+    shown = total if total is None or type(total) is int else short_repr(total)  # a hostile value: megabytes
+    c.figures.update(index_total_size=shown, index_total_size_matches=exact)
+    if exact:
+        return
+    said = (f"metadata.total_size {short_repr(total)} does not match the {data} bytes of the tensors it lists"
+            if "total_size" in meta else f"no metadata.total_size (the tensors it lists hold {data} bytes)")
+    who = _ours(meta, conf)
+    if who:
+        c.fail(conf.root / INDEX_NAME, None, f"{said}: inkling-quant wrote this index ({who}) with the exact "
+               f"sum; it was changed since")
+    else:
+        c.note(f"{INDEX_NAME}: {said} (informational: huggingface_hub writes each tensor's whole storage, "
+               f"transformers does not read it)")
+
+
+def _ours(meta: dict, conf: Conf) -> str | None:
+    """What says inkling-quant wrote the checkpoint: the index's metadata (the producer, or a
+    conversion's record) or hf_quant_config.json (the producer, or the converter entry); None: nothing."""
+    hq = conf.hf_quant if isinstance(conf.hf_quant, dict) else {}
+    records = {"metadata.producer": meta.get("producer"), f"{HF_QUANT_CONFIG}'s producer": hq.get("producer"),
+               f"{HF_QUANT_CONFIG}'s converter": hq.get("converter")}
+    who = next((k for k, r in records.items() if isinstance(r, dict) and r.get("name") == PRODUCER["name"]), None)
+    return who or (f"metadata.{CONVERSION_KEY}" if CONVERSION_KEY in meta else None)
 
 
 def _cross_check(run: Recorder, c: Check, root: Path, present: list[str], weight_map: dict, headers: dict,
-                 tensors: dict) -> None:
-    """Every present shard's header, and the index against them: each tensor exactly once."""
+                 tensors: dict, room: int) -> None:
+    """Every present shard's header, and the index against them: each tensor exactly once; the
+    headers together hold at most `room` tensors."""
     owner: dict[str, str] = {}
+    held = 0
     for s in present:
-        h = _header(run, root, s)
+        h = _header(run, root, s, room - held)
         if h is None:
             continue
         headers[s] = h
+        held += len(h.tensors)
         for name, e in h.tensors.items():
             if name in owner:
                 c.fail(root / s, name, f"tensor also stored in {owner[name]} (must appear exactly once)")
@@ -179,9 +261,9 @@ def _cross_check(run: Recorder, c: Check, root: Path, present: list[str], weight
             c.fail(root / s, name, "index lists this tensor, the shard lacks it")
 
 
-def _header(run: Recorder, root: Path, shard: str) -> Header | None:
+def _header(run: Recorder, root: Path, shard: str, room: int) -> Header | None:
     hc = run.new(f"header[{shard}]", "structure", f"{shard}: safetensors header well-formed")
-    h = run.guard(hc, read_header, safe_child(root, shard, "shard"))
+    h = run.guard(hc, read_header, safe_child(root, shard, "shard"), max(room, 0))
     if h is not None:
         hc.figures.update(tensors=len(h.tensors), bytes=h.file_size)
     return h
