@@ -55,6 +55,7 @@ class Unit:
     storage: ExpertStorage | None = None
     writing: Writing = Copy()
     encoder: str = "modelopt"  # which rule writes a quantized unit's bits (formats' `encoders`)
+    projection: str | None = None  # a stacked unit's canonical projection: "gate_up" or "down"
 
     @property
     def activation_scale(self) -> bool:
@@ -326,7 +327,7 @@ def _stacked_unit(cfg, layout: Layout, form: OutputForm, t: SrcTensor, scale: Sr
         if a is None:
             missing_amax.append(t.name)
     u = Unit((t,) if scale is None else (t, scale), fmt, (a,), (o,), source_format=source_format,
-             storage=layout.experts, writing=writing, encoder=opts.encoder or form.encoder)
+             storage=layout.experts, writing=writing, encoder=opts.encoder or form.encoder, projection=projection)
     try:
         u.specs()
     except FormatError as e:

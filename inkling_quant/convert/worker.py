@@ -257,6 +257,7 @@ def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, co
         except FormatError as err:
             raise FormatError(f"tensor {src.name!r}, expert {e}: {err.message}", path=path, tensor=src.name) from None
         q = {k: v.cpu() for k, v in q.items()}
+        _check_magnitude(u, fmt, q, None if stored is not None else slab, path, f"tensor {src.name!r}, expert {e}")
     _count(counts, u.format)
     if progress is not None:
         progress(nbytes)
@@ -282,6 +283,9 @@ def _per_expert_unit(u: Unit, sources: ShardReaders, device: str, counts: dict[s
                 out = fmt.quantize(w, global_amax=global_amax, input_amax=ia, encoder=u.encoder)
             except FormatError as e:
                 raise FormatError(f"tensor {src.name!r}: {e.message}", path=path, tensor=src.name) from None
+            problem = fmt.magnitude_problem({k: t.cpu() for k, t in out.items()}, w.cpu())
+            if problem is not None:
+                raise FormatError(f"tensor {src.name!r}: {problem}", path=path, tensor=src.name)
             # the format's own tensors: what a per-module (ModelOpt) form names; an encoder's extra
             # (the release rule's weight_amax) is for the stacked form, and weight_scale_2 carries it here
             outputs += [(fmt.tensor_name(src.name, suffix), t.cpu() if device != "cpu" else t, True)
@@ -292,6 +296,22 @@ def _per_expert_unit(u: Unit, sources: ShardReaders, device: str, counts: dict[s
         return outputs
 
     return _Step([lambda b, s=s: sources.get(s.shard).get(s.name, b) for s in u.sources], compute)
+
+
+def _check_magnitude(u: Unit, fmt, q: dict[str, torch.Tensor], slab: torch.Tensor | None, path, where: str) -> None:
+    """A weight too small for its format (`Format.magnitude_problem`) ends the run, naming it:
+    a gate/up slab's gate and up each on its own, as verify judges them (unless they share their
+    scales). `slab` None: requantized from stored bytes (only the scales are asked)."""
+    parts = [(q, slab)]
+    if u.projection == "gate_up" and slab is not None and fmt.row_blocked and not fmt.fuses_gate_up:
+        width = slab.shape[-2] // 2  # per-row tensors split by rows; scalars are shared
+        parts = [({k: v if v.dim() < 2 else u.storage.split_gate_up(v, width)[i] for k, v in q.items()},
+                  u.storage.split_gate_up(slab, width)[i]) for i in (0, 1)]
+    for i, (tensors, weight) in enumerate(parts):
+        problem = fmt.magnitude_problem(tensors, weight)
+        if problem is not None:
+            what = "" if len(parts) == 1 else ("gate: ", "up: ")[i]
+            raise FormatError(f"{where}: {what}{problem}", path=path, tensor=u.sources[0].name)
 
 
 def _check_stored(fmt, stored: dict[str, torch.Tensor], path, name: str, e: int) -> None:

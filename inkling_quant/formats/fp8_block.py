@@ -177,5 +177,5 @@ class FP8Block(Format):
             raise FormatError(f"{_where(name)}dequantizes past the fp32 range (a scale too large)",
                               tensor=name or None)
 
-    def value_rule(self, suffix):
+    def value_rule(self, suffix, encoder="modelopt"):
         return "positive" if suffix == SCALE_SUFFIX else None
