@@ -332,6 +332,90 @@ def test_config_and_tensors_disagree(src, tmp_path):
         draft.extract(deeper, tmp_path / "o3")
 
 
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Path:
+    """Two layers of the tiny preset, with its draft: what the dspark_config tests edit."""
+    return write_checkpoint(tmp_path_factory.mktemp("draft") / "small", "tiny", layers=2)
+
+
+def _set(path: str, value):
+    """An edit of config.json setting dspark_config's key `path` (dots; a digit indexes a list)."""
+    def fn(d):
+        node, keys = d["dspark_config"], path.split(".")
+        for k in keys[:-1]:
+            node = node[int(k)] if k.isdigit() else node[k]
+        node[keys[-1]] = value
+    return fn
+
+
+_METHOD = "speculators_config.proposal_methods.0."
+# (edit, the key path the message names): values the public sources refuse (docs/draft.md "Errors")
+_BAD_DSPARK = {
+    "mask-past-vocab": (_set("mask_token_id", 100000), "dspark_config.mask_token_id"),
+    "mask-negative": (_set("mask_token_id", -1), "dspark_config.mask_token_id"),
+    "markov-foo": (_set("markov_head_type", "foo"), "dspark_config.markov_head_type"),
+    "markov-not-a-string": (_set("markov_head_type", ["vanilla"]), "dspark_config.markov_head_type"),
+    "markov-missing": (lambda d: d["dspark_config"].pop("markov_head_type"), "dspark_config.'markov_head_type'"),
+    "tokens-past-block": (_set(_METHOD + "speculative_tokens", 9),
+                          "dspark_config.speculators_config.proposal_methods[0].speculative_tokens"),
+    "tokens-below-block": (_set(_METHOD + "speculative_tokens", 3),
+                           "dspark_config.speculators_config.proposal_methods[0].speculative_tokens"),
+    "tokens-short-from-anchor": (lambda d: (_set(_METHOD + "speculative_tokens", 6)(d),
+                                            _set("sample_from_anchor", True)(d)),
+                                 "dspark_config.speculators_config.proposal_methods[0].speculative_tokens"),
+    "anchor-not-bool": (_set("sample_from_anchor", "yes"), "dspark_config.sample_from_anchor"),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_DSPARK))
+def test_dspark_config_values_refused(case, small, tmp_path, capsys):
+    """draft extract, draft strip and convert refuse a dspark_config the public DSpark sources
+    refuse (exit 2, naming config.json and the key), writing nothing."""
+    edit, key = _BAD_DSPARK[case]
+    ck = copy_ckpt(small, tmp_path / "ck")
+    edit_config(ck, edit)
+    for cmd in (["draft", "extract"], ["draft", "strip"], ["convert"]):
+        out = tmp_path / "_".join(cmd)
+        assert cli.main([*cmd, str(ck), str(out), "--quiet"]) == 2, cmd
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and f"{ck / 'config.json'}: " in err and key in err, (cmd, err)
+        assert not out.exists() and not (tmp_path / (out.name + ".partial")).exists()
+
+
+# values no public source constrains (or several allow): accepted and passed on unchanged
+_FREE_DSPARK = {
+    "algorithm-eagle3": _set("speculators_config.algorithm", "eagle3"),
+    "proposal-type-greedy": _set(_METHOD + "proposal_type", "greedy"),
+    "tokens-block-minus-one": _set(_METHOD + "speculative_tokens", 6),  # vLLM's algos.py: the bonus-anchor layout
+    "markov-upper-case": _set("markov_head_type", "Vanilla"),            # SGLang and NeMo lower-case it
+}
+
+
+@pytest.mark.parametrize("case", list(_FREE_DSPARK))
+def test_dspark_config_values_accepted(case, small, tmp_path):
+    ck = copy_ckpt(small, tmp_path / "ck")
+    edit_config(ck, _FREE_DSPARK[case])
+    want = json.loads((ck / "config.json").read_text())["dspark_config"]
+    assert cli.main(["draft", "extract", str(ck), str(tmp_path / "ex"), "--quiet"]) == 0
+    assert json.loads((tmp_path / "ex" / "config.json").read_text()) == want
+    assert cli.main(["draft", "strip", str(ck), str(tmp_path / "st"), "--quiet"]) == 0
+
+
+@pytest.mark.parametrize("head,name,shapes", [("gated", "gate_proj", ((16, 64 + 16), (16,))),
+                                              ("rnn", "joint_proj", ((48, 2 * 16 + 64), (48,)))])
+def test_markov_head_types_carry_their_tensors(head, name, shapes, small, tmp_path, capsys):
+    """A gated or RNN Markov head (SGLang 0.5.23, NeMo AutoModel 0.7.0) has its own Linear: the
+    spec lists it, and a config naming one over a vanilla draft is refused naming the tensor."""
+    dc = json.loads((small / "config.json").read_text())["dspark_config"]
+    dc["markov_head_type"] = head
+    specs = {s.name: s.shape for s in draft.draft_specs(dc)}
+    assert (specs[f"markov_head.{name}.weight"], specs[f"markov_head.{name}.bias"]) == shapes
+    ck = copy_ckpt(small, tmp_path / "ck")
+    edit_config(ck, _set("markov_head_type", head))
+    assert cli.main(["draft", "extract", str(ck), str(tmp_path / "ex"), "--quiet"]) == 2
+    assert f"'mtp.markov_head.{name}." in capsys.readouterr().err
+
+
 def test_legacy_layout_refused(tmp_path, capsys):
     """A checkpoint of the layout this project invented before Inkling 2 was published (draft
     tensors named its way, flat config.json): refused, naming config.json, writing nothing."""

@@ -78,15 +78,16 @@ def check_nvfp4(w: torch.Tensor, amax=None):
     q = ours_nvfp4(w, amax)
     assert_same_bytes(q["weight"], ref_w, "NVFP4 codes", w, per=2)
     assert_same_bytes(q["weight_scale"], ref_s, "NVFP4 block scales", w, per=16)
+    # for amax 0 (the all-zero tensor) the project's zero-tensor convention of docs/formats.md:
+    # amax 1 and weight_scale_2 1/2688, "as if the amax were 1" (a global scale with a finite
+    # reciprocal; the decoded values are 0 either way, the block scales being 0)
+    want_a = ref_a if ref_a != 0 else torch.tensor(1.0)
     got_a = q["weight_amax"]
     assert got_a.dtype == F32 and got_a.dim() == 0, (got_a.dtype, got_a.shape)
-    assert torch.equal(got_a.cpu().view(torch.int32), ref_a.view(torch.int32)), (got_a, ref_a)
+    assert torch.equal(got_a.cpu().view(torch.int32), want_a.view(torch.int32)), (got_a, ref_a)
     s2 = q["weight_scale_2"]
     assert s2.dtype == F32 and s2.dim() == 0
-    # fp32(amax / 2688); for amax 0 (the all-zero tensor) the project's zero-tensor convention
-    # of docs/formats.md, 1/2688 "as if the amax were 1" (no zero divisor for ModelOpt-form
-    # readers; the decoded values are 0 either way, the block scales being 0)
-    want_s2 = (ref_a if ref_a != 0 else torch.tensor(1.0)) / torch.tensor(DEN, dtype=F32)
+    want_s2 = want_a / torch.tensor(DEN, dtype=F32)
     assert torch.equal(s2.cpu(), want_s2), (s2, ref_a)
     return q, (ref_w, ref_s, ref_a)
 
@@ -458,8 +459,8 @@ def test_nvfp4_amax_exactly_at_a_block_max():
 
 
 def test_nvfp4_zeros_and_negative_zeros():
-    """All-zero tensor (amax 0, OUR choice: scale bytes 0, codes 0 / 8 by sign), and all-zero or
-    -0.0 blocks inside a normal tensor."""
+    """All-zero tensor (amax 0, OUR choice: scale bytes 0, codes 0 / 8 by sign, amax stored as 1),
+    and all-zero or -0.0 blocks inside a normal tensor."""
     z = torch.zeros(8, 64, dtype=BF)
     z[1] = -0.0
     z[2, ::3] = -0.0

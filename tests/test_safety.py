@@ -7,7 +7,8 @@ defect class:
      file's `.partial`, checksums.sha256.partial), and a config.json symlink leaving the source
      is refused like an escaping shard symlink
   3. no silently wrong output (an activation amax that makes input_scale 0/NaN, calibration
-     entries that match no module)
+     entries that match no module, experts too small for their format: convert refuses exactly
+     what its verify would fail)
   4. file names cannot forge lines (checksums.sha256, verify's report)
   5. no tracebacks (OUT a regular file, absurd sizes and numbers, --json at a directory, a
      hf_quant_config.json that is not an object, a huge --seed, a killed worker process)
@@ -41,17 +42,20 @@ import subprocess
 import sys
 import time
 import traceback
-from contextlib import redirect_stderr, redirect_stdout
+from contextlib import ExitStack, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from inkling_quant.cli import main
+from inkling_quant.formats import FORMATS
+from inkling_quant.formats.nvfp4 import MIN_AMAX as NVFP4_MIN_AMAX
 from inkling_quant.model.inkling2 import Inkling2Config
 from inkling_quant.synth import write_checkpoint
 
@@ -514,6 +518,92 @@ def test_activation_scales_matching_no_module_refused(kind, src, tmp_path):
     assert_refused(r, 2)
     assert f.name in r.err, r.err
     assert not (out / INDEX).exists()
+
+
+@pytest.fixture(scope="module")
+def small(base) -> Path:
+    """A two-layer tiny source (4 experts): what the expert-magnitude tests rewrite."""
+    return write_checkpoint(base / "small", "tiny", layers=2, experts=4)
+
+
+def _with_experts(src: Path, dst: Path, fn) -> Path:
+    """A copy of `src` whose routed-expert slabs (`w13_weight`, `w2_weight`, each expert apart) are
+    fn(slab as float64) stored as float32."""
+    s = copy_src(src, dst)
+    idx = json.loads((s / INDEX).read_text())
+    total = 0
+    for shard in sorted(set(idx["weight_map"].values())):
+        t = load_file(s / shard)
+        for k in [k for k in t if k.endswith(("w13_weight", "w2_weight"))]:
+            t[k] = torch.stack([fn(e.double()).float() for e in t[k]])
+        total += sum(v.numel() * v.element_size() for v in t.values())
+        save_file(t, s / shard, metadata={"format": "pt"})
+    idx["metadata"]["total_size"] = total
+    (s / INDEX).write_text(json.dumps(idx, indent=2))
+    return s
+
+
+def _flat(t: float):
+    """Every value +-t * 2^-136 (the signs kept): at MXFP8's smallest scale, 2^-127, e4m3's
+    subnormal step is 2^-136, so each value's error, and verify's (dW = c * W), is |round(t) - t| / t."""
+    return lambda w: torch.sign(w) * (t * 2.0 ** -136)
+
+
+def _amax_of(c: float):
+    """Every slab scaled to amax exactly c (an fp32): its largest value becomes c."""
+    return lambda w: w / w.abs().max() * c
+
+
+def _zero_block(w):
+    w = w.clone()
+    w[3, :16] = 0
+    return w
+
+
+_F32 = np.float32
+# (scheme args, the experts' rewrite, converted): what verify --against passes and only that converts
+_MAGNITUDES = {
+    "mxfp8-gaussian-1e-36": (["--scheme", "mxfp8"], lambda w: w * 1e-36, True),
+    "mxfp8-gaussian-1e-40": (["--scheme", "mxfp8"], lambda w: w * 1e-40, False),    # the issue's: rel. error ~0.22
+    "mxfp8-flat-5.56": (["--scheme", "mxfp8"], _flat(5.56), True),                  # error 0.0791 <= 0.08
+    "mxfp8-flat-5.55": (["--scheme", "mxfp8"], _flat(5.55), False),                 # error 0.0811 > 0.08
+    "nvfp4-amax-min": (["--scheme", "nvfp4", "--output-format", "modelopt-hf"], _amax_of(NVFP4_MIN_AMAX), True),
+    "nvfp4-amax-below-min": (["--scheme", "nvfp4", "--output-format", "modelopt-hf"],
+                             _amax_of(float(np.nextafter(_F32(NVFP4_MIN_AMAX), _F32(0)))), False),
+    "default-all-zero": ([], torch.zeros_like, True),
+    "default-zero-block": ([], _zero_block, True),
+    "mxfp8-all-zero": (["--scheme", "mxfp8"], torch.zeros_like, True),
+}
+
+
+@pytest.mark.parametrize("case", list(_MAGNITUDES))
+def test_convert_writes_only_what_its_verify_passes(case, small, tmp_path):
+    """Class 3: routed experts too small for their format (MXFP8 blocks at e8m0's smallest scale
+    with an error past verify's limit; an NVFP4 amax whose global scale amax/2688 has no finite
+    reciprocal) are refused, exit 2 naming the file, the tensor and the expert; whatever converts,
+    `verify OUT --against SRC` passes. On the refused side, the same conversion with the check
+    switched off is what verify fails: the boundary is verify's own."""
+    args, fn, converts = _MAGNITUDES[case]
+    args = args + ([] if "mxfp8" in args else ["--default-activation-amax", "4"])
+    s = _with_experts(small, tmp_path / "src", fn)
+    out = tmp_path / "out"
+    r = call("convert", s, out, *args, "--quiet")
+    if converts:
+        assert r.rc == 0, r.err
+        v = call("verify", out, "--against", s)
+        assert v.rc == 0, v.out[-3000:]
+        return
+    assert_refused(r, 2)
+    assert re.search(r"model-\d+-of-\d+\.safetensors: tensor 'model\.llm\.layers\.\d\.mlp\.experts\.w(13|2)_weight', "
+                     r"expert \d+: ", r.err), r.err
+    assert "too small for MXFP8" in r.err or "below the smallest NVFP4 encodes" in r.err, r.err
+    assert not (out / INDEX).exists()
+    with ExitStack() as unchecked:
+        for f in FORMATS.values():
+            unchecked.enter_context(mock.patch.object(type(f), "magnitude_problem", lambda *a, **k: None))
+        r = call("convert", s, out, *args, "--quiet", "--overwrite")
+    assert r.rc == 0, r.err
+    assert call("verify", out, "--against", s).rc == 1, "verify passes what convert refused"
 
 
 # =========================================================================== 4. names that break line formats
@@ -1093,3 +1183,43 @@ def test_expert_width_error_names_file_and_tensor(tmp_path):
     assert_refused(r, 2)
     assert re.search(r"\S+\.safetensors", r.err), f"no .safetensors file named: {r.err}"
     assert re.search(r"model\.llm\.layers\.\d+\.mlp\.experts\.w(13|2)_weight", r.err), f"no tensor named: {r.err}"
+
+
+_HF_TINY = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 96, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "max_position_embeddings": 4096, "mlp_only_layers": [],
+            "decoder_sparse_step": 1}
+# malformed keys of a Hugging Face MoE config (a Qwen3-MoE one), and what transformers 5.25 does
+_BAD_HF = {
+    "layer-types-short": ({"layer_types": ["full_attention"]}, "layer_types"),             # validate_layer_type raises
+    "layer-types-long": ({"layer_types": ["full_attention"] * 3}, "layer_types"),          # likewise
+    "mlp-only-past-depth": ({"mlp_only_layers": [999]}, "mlp_only_layers"),                # accepted, names no layer
+    "mlp-only-negative": ({"mlp_only_layers": [-1]}, "mlp_only_layers"),                   # likewise
+    "moe-layers-string": ({"moe_layers": "all"}, "moe_layers"),                            # Llama 4: a TypeError
+    "interleave-zero": ({"interleave_moe_layer_step": 0}, "interleave_moe_layer_step"),   # Llama 4: range() step 0
+    "model-type-list": ({"model_type": ["qwen3_moe"]}, "model_type"),                      # AutoConfig: unhashable
+    "text-model-type-int": ({"text_config": {"model_type": 7}}, "text_config.model_type"),  # names no family
+}
+
+
+@pytest.mark.parametrize("cmd", ["plan", "inspect", "convert"])
+@pytest.mark.parametrize("case", list(_BAD_HF))
+def test_malformed_hf_config_refused_alike(case, cmd, tmp_path):
+    """Class 9: a Hugging Face config.json key of the wrong type, out of range or of the wrong
+    length ends plan, inspect and convert alike (exit 2, one line naming config.json and the key):
+    one reader (model.layout.MoEConfig) checks what all three read."""
+    extra, key = _BAD_HF[case]
+    d = {**_HF_TINY, **extra}
+    if "text_config" in extra:  # the text model's settings nested, with a bad model_type of their own
+        d = {"model_type": "qwen3_vl_moe", "text_config": {**_HF_TINY, **extra["text_config"]}}
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text(json.dumps(d))
+    save_file({"model.layers.0.mlp.experts.0.gate_proj.weight": torch.zeros(32, 64, dtype=torch.bfloat16)},
+              ck / "model.safetensors")
+    argv = {"plan": ["plan", "--config", ck / "config.json"], "inspect": ["inspect", ck],
+            "convert": ["convert", ck, tmp_path / "out", *AMAX]}[cmd]
+    r = call(*argv)
+    assert_refused(r, 2)
+    assert "config.json" in r.err and key in r.err, r.err
+    assert not (tmp_path / "out").exists()

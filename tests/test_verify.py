@@ -342,15 +342,15 @@ def test_layer_in_wrong_format(broken, tiny_src, capsys):
 @pytest.mark.parametrize("name,data,what", [
     (P.format(7) + "w2_weight_amax", struct.pack("<f", float("nan")), "finite and positive"),   # global scale
     (P.format(7) + "w13_weight_outer_scale_denominator", struct.pack("<f", 0.0), "finite and positive"),
-    (P.format(7) + "w2_weight_scale", b"\x7f", "finite and positive"),                          # e4m3 NaN
-    (P.format(8) + "w13_weight_scale", b"\x00", "finite and positive"),                         # zero block scale
+    (P.format(7) + "w2_weight_scale", b"\x7f", "finite and >= 0"),                              # e4m3 NaN
+    (P.format(8) + "w13_weight_scale", b"\x88", "finite and >= 0"),                             # negative block scale
     (P.format(44) + "w13_weight_scale", b"\xff", "e8m0"),                                       # e8m0 NaN
     (P.format(44) + "w13_weight", b"\x7f", "e4m3 NaN"),
     (P.format(9) + "w2_weight.input_amax", struct.pack("<f", -1.0), "finite and positive"),
     ("model.llm.layers.0.attn.wo_ud.weight", b"\x80\x7f", "NaN/Inf"),                           # bf16 +Inf
     ("model.llm.unembed.weight", b"\xc0\x7f", "NaN/Inf"),                                       # bf16 NaN
     ("model.llm.layers.3.mlp_norm.weight", b"\x80\xff", "NaN/Inf"),                             # bf16 -Inf
-], ids=["nan-global-amax", "zero-outer-denominator", "nan-block-scale", "zero-block-scale", "e8m0-ff",
+], ids=["nan-global-amax", "zero-outer-denominator", "nan-block-scale", "negative-block-scale", "e8m0-ff",
         "e4m3-nan-weight", "negative-input-amax", "bf16-inf", "unembed-nan", "norm-minus-inf"])
 def test_bad_values(broken, capsys, name, data, what):
     at = 2 if len(data) == 2 else 0  # a bf16: its second element

@@ -303,6 +303,20 @@ def test_nan_scale(copy, kind):
     assert "expert 3 down_proj" in _problem(r, "numerics[layer 1]", shard, weight).message
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_block_scale_of_modelopt_encoder(copy, kind):
+    """ModelOpt's rule floors NVFP4 block scales at 2^-9: a zero one is refused in its form (the
+    release's rule writes zeros for blocks near 0: tests/test_safety.py's zero experts)."""
+    out, _ = copy("deepseek_v3", kind)
+    weight = _experts("deepseek_v3").format(1) + ".3.down_proj.weight"
+    name = weight + "_scale"
+    shard = _patch(out, name, 5, lambda b: 0x00)
+    r = verify(out)
+    assert r.exit_code == 1 and f"values[{shard}]" in _failed(r)
+    msg = _problem(r, f"values[{shard}]", shard, name).message
+    assert "must be finite and positive (e4m3 scale)" in msg and "element 5 is 0x00" in msg
+
+
 def test_e8m0_scale_of_255(copy):
     out, _ = copy("qwen3_moe", "modelopt")
     name = _experts("qwen3_moe").format(2) + ".0.up_proj.weight_scale"

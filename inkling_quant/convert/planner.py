@@ -59,6 +59,7 @@ class Unit:
     # sources are weight, scale, weight, scale, ...); () : each source is one weight
     stored_suffixes: tuple[str, ...] = ()
     shapes: tuple[tuple[int, ...], ...] = ()  # each weight's shape where its stored tensors' differ (MXFP4)
+    projection: str | None = None  # a stacked unit's canonical projection: "gate_up" or "down"
 
     @property
     def activation_scale(self) -> bool:
@@ -469,7 +470,7 @@ def _stacked_unit(cfg, layout: Layout, form: OutputForm, stored: list[SrcTensor]
     src_fmt = get_format(source_format, source=True) if source_format else None
     shapes = (src_fmt.weight_shape({k: x.shape for k, x in zip(src_fmt.suffixes, stored)}),) if src_fmt else ()
     u = Unit(tuple(stored), fmt, (a,), (o,), source_format=source_format, storage=layout.experts, writing=writing,
-             encoder=opts.encoder or form.encoder, shapes=shapes,
+             encoder=opts.encoder or form.encoder, shapes=shapes, projection=projection,
              stored_suffixes=tuple(src_fmt.suffixes) if src_fmt is not None else ())
     try:
         u.specs()

@@ -303,6 +303,7 @@ def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, ta
             raise FormatError(f"tensor {blamed!r}, expert {e}: {err.message}", path=path.parent / where.shard,
                               tensor=blamed) from None
         q = {k: v.cpu() for k, v in q.items()}
+        _check_magnitude(u, fmt, q, None if stored is not None else slab, path, f"tensor {src.name!r}, expert {e}")
     _count(counts, u.format)
     if progress is not None:
         progress(nbytes)
@@ -341,6 +342,9 @@ def _per_expert_unit(u: Unit, sources: ShardReaders, device: str, counts: dict[s
                 out = fmt.quantize(w, global_amax=global_amax, input_amax=ia, encoder=u.encoder)
             except FormatError as e:
                 raise FormatError(f"tensor {src.name!r}: {e.message}", path=path, tensor=src.name) from None
+            problem = fmt.magnitude_problem({k: t.cpu() for k, t in out.items()}, w.cpu())
+            if problem is not None:
+                raise FormatError(f"tensor {src.name!r}: {problem}", path=path, tensor=src.name)
             # the format's own tensors: what a per-module (ModelOpt) form names; an encoder's extra
             # (the release rule's weight_amax) is for the stacked form, and weight_scale_2 carries it here
             outputs += [(fmt.tensor_name(src.name, suffix), t.cpu() if device != "cpu" else t, True)
@@ -377,11 +381,30 @@ def _requantize_expert(u: Unit, fmt, ts: list[torch.Tensor], path_of: dict, devi
             out = fmt.requantize(st, src, global_amax=g, input_amax=ia, encoder=u.encoder, name=w.name)
         except FormatError as e:
             raise FormatError(f"tensor {w.name!r}: {e.message}", path=path_of[w.name], tensor=w.name) from None
+        problem = fmt.magnitude_problem(out, None)  # from stored bytes: only the scales are asked
+        if problem is not None:
+            raise FormatError(f"tensor {w.name!r}: {problem}", path=path_of[w.name], tensor=w.name)
         outputs += [(fmt.tensor_name(w.name, k), t.cpu(), True) for k, t in out.items() if k in fmt.suffixes]
         _count(counts, u.format)
     if progress is not None:
         progress(sum(t.numel() * t.element_size() for t in ts))
     return outputs
+
+
+def _check_magnitude(u: Unit, fmt, q: dict[str, torch.Tensor], slab: torch.Tensor | None, path, where: str) -> None:
+    """A weight too small for its format (`Format.magnitude_problem`) ends the run, naming it:
+    a gate/up slab's gate and up each on its own, as verify judges them (unless they share their
+    scales). `slab` None: requantized from stored bytes (only the scales are asked)."""
+    parts = [(q, slab)]
+    if u.projection == "gate_up" and slab is not None and fmt.row_blocked and not fmt.fuses_gate_up:
+        width = slab.shape[-2] // 2  # per-row tensors split by rows; scalars are shared
+        parts = [({k: v if v.dim() < 2 else u.storage.split_gate_up(v, width)[i] for k, v in q.items()},
+                  u.storage.split_gate_up(slab, width)[i]) for i in (0, 1)]
+    for i, (tensors, weight) in enumerate(parts):
+        problem = fmt.magnitude_problem(tensors, weight)
+        if problem is not None:
+            what = "" if len(parts) == 1 else ("gate: ", "up: ")[i]
+            raise FormatError(f"{where}: {what}{problem}", path=path, tensor=u.sources[0].name)
 
 
 def _check_stored(fmt, stored: dict[str, torch.Tensor], path, name: str, e: int) -> None:

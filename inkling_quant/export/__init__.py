@@ -39,8 +39,9 @@ def form_for(cfg, layout: Layout, requested: str | None = None) -> OutputForm:
     return form
 
 
-def value_rules(suffix: str) -> set[str]:
+def value_rules(suffix: str, encoder: str = "modelopt") -> set[str]:
     """The value rules (formats.VALUE_RULES' keys) some format puts on tensors named `*.{suffix}`
-    (per module, as ModelOpt names them) or `*_{suffix}` (the Inkling stacked form)."""
-    return {r for f in FORMATS.values() for r in (f.value_rule(suffix), _stacked_value_rule(f, suffix))
-            if r is not None}
+    (per module, as ModelOpt names them) or `*_{suffix}` (the Inkling stacked form), written by
+    `encoder` ("modelopt", "release")."""
+    return {r for f in FORMATS.values()
+            for r in (f.value_rule(suffix, encoder), _stacked_value_rule(f, suffix, encoder)) if r is not None}

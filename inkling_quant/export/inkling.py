@@ -141,13 +141,13 @@ def projection_specs(fmt: Format, proj: str, shape: Sequence[int], *, dtype: tor
 
 
 
-def value_rule(fmt: Format, suffix: str) -> str | None:
+def value_rule(fmt: Format, suffix: str, encoder: str = "modelopt") -> str | None:
     """The value rule (formats.VALUE_RULES' key) of a stacked tensor ``<proj>_<suffix>`` of
     ``fmt``: a per-row tensor's (weight, block scales) is the format's own; ``weight_amax`` and
     ``weight_outer_scale_denominator`` encode the global scale (amax / denominator) and
     ``weight.input_amax`` the activation scale, so they follow those scales' rule."""
     per = {_AMAX[1:]: fmt.global_scale, _DEN[1:]: fmt.global_scale, _INPUT[1:]: "input_scale"}.get(suffix, suffix)
-    return fmt.value_rule(per) if per is not None else None
+    return fmt.value_rule(per, encoder) if per is not None else None
 
 
 def _global_pair(s2: torch.Tensor, amax: torch.Tensor | None, name: str) -> tuple[torch.Tensor, torch.Tensor]:

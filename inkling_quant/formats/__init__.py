@@ -20,6 +20,7 @@ SCALE_SUFFIXES: tuple[str, ...] = tuple(dict.fromkeys(s for f in FORMATS.values(
                                                       if s != "weight"))
 #: every value rule a format may name (`Format.value_rule`): what verify checks the bytes for
 VALUE_RULES = {"positive": "finite and positive, with a finite fp32 reciprocal (a scale)",
+               "nonnegative": "finite and >= 0 (a block scale the release's rule rounds to 0 where the block is ~0)",
                "e8m0": "e8m0 exponent in range (not 0xFF)"}
 
 

@@ -22,6 +22,26 @@ def invertible(x: float) -> bool:
     return MIN_INVERTIBLE_SCALE <= x < float("inf")
 
 
+_ERROR_CHUNK = 1 << 20  # elements per float64 piece of weight_error: its memory stays small
+
+
+def weight_error(weight: torch.Tensor, approx: torch.Tensor) -> tuple[float, float]:
+    """(relative error, cosine) of `approx` against `weight`: ||approx - weight|| / ||weight|| and
+    their cosine, the quantities verify's numerics estimate through Gaussian activations (the
+    expectation of its squared error ratio). In float64 pieces: the squares of fp32 subnormals
+    underflow in fp32. A zero weight: (0, 1) if `approx` is zero too."""
+    num = den = na = dot = 0.0
+    for w, a in zip(weight.reshape(-1).split(_ERROR_CHUNK), approx.reshape(-1).split(_ERROR_CHUNK)):
+        w, a = w.double(), a.to(w.device).double()
+        num += float(torch.square(a - w).sum())
+        den += float(torch.square(w).sum())
+        na += float(torch.square(a).sum())
+        dot += float((a * w).sum())
+    if den == 0:
+        return (0.0, 1.0) if num == 0 else (float("inf"), 0.0)
+    return (num / den) ** 0.5, dot / (den * na) ** 0.5 if na > 0 else 0.0
+
+
 #: Format-to-format fast paths, (source name, target name) -> fn(tensors, source, target, *,
 #: global_amax, input_amax, name, encoder) returning the target's tensors, or None where it does not apply (another
 #: device). Filled by formats/transcode.py, their one home; kept here because `Format.requantize`
@@ -240,9 +260,18 @@ class Format:
         """The inverse of `activation_scale`: the amax a stored activation scale stands for."""
         raise NotImplementedError(f"{self.name} stores no activation scale")
 
-    def value_rule(self, suffix: str) -> str | None:
-        """What the values of the tensor `suffix` must be, as one of VALUE_RULES' keys (the
-        checks live in verify/values.py), or None when only finiteness applies."""
+    def magnitude_problem(self, tensors: Mapping[str, torch.Tensor], weight: torch.Tensor | None = None) -> str | None:
+        """Why `tensors`, this format's encoding of `weight`, would fail verify for the weight's
+        magnitude alone, or None: a stored scale verify refuses (NVFP4's global scale), or, where
+        the scales reach the end of their range, an error past `max_rel_error` / `min_cosine`
+        (MXFP8's smallest e8m0 scale). convert asks it of every weight it quantizes, reading the
+        scales quantize returned; anything more is computed only for a weight at that end.
+        `weight` None: a weight requantized from stored bytes, not at hand."""
+        return None
+
+    def value_rule(self, suffix: str, encoder: str = "modelopt") -> str | None:
+        """What the values of the tensor `suffix` must be when `encoder` wrote them, as one of
+        VALUE_RULES' keys (the checks live in verify/values.py), or None when only finiteness applies."""
         return None
 
     def matches(self, observed: Mapping[str, tuple[tuple[int, ...], torch.dtype]], shape: tuple[int, ...],

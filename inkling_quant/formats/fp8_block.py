@@ -234,7 +234,7 @@ class FP8Block(Format):
                               tensor=name or None)
         return amax
 
-    def value_rule(self, suffix):
+    def value_rule(self, suffix, encoder="modelopt"):
         return "positive" if suffix in (SCALE_SUFFIX, MODELOPT_SCALE) else None
 
     # --- ModelOpt's FP8_PB_WO form (module doc) ------------------------------------------

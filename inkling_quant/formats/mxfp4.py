@@ -169,5 +169,5 @@ class MXFP4(Format):
         return {"weight": packed.reshape(*shape[:-1], g, BYTES_PER_BLOCK).contiguous(),
                 "weight_scale": (e + 127).to(torch.uint8).reshape(*shape[:-1], g).contiguous()}
 
-    def value_rule(self, suffix):
+    def value_rule(self, suffix, encoder="modelopt"):
         return "e8m0" if suffix == "weight_scale" else None

@@ -40,15 +40,20 @@ import numpy as np
 import torch
 
 from ..errors import FormatError
-from .base import Format, OutSpec
+from .base import Format, OutSpec, weight_error
 from . import _jit
 from ._cpu import _BITS, _E4M3_TO_F32, _buf, _check_dtype, _check_shape, _nonfinite, _run_chunks, _source_bits
 
-__all__ = ["MXFP8", "BLOCK_SIZE", "E4M3_MAX", "e8m0_exponent", "release_exponent", "ENCODERS"]
+__all__ = ["MXFP8", "BLOCK_SIZE", "E4M3_MAX", "FLOOR_AMAX", "e8m0_exponent", "release_exponent", "ENCODERS"]
 
 BLOCK_SIZE = 32
 E4M3_MAX = 448.0
 _MX_CHUNK_BLOCKS = 2048      # 64 Ki elements per chunk: its scratch stays in the L2 cache
+#: blocks of amax below this take e8m0's smallest scale, 2^-127 (byte 0; ModelOpt's rule: at or
+#: below 448 * 2^-127, the release's: below 464 * 2^-127), and below this their values no longer
+#: reach e4m3's top binade: e4m3's fixed steps there (2^-136 among its subnormals) are an absolute
+#: error the block's own magnitude does not scale (`MXFP8.magnitude_problem`)
+FLOOR_AMAX = E4M3_MAX * 2.0 ** -128
 #: encoder -> the name of its rule as a checkpoint's quantization config records it
 ENCODERS = {"modelopt": "modelopt", "release": "mxfp8_nearest"}
 
@@ -230,8 +235,27 @@ class MXFP8(Format):
         q, e8, _ = stored_bytes(tensors)
         return torch.tensor(_amax_of_bytes(q, e8), dtype=torch.float32)
 
+    def magnitude_problem(self, tensors, weight=None):
+        """A weight with a block at the smallest scale (byte 0) holding a nonzero value: its
+        relative error and cosine against `weight`, held to verify's thresholds. No amax alone
+        decides it: how far the error grows depends on how the values spread below the amax
+        (docs/formats.md). Real weights have no such block (bf16 values that small are zero), so
+        for them this reads the scale bytes only; zero blocks encode exactly."""
+        q, e8 = _stored(tensors)
+        floor = e8 == 0
+        if weight is None or not bool(floor.any()):
+            return None
+        if not bool((q.view(torch.uint8).reshape(*e8.shape, BLOCK_SIZE)[floor] & 0x7F).any()):
+            return None
+        rel, cos = weight_error(weight, self.dequantize(tensors))
+        if rel <= self.max_rel_error and cos >= self.min_cosine:
+            return None
+        return (f"amax {float(weight.abs().max()):g} is too small for MXFP8: blocks below {FLOOR_AMAX:.3g} take "
+                f"e8m0's smallest scale, 2^-127, where e4m3's steps (2^-136 at the bottom) leave relative error "
+                f"{rel:.3g}, cosine {cos:.4f} (verify's limits: {self.max_rel_error:g}, {self.min_cosine:g})")
+
     def layer_config(self, weight_only: bool = False, encoder: str = "modelopt") -> dict:
         return self._with_encoder({"quant_algo": "MXFP8", "group_size": BLOCK_SIZE}, encoder)
 
-    def value_rule(self, suffix):
+    def value_rule(self, suffix, encoder="modelopt"):
         return "e8m0" if suffix == "weight_scale" else None  # a biased exponent byte; 0xFF is NaN

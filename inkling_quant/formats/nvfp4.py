@@ -44,11 +44,13 @@ written,
 Where the documents are silent, our choices (tests/test_release_encoders.py holds both the
 documented rule and these to an implementation written apart from this one): ``den`` = 6 * 448
 (the value is not public; with it the block holding the amax gets scale 448); an all-zero tensor
-(amax 0) gets scale bytes 0; a block whose scale rounds to 0 holds zero codes of its values' signs
-(they decode to +-0 whatever the codes; these codes are the fixed point); an amax whose
-``den / amax`` or ``448 * amax`` overflows fp32 is refused. The output carries ``weight_amax``
-(the amax the rule divided by, which the Inkling form stores) beside ModelOpt's tensors, whose
-``weight_scale_2`` = fp32(amax / den) is what a ModelOpt-form reader needs.
+(amax 0) gets scale bytes 0 and stores amax 1 (its ``weight_scale_2``, 1/2688, is what ModelOpt's
+path writes for it: a global scale with a finite reciprocal; any amax decodes zero scales to 0); a
+block whose scale rounds to 0 holds zero codes of its values' signs (they decode to +-0 whatever
+the codes; these codes are the fixed point); an amax whose ``den / amax`` or ``448 * amax``
+overflows fp32 is refused. The output carries ``weight_amax`` (the amax the rule divided by,
+which the Inkling form stores) beside ModelOpt's tensors, whose ``weight_scale_2`` = fp32(amax /
+den) is what a ModelOpt-form reader needs.
 """
 from __future__ import annotations
 
@@ -63,11 +65,12 @@ from ..errors import FormatError
 from . import _jit
 from ._cpu import (_BITS, _E4M3_TO_F32, _buf, _check_dtype, _check_shape, _nonfinite, _np, _run_chunks,
                    _source_bits, _where, fp32_preimage)
-from .base import Format, OutSpec, _misses, invertible
+from .base import MIN_INVERTIBLE_SCALE, Format, OutSpec, _misses, invertible
 
 __all__ = [
     "NVFP4", "amax", "pack_e2m1", "unpack_e2m1", "E2M1_VALUES", "E2M1_BOUNDS", "E2M1_MAX",
-    "E4M3_MAX", "BLOCK_SIZE", "nvfp4_global_scale", "nvfp4_input_scale", "RELEASE_DENOMINATOR", "ENCODERS",
+    "E4M3_MAX", "BLOCK_SIZE", "MIN_AMAX", "nvfp4_global_scale", "nvfp4_input_scale", "RELEASE_DENOMINATOR",
+    "ENCODERS",
 ]
 
 E2M1_MAX = 6.0                       # largest e2m1 magnitude
@@ -79,6 +82,24 @@ RELEASE_DENOMINATOR = GLOBAL_DIV     # the release rule's outer-scale denominato
 #: encoder -> the name of its rule as a checkpoint's quantization config records it
 ENCODERS = {"modelopt": "modelopt", "release": "nvfp4_nearest"}
 _F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _min_amax() -> float:
+    """The smallest fp32 amax whose global scale fp32(amax / 2688) is invertible (~7.9e-36)."""
+    d, a = np.float32(GLOBAL_DIV), np.float32(MIN_INVERTIBLE_SCALE * GLOBAL_DIV)
+    ok = lambda x: invertible(float(np.float32(x / d)))  # noqa: E731
+    while ok(np.nextafter(a, np.float32(0))):
+        a = np.nextafter(a, np.float32(0))
+    while not ok(a):
+        a = np.nextafter(a, np.float32(1))
+    return float(a)
+
+
+#: the smallest amax NVFP4 encodes: its global scale amax / 2688 (ModelOpt's weight_scale_2, the
+#: release's amax / denominator) must have a finite fp32 reciprocal, as verify holds every stored
+#: scale (`invertible`); the release encoder's 2688 / amax overflows just below it. Above it the
+#: encoding is the same at any magnitude (block scales are relative to the global one).
+MIN_AMAX = _min_amax()
 
 #: e2m1 value of each 4-bit code (bit 3 = sign, bits 0-2 = magnitude index). Code 8 is -0.0.
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -379,8 +400,9 @@ class NVFP4(Format):
         s2 = _global_scale(g, name, denominator if release else GLOBAL_DIV)
         packed, scale = (_nvfp4_cpu if w.device.type == "cpu" else _nvfp4_torch)(w, s2, rel, name)
         out = _tensors(tuple(w.shape), packed, scale, s2, input_amax, name)
-        if release:
-            out["weight_amax"] = torch.tensor(g, dtype=torch.float32, device=packed.device)
+        if release:  # an all-zero tensor's is 1, as its weight_scale_2 (_global_scale): a scale, not 0
+            out["weight_amax"] = torch.tensor(g if g != 0 else np.float32(1.0), dtype=torch.float32,
+                                              device=packed.device)
         return out
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -421,6 +443,14 @@ class NVFP4(Format):
         return _misses({k: _blocks(v, keep, k) for k, v in stored.items() if k in ("weight", "weight_scale")},
                        {k: _blocks(v, keep, k) for k, v in again.items() if k in ("weight", "weight_scale")})
 
+    def magnitude_problem(self, tensors, weight=None):
+        """The global scale verify refuses: an amax below MIN_AMAX (an all-zero weight's is 1/2688)."""
+        s2 = float(torch.as_tensor(tensors["weight_scale_2"]).reshape(()))
+        if invertible(s2):
+            return None
+        return (f"amax {s2 * GLOBAL_DIV:g} is below the smallest NVFP4 encodes, {MIN_AMAX:.7g}: its global scale "
+                f"amax / 2688 ({s2:g}) has no finite fp32 reciprocal (verify refuses such a scale)")
+
     def layer_config(self, weight_only: bool = False, encoder: str = "modelopt") -> dict:
         return self._with_encoder({"quant_algo": "W4A16_NVFP4" if weight_only else "NVFP4", "group_size": BLOCK_SIZE},
                                   encoder)
@@ -440,5 +470,9 @@ class NVFP4(Format):
         a = fp32_preimage(s, lambda x: self.activation_scale(float(x)), GLOBAL_DIV)
         return float(a) if a is not None else float(scale) * GLOBAL_DIV
 
-    def value_rule(self, suffix):
+    def value_rule(self, suffix, encoder="modelopt"):
+        # the release's rule writes e4m3(0) for a block below ~2.2e-6 of the amax (a zero block
+        # included): a zero block scale is its encoding there; ModelOpt's floors them at 2^-9
+        if suffix == "weight_scale" and self.encoder_rule(encoder) != "modelopt":
+            return "nonnegative"
         return "positive" if suffix in ("weight_scale", "weight_scale_2", "input_scale") else None

@@ -61,6 +61,11 @@ VERIFIER = "thinkingmachines/Inkling-2-Small"
 BF16, FP32 = torch.bfloat16, torch.float32
 ROPE_THETA = 1000000.0           # DFlashQwen3DecoderLayer's default (qwen3_dflash.py:311)
 
+#: the Markov heads the DSpark implementations build (SGLang 0.5.23
+#: srt/speculative/dspark_components/dspark_config.py:22; NeMo AutoModel 0.7.0
+#: components/speculative/dspark/markov_head.py:297-320), compared lower-cased as both do
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+
 #: the draft config's own choices (DeepSpec config/dspark/dspark_qwen3_4b_online.py:10-25)
 DRAFT_DEFAULTS = {"num_hidden_layers": 5, "block_size": 7, "num_aux_layers": 5, "markov_rank": 256,
                   "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True}
@@ -91,6 +96,7 @@ class DSparkConfig:
     confidence_head_with_markov: bool
     attention_bias: bool
     block_size: int | None
+    markov_head_type: str = "vanilla"
 
     @classmethod
     def from_dict(cls, d, source: str = "draft config.json", where: str = "") -> "DSparkConfig":
@@ -102,7 +108,8 @@ class DSparkConfig:
         methods = spec.need("proposal_methods")
         if not isinstance(methods, list) or not methods:
             raise ConfigError(f"{where}speculators_config.proposal_methods must be a non-empty list", path=source)
-        ConfigFields(methods[0], where + "speculators_config.proposal_methods[0].", source).int("speculative_tokens")
+        tokens = ConfigFields(methods[0], where + "speculators_config.proposal_methods[0].", source).int(
+            "speculative_tokens")
         name = ConfigFields(spec.need("verifier"), where + "speculators_config.verifier.", source).need("name_or_path")
         if not isinstance(name, str):
             raise ConfigError(f"{where}speculators_config.verifier.name_or_path must be a string", path=source)
@@ -115,6 +122,8 @@ class DSparkConfig:
         if not isinstance(ids, list) or not ids or not all(type(i) is int and 0 <= i <= MAX_LAYERS for i in ids):
             raise ConfigError(f"{where}aux_hidden_state_layer_ids must be a non-empty list of layer numbers, "
                               f"got {_short(ids)}", path=source)
+        block = r.int("block_size") if d.get("block_size") is not None else None
+        _check_width(tokens, block, r.bool("sample_from_anchor", False), where, source)  # algos.py:188: default False
         return cls(
             hidden_size=hidden, num_hidden_layers=t.int("num_hidden_layers", hi=MAX_LAYERS),
             num_attention_heads=heads, num_key_value_heads=t.int("num_key_value_heads"),
@@ -127,7 +136,7 @@ class DSparkConfig:
             enable_confidence_head=r.bool("enable_confidence_head", False),  # qwen3_dspark.py:220
             confidence_head_with_markov=r.bool("confidence_head_with_markov", False),
             attention_bias=t.bool("attention_bias", False),  # qwen3_dflash.py:339
-            block_size=r.int("block_size") if d.get("block_size") is not None else None)
+            block_size=block, markov_head_type=_markov_head_type(r))
 
     def check_target(self, text, source: str, where: str = CONFIG_KEY + ".") -> None:
         """The pairing a bundled draft must satisfy with the target's `text_config` (an
@@ -145,6 +154,35 @@ class DSparkConfig:
         if list(ids) != sorted(set(ids)) or ids[-1] > text.num_hidden_layers:
             raise ConfigError(f"{where}aux_hidden_state_layer_ids {list(ids)} must be strictly increasing, each at "
                               f"most num_hidden_layers ({text.num_hidden_layers})", path=source)
+
+
+def _markov_head_type(r: ConfigFields) -> str:
+    """markov_head_type: required, one of MARKOV_HEAD_TYPES (lower-cased): SGLang 0.5.23 refuses a
+    missing one (markov_rank > 0) and any other (dspark_config.py:265-274), as NeMo AutoModel 0.7.0
+    does (config.py:44, markov_head.py:320). vLLM 0.33's Qwen3 drafter builds the vanilla head
+    whatever it says (qwen3_dspark.py:209-218); the other two carry tensors it does not load."""
+    v = r.need("markov_head_type")
+    if not isinstance(v, str) or v.lower() not in MARKOV_HEAD_TYPES:
+        raise ConfigError(f"{r.where}markov_head_type must be one of {', '.join(MARKOV_HEAD_TYPES)}, got {_short(v)}",
+                          path=r.source)
+    return v.lower()
+
+
+def _check_width(tokens: int, block: int | None, from_anchor: bool, where: str, source: str) -> None:
+    """The draft's speculative width against its trained block: vLLM 0.33 defaults
+    num_speculative_tokens to block_size (config/speculative.py:1592-1599) and requires the two
+    equal for the drafter it validates, one that samples from the anchor (speculative.py:198-202,
+    319-324); SGLang 0.5.23 drafts block_size tokens and warns when asked for another number
+    (dspark_config.py:96-117). With the anchor a bonus token (sample_from_anchor false) vLLM's
+    speculators updater says the block yields block_size - 1 tokens (algos.py:171-174): that
+    value is accepted there too."""
+    if block is None:
+        return
+    allowed = (block,) if from_anchor else (block - 1, block)
+    if tokens not in allowed:
+        raise ConfigError(f"{where}speculators_config.proposal_methods[0].speculative_tokens is {tokens}, the trained "
+                          f"block_size is {block}: a DSpark draft proposes {' or '.join(map(str, allowed))} tokens "
+                          f"(sample_from_anchor {str(from_anchor).lower()})", path=source)
 
 
 # --------------------------------------------------------------------------- config
@@ -218,8 +256,15 @@ def draft_tensors(d: DSparkConfig, prefix: str = "") -> Iterator[TensorSpec]:
     yield TensorSpec(prefix + "hidden_norm.weight", (H,), BF16)  # (488-491)
     yield TensorSpec(prefix + "norm.weight", (H,), BF16)  # (492-495)
     # DSparkMarkovHead (qwen3_dspark.py:61-80, 209-218)
-    yield TensorSpec(prefix + "markov_head.markov_w1.weight", (d.vocab_size, d.markov_rank), BF16)
-    yield TensorSpec(prefix + "markov_head.markov_w2.weight", (d.draft_vocab_size, d.markov_rank), BF16)
+    r = d.markov_rank
+    yield TensorSpec(prefix + "markov_head.markov_w1.weight", (d.vocab_size, r), BF16)
+    yield TensorSpec(prefix + "markov_head.markov_w2.weight", (d.draft_vocab_size, r), BF16)
+    # the gated and RNN heads' own Linear (with bias): SGLang 0.5.23 models/dspark.py:310-345,
+    # NeMo AutoModel 0.7.0 markov_head.py:104-156; vLLM 0.33's drafter has neither
+    extra = {"gated": ("gate_proj", r, H + r), "rnn": ("joint_proj", 3 * r, 2 * r + H)}.get(d.markov_head_type)
+    if extra is not None:
+        yield TensorSpec(f"{prefix}markov_head.{extra[0]}.weight", extra[1:], BF16)
+        yield TensorSpec(f"{prefix}markov_head.{extra[0]}.bias", extra[1:2], BF16)
     if d.enable_confidence_head:  # DSparkConfidenceHead: fp32 ReplicatedLinear with bias (164-189, 219-230)
         width = H + (d.markov_rank if d.confidence_head_with_markov else 0)
         yield TensorSpec(prefix + "confidence_head.proj.weight", (1, width), FP32)

@@ -39,12 +39,21 @@ class ConfigFields:
             raise ConfigError(f"{self.where}{key} must be true or false, got {_short(v)}", path=self.source)
         return v
 
-    def layer_list(self, key: str) -> list[int]:
-        """A list of layer indices (`mlp_only_layers`, `moe_layers`); one past the model's depth
-        names no layer (transformers does not check either)."""
+    def layer_list(self, key: str, layers: int = MAX_LAYERS) -> list[int]:
+        """A list of layer indices (`mlp_only_layers`, `moe_layers`), each a layer of the model's
+        `layers`: transformers 5.25 types it list[int] and lets an index past the depth or below 0
+        name no layer; a config holding one is malformed, and refused."""
         v = self.obj.get(key) or []
-        if not isinstance(v, list) or not all(type(i) is int and 0 <= i < MAX_LAYERS for i in v):
-            raise ConfigError(f"{self.where}{key} must be a list of layer indices, got {_short(v)}", path=self.source)
+        if not isinstance(v, list) or not all(type(i) is int and 0 <= i < layers for i in v):
+            raise ConfigError(f"{self.where}{key} must be a list of layer indices below {layers} (num_hidden_layers), "
+                              f"got {_short(v)}", path=self.source)
+        return v
+
+    def string(self, key: str) -> str | None:
+        """An optional string (absent or null: None)."""
+        v = self.obj.get(key)
+        if v is not None and not isinstance(v, str):
+            raise ConfigError(f"{self.where}{key} must be a string, got {_short(v)}", path=self.source)
         return v
 
     def choice(self, key: str, choices, default: str) -> str:

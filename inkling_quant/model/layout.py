@@ -24,6 +24,7 @@ from . import dspark, inkling2
 from .families import Family, family_of
 from .fields import MAX_LAYERS, ConfigFields
 from ..errors import CheckpointError, ConfigError
+from ..errors import short_repr as _short
 from .inkling2 import Inkling2Config
 from .naming import MODELOPT, Naming, naming_of
 from .naming import described as described_namings
@@ -81,7 +82,8 @@ class MoEConfig:
                               f"{', '.join(_EXPERT_ALIASES)}): not a mixture-of-experts model?", path=source)
         n, experts = t.int("num_hidden_layers"), t.int(key, hi=_LIMITS["num_experts"])
         width_key = "moe_intermediate_size" if "moe_intermediate_size" in t.obj else "intermediate_size"
-        return cls(model_type=str(t.obj.get("model_type") or d.get("model_type") or "?"),
+        _check_layer_types(t, n)
+        return cls(model_type=t.string("model_type") or top.string("model_type") or "?",
                    hidden_size=t.int("hidden_size"), num_hidden_layers=n, num_experts=experts,
                    num_experts_per_tok=t.int("num_experts_per_tok", hi=experts), expert_width=t.int(width_key),
                    dense_layers=_dense_layers(t, n), nested=nested, raw=dict(d))
@@ -105,22 +107,36 @@ class MoEConfig:
                    dense_layers=frozenset(), nested=True, raw=cfg.raw)
 
 
+def _check_layer_types(t: ConfigFields, n: int) -> None:
+    """layer_types, where given: one string per layer, as transformers 5.25's validate_layer_type
+    requires (configuration_utils.py:709-723; which kinds plan models is plan's to say)."""
+    v = t.obj.get("layer_types")
+    if v is None:
+        return
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ConfigError(f"{t.where}layer_types must be a list of strings, got {_short(v)}", path=t.source)
+    if len(v) != n:
+        raise ConfigError(f"{t.where}layer_types has {len(v)} entries, num_hidden_layers is {n}: one per layer",
+                          path=t.source)
+
+
 def _dense_layers(t: ConfigFields, n: int) -> frozenset[int] | None:
     """The layers without routed experts by the family's rule, or None when the config has none
-    (detection then trusts the tensors)."""
+    (detection then trusts the tensors). Every key a rule reads is checked where present, whichever
+    rule applies: a malformed one is refused, not skipped by the order of the rules."""
     o = t.obj
-    if "first_k_dense_replace" in o:  # DeepSeek-V3
-        k = t.int("first_k_dense_replace", lo=0, hi=n)
-        return frozenset(range(k))
-    if "mlp_only_layers" in o or "decoder_sparse_step" in o:  # Qwen2/3-MoE: modeling_qwen3_moe.py
-        only = t.layer_list("mlp_only_layers")
-        step = t.int("decoder_sparse_step", 1)
+    first = t.int("first_k_dense_replace", lo=0, hi=n) if "first_k_dense_replace" in o else None  # DeepSeek-V3
+    only, step = t.layer_list("mlp_only_layers", n), t.int("decoder_sparse_step", 1)  # Qwen2/3-MoE
+    moe = t.layer_list("moe_layers", n) if o.get("moe_layers") is not None else None  # Llama 4
+    every = t.int("interleave_moe_layer_step") if "interleave_moe_layer_step" in o else None
+    if first is not None:
+        return frozenset(range(first))
+    if "mlp_only_layers" in o or "decoder_sparse_step" in o:  # modeling_qwen3_moe.py
         return frozenset(i for i in range(n) if i in only or (i + 1) % step)
-    if "moe_layers" in o and o["moe_layers"] is not None:  # Llama 4
-        return frozenset(range(n)) - frozenset(t.layer_list("moe_layers"))
-    if "interleave_moe_layer_step" in o:
-        step = t.int("interleave_moe_layer_step")
-        return frozenset(i for i in range(n) if (i + 1) % step)
+    if moe is not None:
+        return frozenset(range(n)) - frozenset(moe)
+    if every is not None:
+        return frozenset(i for i in range(n) if (i + 1) % every)
     return None
 
 

@@ -139,8 +139,8 @@ def is_hf_moe(d) -> bool:
 def _text(d: dict, source: str) -> tuple[HFText, list[str]]:
     from ..model.layout import MoEConfig
 
+    moe = MoEConfig.from_dict(d, source)  # the one check of what the config holds; then what plan models
     _refuse_unmodelled(d, source)
-    moe = MoEConfig.from_dict(d, source)
     t = ConfigFields(d["text_config"] if moe.nested else d, "text_config." if moe.nested else "", source)
     o, mt, notes, family = t.obj, moe.model_type, [], moe.family
     heads = t.int("num_attention_heads")

@@ -11,6 +11,8 @@ names no encoder (another writer's checkpoint) must be a fixed point of the rele
 only documented ones that are, and the check names them as the encoder that wrote it."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..errors import FormatError
@@ -18,11 +20,12 @@ from ..export.inkling import PROJECTIONS, stored_projection
 from ..formats import FORMATS
 from ..io.safetensors import ShardReader
 from ..model.layout import MoEConfig
+from ..model.tensors import TensorName
 from .inventory import CHECKED, Inventory
 from .numerics import sample_experts
 from .report import Check, Recorder
 
-__all__ = ["check_encoder", "read_stacked_expert"]
+__all__ = ["check_encoder", "encoder_of", "read_stacked_expert"]
 _WHAT = {"weight": "stored values", "weight_scale": "block scales"}
 
 
@@ -49,6 +52,32 @@ def _declared(inv: Inventory, fmt, module: str) -> str | None:
             return str(entry["encoder"])
     conv = inv.conf.converter
     return fmt.encoders.get(conv.get("encoder")) if isinstance(conv, dict) else None
+
+
+def encoder_of(inv: Inventory) -> Callable[[TensorName | None], str]:
+    """t -> whose rules ("release", "modelopt") wrote the routed-expert tensor t, for its value
+    rules: what its module's quantization config entry names; where it names none, the release's
+    in the stacked form (the `encoder` check holds that form to them), ModelOpt's elsewhere."""
+    lay = inv.expected.layout
+    modules = lay.experts_modules if lay is not None and lay.experts.stacked else None
+    release = {f.encoder_rule("release") for f in FORMATS.values() if f.encoders}
+    seen: dict[str, str] = {}
+
+    def key(module: str) -> str:
+        named = {_declared(inv, f, module) for f in FORMATS.values() if f.encoders} - {None}
+        return ("release" if modules is not None else "modelopt") if not named else \
+            "release" if named & release else "modelopt"
+
+    def of(t: TensorName | None) -> str:
+        if t is None or not t.is_expert or lay is None:
+            return "modelopt"
+        module = modules.get(t.layer) if modules is not None else t.module
+        if module is None:
+            return "modelopt"
+        if module not in seen:
+            seen[module] = key(module)
+        return seen[module]
+    return of
 
 
 def check_encoder(run: Recorder, inv: Inventory, sample: int) -> None:

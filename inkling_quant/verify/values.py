@@ -1,7 +1,8 @@
 """Value checks, run as stream visitors in the single read: `values[F]` (no NaN/Inf, scales
-finite and positive, e8m0 exponents not 0xFF) and `gate_up` (the gate and up modules of each
-NVFP4 expert share weight_scale_2: ModelOpt's per-expert form, for every family; the stacked
-form stores one global scale per expert's w13, so it has nothing to compare)."""
+finite and positive, or >= 0 for NVFP4 block scales of the release's rule, e8m0 exponents not
+0xFF) and `gate_up` (the gate and up modules of each NVFP4 expert share weight_scale_2: ModelOpt's
+per-expert form, for every family; the stacked form stores one global scale per expert's w13, so
+it has nothing to compare)."""
 from __future__ import annotations
 
 import math
@@ -26,10 +27,14 @@ SLICE = 2 << 20            # value checks run on cache-sized slices of a chunk
 
 # ============================================================================ values[F]
 class ValueRules:
-    """The `values[F]` checks: each tensor's bytes against the rule its dtype and name give."""
+    """The `values[F]` checks: each tensor's bytes against the rule its dtype and name give, and
+    the encoder that wrote it (`encoder_of(t)`: "modelopt" or "release")."""
+
+    def __init__(self, encoder_of: Callable[[TensorName | None], str] = lambda t: "modelopt"):
+        self.encoder_of = encoder_of
 
     def visit(self, seen: Seen):
-        rule = _value_rule(seen.t, seen.entry)
+        rule = _value_rule(seen.t, seen.entry, self.encoder_of(seen.t))
         return None if rule is None else _RuleSink(seen, rule)
 
 
@@ -77,14 +82,19 @@ class Rule(NamedTuple):
     bad: Callable[[memoryview], bool]       # bad(bytes of whole elements)
 
 
-def _value_rule(t: TensorName | None, entry: TensorEntry) -> Rule | None:
+def _value_rule(t: TensorName | None, entry: TensorEntry, encoder: str = "modelopt") -> Rule | None:
     """The rule one tensor's bytes are held to: what the formats say of its name suffix (scales
     finite and positive, e8m0 exponents not 0xFF), and for every float tensor no NaN/Inf, read
     on the dtype's bits. Each test is one or two passes over the bytes with no per-element
     Python (min/max propagate NaN and show Inf), ~1.5-3 GB/s on one core."""
-    rules = value_rules(t.suffix) if t is not None else set()
+    rules = value_rules(t.suffix, encoder) if t is not None else set()
     dt = entry.dtype
     if dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        if "nonnegative" in rules:
+            def bad_sign(b, dt=dt):
+                mn, mx = torch.aminmax(torch.frombuffer(b, dtype=dt))
+                return not (float(mn) >= 0 and math.isfinite(float(mx)))
+            return Rule("nonnegative", VALUE_RULES["nonnegative"], bad_sign)
         if "positive" in rules:
             def bad_scale(b, dt=dt):
                 mn, mx = torch.aminmax(torch.frombuffer(b, dtype=dt))
@@ -99,6 +109,9 @@ def _value_rule(t: TensorName | None, entry: TensorEntry) -> Rule | None:
         if "positive" in rules:  # positive finite e4m3 <=> byte in [0x01, 0x7E]; (b - 1) wraps 0 to 255
             return Rule("positive", "finite and positive (e4m3 scale)",
                         lambda b: int(_u8_op(b, np.subtract, 1).max()) > 0x7D)
+        if "nonnegative" in rules:  # +0 or positive finite e4m3 <=> byte in [0x00, 0x7E]
+            return Rule("nonnegative", "finite and >= 0 (e4m3 scale)",
+                        lambda b: int(np.frombuffer(b, np.uint8).max()) > 0x7E)
         return Rule("finite", "finite (no e4m3 NaN)", lambda b: int(_u8_op(b, np.bitwise_and, 0x7F).max()) == 0x7F)
     if dt == torch.float8_e5m2:
         return Rule("finite", "finite (no NaN/Inf)", lambda b: int(_u8_op(b, np.bitwise_and, 0x7C).max()) == 0x7C)
@@ -126,12 +139,14 @@ def _first_bad(x: torch.Tensor, rule: str) -> tuple[int, str]:
         bad = (b == 0xFF)
     elif x.dtype == torch.float8_e4m3fn:
         b = x.view(torch.uint8).reshape(-1)
-        bad = ((b - 1) > 0x7D) if rule == "positive" else ((b & 0x7F) == 0x7F)
+        bad = {"positive": (b - 1) > 0x7D, "nonnegative": b > 0x7E}.get(rule, (b & 0x7F) == 0x7F)
     else:
         f = x.reshape(-1).float()
         bad = ~torch.isfinite(f)
         if rule == "positive":
             bad |= f < MIN_INVERTIBLE_SCALE
+        elif rule == "nonnegative":
+            bad |= f < 0
     idx = int(bad.nonzero()[0, 0]) if bool(bad.any()) else 0
     v = x.reshape(-1)[idx]
     shown = f"0x{int(v.view(torch.uint8)):02X}" if v.dtype in (torch.uint8, torch.float8_e4m3fn,
