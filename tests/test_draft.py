@@ -213,6 +213,21 @@ def test_strip_keeps_names_when_no_shard_is_dropped(tmp_path):
     assert Inkling2Config.load(tmp_path / "s").draft is None
 
 
+def test_strip_drops_the_sources_parameter_count(src, tmp_path):
+    """transformers' save_pretrained records `total_parameters` in the index; after the draft is
+    gone it would be stale, so the stripped index carries no such count (and its exact size)."""
+    shutil.copytree(src, tmp_path / "src")
+    index = tmp_path / "src" / INDEX_NAME
+    obj = json.loads(index.read_text())
+    obj["metadata"]["total_parameters"] = 123456789
+    index.write_text(json.dumps(obj))
+    draft.strip(tmp_path / "src", tmp_path / "s")
+    meta = json.loads((tmp_path / "s" / INDEX_NAME).read_text())["metadata"]
+    assert "total_parameters" not in meta
+    assert meta["total_size"] == sum(e.nbytes for h in Checkpoint.open(tmp_path / "s").headers().values()
+                                     for e in h.tensors.values())
+
+
 def test_single_file_checkpoint(tmp_path):
     one = repack(write_checkpoint(tmp_path / "synth", "tiny", layers=1), tmp_path / "one", index=False)
     draft.strip(one, tmp_path / "s")

@@ -122,8 +122,11 @@ def write_json_atomic(path: Path, obj) -> None:
 
 def write_index(path: Path, weight_map: dict[str, str], total_size: int, metadata: dict | None = None) -> None:
     """The index as every command of ours writes it: `metadata` (a source's, kept), total_size (the
-    tensors' bytes, exactly) and PRODUCER, then the weight map."""
-    meta = {**(metadata or {}), "total_size": total_size, "producer": PRODUCER}
+    tensors' bytes, exactly) and PRODUCER, then the weight map. A source's `total_parameters`
+    (transformers' save_pretrained: the model's parameter count) is dropped: it counted the
+    source's tensors, not these (a stripped draft, packed codes)."""
+    kept = {k: v for k, v in (metadata or {}).items() if k != "total_parameters"}
+    meta = {**kept, "total_size": total_size, "producer": PRODUCER}
     write_json_atomic(path, {"metadata": meta, "weight_map": weight_map})
 
 
