@@ -259,7 +259,7 @@ def _tamper(src: Path, dst: Path, fn) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("bad", [float("nan"), 0.0, -0.5, float("inf")])
+@pytest.mark.parametrize("bad", [float("nan"), 0.0, -0.5, float("inf"), 1e-40])   # 1e-40: no finite 1/s
 def test_bad_fp8_scales_are_refused_by_name(sources, tmp_path, bad):
     for name in ("model.layers.1.mlp.experts.2.up_proj.weight_scale_inv", "model.layers.2.self_attn.o_proj.weight_scale_inv"):
         d = _tamper(sources["ds"], tmp_path / f"s{name[13:15]}", lambda sd: sd[name].view(-1).__setitem__(1, bad))
@@ -297,6 +297,34 @@ def test_nan_e4m3_byte_and_nan_e8m0_scale_refused(sources, tmp_path):
     with pytest.raises(FormatError, match="255") as e:
         _convert(d, tmp_path / "o2")
     assert e.value.tensor == s
+
+
+def test_expert_tensors_of_the_wrong_dtype_named_in_the_sources_terms(sources, tmp_path):
+    """A routed expert's stored tensor in a dtype its source format does not store, or an FP8
+    weight without its scale, or MXFP4 outside the experts: named, in the source format's terms
+    (not "convert takes BF16/FP16/FP32", which a BF16 weight beside its scale would contradict)."""
+    e = "model.layers.1.mlp.experts.2.up_proj.weight"
+    b, s = "model.layers.0.mlp.experts.gate_up_proj_blocks", "model.layers.0.mlp.experts.gate_up_proj_scales"
+
+    def attn_mxfp4(sd):
+        sd.pop("model.layers.0.self_attn.q_proj.weight")
+        sd["model.layers.0.self_attn.q_proj.weight_blocks"] = torch.zeros(128, 8, 16, dtype=torch.uint8)
+        sd["model.layers.0.self_attn.q_proj.weight_scales"] = torch.full((128, 8), 127, dtype=torch.uint8)
+    for i, (src, fn, name, match) in enumerate((
+            ("ds", lambda sd: sd.__setitem__(e, sd[e].float().bfloat16()), e, r"BF16 \[160, 256\]; the fp8_block weight .* is stored F8_E4M3"),
+            ("ds", lambda sd: sd.__setitem__(e + "_scale_inv", sd[e + "_scale_inv"].double()), e + "_scale_inv",
+             "F64 .* is stored F32/BF16/F16"),
+            ("ds", lambda sd: sd.pop(e + "_scale_inv"), e, "companion .*weight_scale_inv' is missing"),
+            ("go", lambda sd: sd.__setitem__(s, sd[s].float()), s, r"F32 \[4, 384, 8\]; the mxfp4 weight_scale .* is stored U8"),
+            ("go", attn_mxfp4, "model.layers.0.self_attn.q_proj.weight_blocks", "outside the routed experts"))):
+        d = _tamper(sources[src], tmp_path / f"s{i}", fn)
+        with pytest.raises(CheckpointError, match=match) as err:
+            _convert(d, tmp_path / f"o{i}")
+        assert err.value.tensor == name and str(err.value.path).endswith("model.safetensors"), i
+    d = _tamper(sources["go"], tmp_path / "e254", lambda sd: sd[s].fill_(254))   # 6 x 2^127: past fp32
+    with pytest.raises(FormatError, match="past the fp32 range") as err:
+        _convert(d, tmp_path / "o254")
+    assert str(err.value).count(repr(b)) == 1     # named once, not once by the format and again
 
 
 def test_fp8_configs_this_reader_does_not_take(sources, tmp_path):

@@ -186,6 +186,9 @@ def validate_source(cfg: Inkling2Config | MoEConfig, listing: Listing, root: str
             continue
         quantized = spec.dtype not in FLOAT_SOURCES if spec is not None else False
         if (DTYPES[dtype] != spec.dtype) if quantized else (DTYPES[dtype] not in FLOAT_SOURCES):
+            why = _source_dtype_problem(layout.source, name, dtype, shape, spec, entries)
+            if why is not None:
+                raise CheckpointError(f"tensor {name!r}: {why}", path=path, tensor=name)
             why = "the source is already quantized, in a form convert does not take" \
                 if DTYPES[dtype].itemsize == 1 else "not a dtype convert takes"  # an 8/4-bit type: quantized
             raise CheckpointError(f"tensor {name!r}: dtype {dtype}: {why}; it takes BF16/FP16/FP32 tensors, with "
@@ -236,6 +239,29 @@ def _source_experts(layout: Layout, expected: dict[str, Spec], entries: dict) ->
             got = entries.get(stored[suffix])
             ok = got is not None and DTYPES[got[1]] in fmt.stored_dtypes.get(suffix, ())
             expected[stored[suffix]] = Spec(stored[suffix], tuple(o.shape), DTYPES[got[1]] if ok else o.dtype)
+
+
+def _source_dtype_problem(q, name: str, dtype: str, shape: tuple, spec: Spec | None, entries: dict) -> str | None:
+    """Why a quantized source's routed-expert tensor `name` of `dtype` is not read, in the source's
+    terms (None where `name` is not one of its stored tensors): a companion missing beside a
+    1-byte weight, or the dtypes its format stores that tensor in."""
+    if q is None:
+        return None
+    own = q.owner(name)
+    weight, suffix = own if own is not None else (name, "weight")
+    stored = q.stored(weight)
+    if stored.get(suffix) != name:
+        return None
+    fmt = get_format(q.format, source=True)
+    missing = [n for n in stored.values() if n not in entries]
+    if missing and own is None and DTYPES[dtype].itemsize == 1:
+        return f"{dtype} {list(shape)}, but its {q.format} companion {missing[0]!r} is missing ({q.describe()})"
+    if spec is None and q.experts_only:
+        return f"{dtype} {list(shape)}: stored {q.format} outside the routed experts, where only they are ({q.describe()})"
+    if spec is None or (own is None and spec.dtype in FLOAT_SOURCES):
+        return None
+    wants = "/".join(DTYPE_NAMES[d] for d in fmt.stored_dtypes.get(suffix) or (spec.dtype,))
+    return f"{dtype} {list(shape)}; the {q.format} {suffix} of {weight!r} is stored {wants} ({q.describe()})"
 
 
 def _source_modules(layout: Layout, entries: dict, root: str) -> set[str]:

@@ -300,7 +300,8 @@ def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, ta
         except FormatError as err:
             blamed = err.tensor if err.tensor in {x.name for x in u.sources} else src.name
             where = next((x for x in u.sources if x.name == blamed), src)
-            raise FormatError(f"tensor {blamed!r}, expert {e}: {err.message}", path=path.parent / where.shard,
+            why = err.message.removeprefix(f"tensor {err.tensor!r}: ")   # the format named it: named once here
+            raise FormatError(f"tensor {blamed!r}, expert {e}: {why}", path=path.parent / where.shard,
                               tensor=blamed) from None
         q = {k: v.cpu() for k, v in q.items()}
         _check_magnitude(u, fmt, q, None if stored is not None else slab, path, f"tensor {src.name!r}, expert {e}")

@@ -210,7 +210,7 @@ class FP8Block(Format):
                      names: Mapping[str, str] | None = None) -> torch.Tensor:
         """FormatError naming the tensor unless stored tensors are a valid weight: dtypes and the
         scale grid's shape, no NaN byte (0x7F/0xFF; e4m3fn has no Inf), every scale finite and
-        > 0, and no value past the fp32 range once dequantized. The scale is named as `name`'s
+        > 0 with a finite fp32 reciprocal (`base.invertible`: what its FP8_PB_WO form is held to), and no value past the fp32 range once dequantized. The scale is named as `name`'s
         `weight_scale_inv` (`names`: suffix -> checkpoint name, where it is named otherwise).
         Returns the weight's amax (exact; `amax`), from the same one pass over the bytes."""
         w, s = self._stored(tensors, name)
@@ -220,12 +220,12 @@ class FP8Block(Format):
             at = tuple(int(i) for i in nan.nonzero()[0])
             raise FormatError(f"{_where(name)}holds {int(nan.sum())} NaN e4m3 byte(s), the first at {at}",
                               tensor=name or None)
-        bad = ~torch.isfinite(s) | (s <= 0)
+        bad = ~torch.isfinite(s) | (s < MIN_INVERTIBLE_SCALE)   # a deep subnormal: no finite 1/s (base.invertible)
         if bool(bad.any()):
             sname = (names or {}).get(SCALE_SUFFIX) or _scale_name(name)
             at = tuple(int(i) for i in bad.nonzero()[0])
-            raise FormatError(f"{_where(sname)}{int(bad.sum())} scale(s) not finite and > 0, the first "
-                              f"{float(s[at]):g} at tile {at}", tensor=sname or None)
+            raise FormatError(f"{_where(sname)}{int(bad.sum())} scale(s) not finite and > 0 with a finite fp32 "
+                              f"reciprocal, the first {float(s[at]):g} at tile {at}", tensor=sname or None)
         if tm is None:
             return torch.zeros((), dtype=torch.float32)
         amax = (_E4M3_VALUES.to(w.device)[tm.long()] * s.to(w.device)).amax()
