@@ -170,6 +170,17 @@ def test_scheme_none_copies_a_quantized_source(sources, tmp_path):
     assert cfg["quantization_config"] == json.loads((sources["qw"] / "config.json").read_text())["quantization_config"]
 
 
+@pytest.mark.parametrize("src, scheme, why", [("ds", "none", "copied as it is"),
+                                              ("go", "default", "holds no FP8 block-scaled weights"),
+                                              ("ds-bf16", "default", "float weights")])
+def test_dequantize_fp8_where_it_does_not_apply_is_refused(sources, tmp_path, src, scheme, why):
+    """--dequantize-fp8 never passes silently: not on a copy (scheme none), an MXFP4 or a BF16 source."""
+    root = sources["root"] / src if src.endswith("bf16") else sources[src]
+    with pytest.raises(UsageError, match=why):
+        _convert(root, tmp_path / "o", scheme=scheme, dequantize_fp8=True)
+    assert not (tmp_path / "o").exists()
+
+
 # ------------------------------------------------------------------------------ MXFP4 (gpt-oss)
 def test_gpt_oss_mxfp4_to_nvfp4_is_modelopts_lossless_cast(sources, tmp_path):
     """Each expert's gate/up (interleaved rows) and down: ModelOpt 0.47's

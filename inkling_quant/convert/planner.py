@@ -355,6 +355,10 @@ def _units(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTen
     missing_amax: list[str] = []
     copy = layout.source is not None and not any(
         scheme.format_name(cfg, TensorName(m, "expert", i)) != "passthrough" for i, m in layout.experts_modules.items())
+    if opts.dequantize_fp8 and (copy or layout.source is None or layout.source.format != "fp8_block"):
+        what = ("the scheme quantizes nothing, so the source is copied as it is" if copy else
+                f"the source holds no FP8 block-scaled weights ({layout.source.describe() if layout.source else 'float weights'})")
+        raise UsageError(f"--dequantize-fp8 does not apply: {what}")
     for t in tensors:
         if t.name in done:
             continue

@@ -397,7 +397,7 @@ def check_numerics(run: Recorder, inv: Inventory, sample: int, device: str) -> N
                 names = inv.expected.module_tensors.get(module)
                 if names:
                     c = run.new(f"numerics[layer {layer}]", "numerics",
-                                f"layer {layer}: sampled experts' dequant-GEMM vs the BF16 source")
+                                f"layer {layer}: sampled experts' dequant-GEMM vs the source")
                     run.guard(c, _check_layer, run, c, inv, gemm, layer, names, sample)
     finally:
         gemm.close()
@@ -426,7 +426,7 @@ def _check_layer(run: Recorder, c: Check, inv: Inventory, gemm: Gemm, layer: int
         for proj, mod in lay.experts.projections(e):
             (w, what), (tensor, blame, tail) = weights[proj], _judged(lay, module, e, mod, proj)
             judge(run, c, inv, fmt, (layer, e, mod), tensor, gemm.errors(f"{module}.{e}.{mod}", w, per[mod], fmt),
-                  blame, f"expert {e} {mod} ({fmt.name}) y = x @ W^T vs the BF16 source ({what})", tail)
+                  blame, f"expert {e} {mod} ({fmt.name}) y = x @ W^T vs the source ({what})", tail)
             mods[proj] = per[mod]
         layer_src.append({p: weights[p][0] for p in CANONICAL})
         layer_q.append({p: mods[p] for p in CANONICAL})
