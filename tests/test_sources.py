@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -179,6 +180,22 @@ def test_dequantize_fp8_where_it_does_not_apply_is_refused(sources, tmp_path, sr
     with pytest.raises(UsageError, match=why):
         _convert(root, tmp_path / "o", scheme=scheme, dequantize_fp8=True)
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("qc, says", [({"quant_method": "FP8", "weight_block_size": [128, 128]}, "quant_method is 'FP8'"),
+                                      (None, "no quantization_config")])
+def test_quantized_tensors_under_a_config_convert_does_not_read(sources, tmp_path, qc, says):
+    """FP8 tensors whose config.json does not say fp8 (another spelling, or none): refused, the
+    message saying what the config declares rather than only that scales are unexpected."""
+    src = tmp_path / "src"
+    shutil.copytree(sources["ds"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("quantization_config")
+    if qc is not None:
+        cfg["quantization_config"] = qc
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=says):
+        _convert(src, tmp_path / "o")
 
 
 # ------------------------------------------------------------------------------ MXFP4 (gpt-oss)

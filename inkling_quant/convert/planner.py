@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import hub
-from ..errors import CheckpointError, ConfigError, FormatError, UsageError
+from ..errors import CheckpointError, ConfigError, FormatError, UsageError, short_repr
 from ..export import INKLING, Copy, OutputForm, Writing
 from ..export.inkling import projection_specs
 from ..formats import FORMATS, SCALE_SUFFIXES, get_format
@@ -303,13 +303,23 @@ def _check_unlisted(cfg: MoEConfig, rec: TensorName, path: str) -> None:
         return
     if rec.suffix in SCALE_SUFFIXES:
         raise CheckpointError(f"tensor {rec.name!r}: the source is already quantized; convert takes BF16/FP16/FP32 "
-                              f"checkpoints of this family", path=path, tensor=rec.name)
+                              f"checkpoints of this family{_quant_hint(cfg)}", path=path, tensor=rec.name)
     if rec.suffix != "weight":
         raise CheckpointError(f"tensor {rec.name!r}: a routed expert's {rec.suffix}: convert takes routed experts "
-                              f"with weights only (as the family's transformers model holds them)", path=path,
-                              tensor=rec.name)
+                              f"with weights only (as the family's transformers model holds them)"
+                              f"{_quant_hint(cfg)}", path=path, tensor=rec.name)
     raise CheckpointError(f"tensor {rec.name!r}: expert {rec.expert}, config.json has {cfg.num_experts}", path=path,
                           tensor=rec.name)
+
+
+def _quant_hint(cfg: MoEConfig) -> str:
+    """What config.json says of a quantized source convert did not recognise (model/sources.py
+    reads quant_method 'fp8' with [128, 128] blocks and 'mxfp4', exactly as their writers spell them)."""
+    q = cfg.raw.get("quantization_config") if isinstance(cfg.raw, dict) else None
+    if not isinstance(q, dict):
+        return "; config.json has no quantization_config that says how"
+    return (f"; config.json's quantization_config.quant_method is {short_repr(q.get('quant_method'))}, not one "
+            f"convert reads ('fp8' with [128, 128] blocks, 'mxfp4')")
 
 
 def _more(names: list[str]) -> str:
