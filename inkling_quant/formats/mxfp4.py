@@ -143,9 +143,10 @@ class MXFP4(Format):
             raise FormatError(f"{_where(sname)}{int(bad.sum())} e8m0 scale(s) are 255 (NaN), the first at block {at}",
                               tensor=sname or None)
         amax = self.amax(tensors)
-        if not bool(torch.isfinite(amax)):
-            raise FormatError(f"{_where(name)}dequantizes past the fp32 range (an e8m0 scale too large)",
-                              tensor=name or None)
+        if not bool(torch.isfinite(amax)):  # the scale is at fault: named as the 255 case is
+            sname = (names or {}).get("weight_scale") or name
+            raise FormatError(f"{_where(sname)}dequantizes past the fp32 range (an e8m0 scale too large)",
+                              tensor=sname or None)
         return amax
 
     def quantize(self, weight, *, global_amax=None, input_amax=None, name: str = "", encoder: str = "modelopt"):
