@@ -332,7 +332,7 @@ def test_expert_tensors_of_the_wrong_dtype_named_in_the_sources_terms(sources, t
     weight without its scale, or MXFP4 outside the experts: named, in the source format's terms
     (not "convert takes BF16/FP16/FP32", which a BF16 weight beside its scale would contradict)."""
     e = "model.layers.1.mlp.experts.2.up_proj.weight"
-    b, s = "model.layers.0.mlp.experts.gate_up_proj_blocks", "model.layers.0.mlp.experts.gate_up_proj_scales"
+    s = "model.layers.0.mlp.experts.gate_up_proj_scales"
 
     def attn_mxfp4(sd):
         sd.pop("model.layers.0.self_attn.q_proj.weight")
