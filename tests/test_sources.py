@@ -198,6 +198,19 @@ def test_quantized_tensors_under_a_config_convert_does_not_read(sources, tmp_pat
         _convert(src, tmp_path / "o")
 
 
+def test_bf16_experts_under_an_mxfp4_config_say_so(sources, tmp_path):
+    """gpt-oss BF16 experts (`gate_up_proj`) under the MXFP4 release's config: refused, saying
+    the config describes them stored quantized (not an expert count that reads 'expert None')."""
+    src = tmp_path / "src"
+    shutil.copytree(sources["root"] / "go-bf16", src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = json.loads((sources["go"] / "config.json").read_text())["quantization_config"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="quant_method 'mxfp4'") as err:
+        _convert(src, tmp_path / "o")
+    assert "None" not in str(err.value)
+
+
 # ------------------------------------------------------------------------------ MXFP4 (gpt-oss)
 def test_gpt_oss_mxfp4_to_nvfp4_is_modelopts_lossless_cast(sources, tmp_path):
     """Each expert's gate/up (interleaved rows) and down: ModelOpt 0.47's

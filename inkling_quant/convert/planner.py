@@ -308,6 +308,9 @@ def _check_unlisted(cfg: MoEConfig, rec: TensorName, path: str) -> None:
         raise CheckpointError(f"tensor {rec.name!r}: a routed expert's {rec.suffix}: convert takes routed experts "
                               f"with weights only (as the family's transformers model holds them)"
                               f"{_quant_hint(cfg)}", path=path, tensor=rec.name)
+    if rec.expert is None:  # a stacked experts tensor where the config's layout stores them otherwise
+        raise CheckpointError(f"tensor {rec.name!r}: routed experts stored as this config does not describe"
+                              f"{_quant_hint(cfg)}", path=path, tensor=rec.name)
     raise CheckpointError(f"tensor {rec.name!r}: expert {rec.expert}, config.json has {cfg.num_experts}", path=path,
                           tensor=rec.name)
 
@@ -318,7 +321,10 @@ def _quant_hint(cfg: MoEConfig) -> str:
     q = cfg.raw.get("quantization_config") if isinstance(cfg.raw, dict) else None
     if not isinstance(q, dict):
         return "; config.json has no quantization_config that says how"
-    return (f"; config.json's quantization_config.quant_method is {short_repr(q.get('quant_method'))}, not one "
+    method = q.get("quant_method")
+    if method in ("fp8", "mxfp4"):
+        return f"; config.json's quantization_config (quant_method {method!r}) says its weights are stored quantized"
+    return (f"; config.json's quantization_config.quant_method is {short_repr(method)}, not one "
             f"convert reads ('fp8' with [128, 128] blocks, 'mxfp4')")
 
 
