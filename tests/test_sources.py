@@ -171,6 +171,81 @@ def test_scheme_none_copies_a_quantized_source(sources, tmp_path):
     assert cfg["quantization_config"] == json.loads((sources["qw"] / "config.json").read_text())["quantization_config"]
 
 
+# ------------------------------------------------------------------------------ verify of a --scheme none copy
+def _patch(ckpt: Path, tensor: str, at: int, value: bytes) -> None:
+    """Overwrite bytes `at` of `tensor` in its shard in place (header untouched), and drop
+    checksums.sha256 so only the value and passthrough checks can see it."""
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    path = ckpt / index["weight_map"][tensor]
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    begin = 8 + n + json.loads(raw[8:8 + n])[tensor]["data_offsets"][0]
+    raw[begin + at:begin + at + len(value)] = value
+    path.write_bytes(bytes(raw))
+    (ckpt / "checksums.sha256").unlink(missing_ok=True)
+
+
+def _failed(report, tensor: str) -> set[str]:
+    """The checks whose problems name `tensor`."""
+    return {c.id for c in report.checks for p in c.problems if p.tensor == tensor}
+
+
+@pytest.fixture(scope="module")
+def copies(sources, tmp_path_factory):
+    root = tmp_path_factory.mktemp("copies")
+    for k in ("ds", "qw", "go"):
+        _convert(sources[k], root / k, scheme="none")
+    return root
+
+
+@pytest.mark.parametrize("src", ["ds", "qw", "go"])
+def test_verify_passes_a_scheme_none_copy(sources, copies, src):
+    """A --scheme none copy of an FP8 or MXFP4 source is checked as that source: its tensors as
+    convert accepts them, the source format's value rules, every byte the source's (--against);
+    no numerics (nothing quantized by convert)."""
+    for kw in ({}, {"scheme": "none"}, {"against": sources[src]}, {"against": sources[src], "scheme": "none"}):
+        r = verify(copies / src, **kw)
+        assert r.exit_code == 0, (kw, [(c.id, c.problems[:2]) for c in r.failures()])
+        assert r.check("layout").figures["stored_as"] and r.check("config").figures["stored_as"]
+    assert r.check("numerics").status == "skip" and "stored as the source" in r.check("numerics").message
+    pt = r.check("passthrough").figures
+    assert pt["tensors_compared"] == len(load_file(sources[src] / "model.safetensors"))
+    assert verify(copies / src, scheme="nvfp4").exit_code == 1
+
+
+@pytest.mark.parametrize("src, tensor, at, value", [
+    ("ds", "model.layers.1.mlp.experts.0.gate_proj.weight", 5, b"\x7f"),          # NaN e4m3 byte
+    ("ds", "model.layers.1.self_attn.o_proj.weight", 0, b"\xff"),                # -NaN
+    ("ds", "model.layers.1.mlp.experts.0.down_proj.weight_scale_inv", 0, bytes(4)),        # scale 0 (fp32)
+    ("ds", "model.layers.0.self_attn.q_a_proj.weight_scale_inv", 0, b"\x00\x00\xc0\x7f"),  # NaN scale
+    ("qw", "model.layers.1.self_attn.q_proj.weight_scale_inv", 0, bytes(2)),      # scale 0 (bf16)
+    ("go", "model.layers.1.mlp.experts.gate_up_proj_scales", 3, b"\xff")])       # e8m0 NaN
+def test_verify_fails_a_damaged_copy_naming_the_tensor(sources, copies, tmp_path, src, tensor, at, value):
+    ckpt = tmp_path / "c"
+    shutil.copytree(copies / src, ckpt)
+    _patch(ckpt, tensor, at, value)
+    for kw in ({}, {"against": sources[src]}):
+        r = verify(ckpt, **kw)
+        assert r.exit_code == 1 and any(i.startswith("values[") for i in _failed(r, tensor)), kw
+
+
+@pytest.mark.parametrize("src, tensor", [("ds", "model.layers.1.mlp.experts.0.gate_proj.weight"),
+                                         ("ds", "model.layers.0.mlp.down_proj.weight_scale_inv"),
+                                         ("qw", "model.layers.1.mlp.experts.0.up_proj.weight_scale_inv"),
+                                         ("go", "model.layers.0.mlp.experts.down_proj_blocks"),
+                                         ("go", "model.layers.0.self_attn.q_proj.weight")])
+def test_verify_against_fails_a_changed_byte_of_a_copy(sources, copies, tmp_path, src, tensor):
+    """A byte changed to another valid value (no value rule sees it): passthrough names the tensor."""
+    ckpt = tmp_path / "c"
+    shutil.copytree(copies / src, ckpt)
+    first = int(load_file(copies / src / "model-00001-of-00001.safetensors")[tensor].contiguous().view(torch.uint8)
+                .reshape(-1)[0])  # the lowest mantissa bit of a float, no e4m3 NaN
+    _patch(ckpt, tensor, 0, bytes([first ^ (1 if (first ^ 1) & 0x7F != 0x7F else 2)]))
+    assert verify(ckpt).exit_code == 0
+    r = verify(ckpt, against=sources[src])
+    assert r.exit_code == 1 and _failed(r, tensor) == {"passthrough"}
+
+
 @pytest.mark.parametrize("src, scheme, why", [("ds", "none", "copied as it is"),
                                               ("go", "default", "holds no FP8 block-scaled weights"),
                                               ("ds-bf16", "default", "float weights")])

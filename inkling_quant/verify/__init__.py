@@ -9,7 +9,9 @@ The check a CI job runs after `inkling-quant convert`. Checks (docs/ci.md has th
                exclude_modules, group sizes, activation scale presence)
   layout       every tensor the layout and the quantization config require, with its dtype and
                shape; no other (Inkling 2: its strict spec; other families: the layout detected
-               from the names, routed experts in the format their tensors or config declare)
+               from the names, routed experts in the format their tensors or config declare; a
+               checkpoint whose config.json is an FP8/MXFP4 source's, a --scheme none copy: as
+               convert accepts such a source, and with --against exactly its tensors)
   values[F]    no NaN/Inf in shard F; scales finite and positive; e8m0 exponents not 0xFF
   gate_up      (ModelOpt's per-expert form) gate and up of each NVFP4 expert share weight_scale_2
   checksums    checksums.sha256 matches the bytes (hashed in the same single read as `values`);
@@ -123,12 +125,15 @@ def _run_checks(run: Recorder, o: _Options) -> None:
     source = structure.check_source(run, src_root, conf) if src_root else None    # source
     expected = experts.check_layout(run, files, conf, source)                     # layout
     inv = Inventory(o.root, files, conf, source, expected)
-    config.check_config(run, conf, expected.weight_only, experts.quantized_layers(expected),
-                        experts.tensor_namer(expected), experts.unquantized(expected))  # config (2/2)
+    if expected.stored_as is not None:  # stored as a quantized source (a --scheme none copy)
+        config.check_source_config(run, conf)                                     # config (2/2)
+    else:
+        config.check_config(run, conf, expected.weight_only, experts.quantized_layers(expected),
+                            experts.tensor_namer(expected), experts.unquantized(expected))  # config (2/2)
     # the single read of every file: sha256 + each tensor's bytes through the visitors
     tally, scales = Tally(), values.GateUpScales()
     passthrough = numerics.Passthrough.start(run, inv)                            # passthrough
-    visitors = [tally, values.ValueRules(encoding.encoder_of(inv)), scales] + ([passthrough] if passthrough else [])
+    visitors = [tally, values.ValueRules(encoding.encoder_of(inv), values.source_rules(inv)), scales] + ([passthrough] if passthrough else [])
     digests = stream.read_all(run, inv, integrity.files_to_hash(inv, o.write_checksums), visitors,
                               o.progress)                                         # values[F], read
     values.check_gate_up(run, inv, scales)                                        # gate_up

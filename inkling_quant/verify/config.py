@@ -7,11 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ..errors import InklingQuantError, UsageError
+from ..errors import ConfigError, InklingQuantError, UsageError
 from ..export.modelopt import MIXED_PRECISION, modelopt_quantization_config, quantization_problems
 from ..io.checkpoint import HF_QUANT_CONFIG as QUANT_CONFIG
 from ..model.inkling2 import experts_module, modelopt_experts_module
 from ..model.layout import model_config
+from ..model.sources import source_quant
 from ..schemes import SCHEMES, from_record, get_scheme
 from ..model.tensors import TensorName
 from .inventory import UNQUANTIZED, Conf, converter_of, load_json
@@ -52,8 +53,8 @@ def _parse(c: Check, root: Path, config: dict, scheme_arg: str | None) -> Conf:
             scheme = get_scheme(scheme_arg)
         elif recorded is not None:  # what the converter recorded: a built-in's name or a user scheme's rules
             scheme = from_record(recorded, str(qpath))
-        else:
-            quantized = "quantization_config" in config or hf_quant is not None
+        else:  # a quantization config of a source's format: stored as the source is (a --scheme none copy)
+            quantized = ("quantization_config" in config and not _source_format(c, config, path)) or hf_quant is not None
             scheme = SCHEMES["default" if quantized else UNQUANTIZED]
     except UsageError as e:
         c.fail(qpath if scheme_arg is None else scheme_arg, None, f"{e.message}; pass --scheme")
@@ -62,6 +63,16 @@ def _parse(c: Check, root: Path, config: dict, scheme_arg: str | None) -> Conf:
         if scheme_arg is not None and recorded is not None and recorded != scheme.record():
             c.figures["converter_scheme"] = recorded if isinstance(recorded, str) else recorded.get("name")
     return Conf(root, config, cfg, hf_quant, scheme, given)
+
+
+def _source_format(c: Check, config: dict, path: Path) -> bool:
+    """Whether config.json's quantization_config is a source's (FP8 block-scaled, MXFP4); an FP8
+    one convert does not read counts as one, its problem recorded in `c`."""
+    try:
+        return source_quant(config, str(path)) is not None
+    except ConfigError as e:
+        c.fail(e.path or path, None, e.message)
+        return True
 
 
 # ============================================================================ against the tensors
@@ -80,6 +91,29 @@ def check_config(run: Recorder, conf: Conf, weight_only: bool, want: dict[str, d
         c.figures["tensors"] = "not compared (the layout check could not list them)"
         return
     run.guard(c, _check, c, conf, weight_only, (want, list(unquantized)), tensor_of or named_tensor)
+
+
+def check_source_config(run: Recorder, conf: Conf) -> None:
+    """The second half of the `config` check for a checkpoint stored in a source's format (a
+    `--scheme none` copy of an FP8 or MXFP4 source, as the layout check found): its
+    quantization_config is one convert reads as a source (model.sources.source_quant), there is
+    no hf_quant_config.json (that describes ModelOpt's formats), and the scheme, given, is none."""
+    c = run.report.check("config")
+    if not conf.usable or c.status == ERROR:
+        return
+    path = conf.root / "config.json"
+    try:
+        q = source_quant(conf.config, str(path))
+    except ConfigError as e:
+        c.fail(e.path or path, None, e.message)
+        return
+    c.figures["stored_as"] = q.describe()
+    if conf.hf_quant is not None:
+        c.fail(conf.root / QUANT_CONFIG, None, f"present, but the tensors are stored as a quantized source stores them "
+               f"({q.describe()}), not in ModelOpt's formats")
+    if conf.scheme.name != UNQUANTIZED:
+        c.fail(path, None, f"the tensors are stored as a quantized source stores them ({q.describe()}): a copy "
+               f"(scheme {UNQUANTIZED!r}); scheme {conf.scheme.name!r} prescribes converted experts")
 
 
 def _check(c: Check, conf: Conf, weight_only: bool, tensors: tuple[dict[str, dict], list[str]],

@@ -44,7 +44,7 @@ from ..model.tensors import TensorName, TensorSpec
 from .inventory import (CHECKED, DISAGREES, FAILED, SKIPPED, Conf, Expected, Files, Inventory, Shape, Source,
                         config_shape, listing, weight_only_vote)
 from .encoding import read_stacked_expert
-from .sources import kept_modules, read_weight, stored_shapes
+from .sources import copy_expected, kept_modules, read_weight, stored_as, stored_shapes
 from .numerics import Gemm, moe_figures, judge, layer_figures, module_tensors, sample_experts, start, stored_ok
 from .report import Check, Recorder
 from .stream import torch_threads
@@ -78,6 +78,11 @@ def check_layout(run: Recorder, files: Files, conf: Conf, source: Source | None)
 
 
 def _check(c: Check, files: Files, conf: Conf, source: Source | None) -> Expected:
+    if stored_as(conf) is not None:  # stored as a quantized source stores it (a --scheme none copy)
+        expected = copy_expected(c, files, conf, source)
+        if expected.status == CHECKED:
+            compare(c, files, conf, expected, lambda n: "the source has no such tensor (a copy holds exactly its tensors)")
+        return expected
     spec = None
     if conf.strict:  # Inkling 2: its strict spec but the routed experts
         spec = _spec(c, files, conf)

@@ -167,6 +167,9 @@ class Expected:
     # name; ModelOpt's FP8_PB_WO), or dequantized (output weight -> the source format it was stored in)
     kept_modules: dict[str, str] = field(default_factory=dict)
     dequantized: dict[str, str] = field(default_factory=dict)
+    # the checkpoint is itself stored in a source's format (a `--scheme none` copy of an FP8 or MXFP4
+    # source): that format's name (formats.SOURCE_FORMATS); `layout.source` says how it names its tensors
+    stored_as: str | None = None
 
 
 @dataclass(frozen=True)

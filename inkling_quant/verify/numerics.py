@@ -100,13 +100,28 @@ class Passthrough:
         """A quantized tensor the source holds as it is (same name, dtype and shape, a quantized
         dtype: the MXFP8 release's experts kept MXFP8) must be its bytes, not a re-encoding. A source
         stored in a source-only format (FP8 block, MXFP4) keeps nothing here: its e4m3 bytes under
-        another format's name are requantized (its kept modules are verify/sources.py's)."""
+        another format's name are requantized (its kept modules are verify/sources.py's); unless the
+        checkpoint is itself stored so (a copy: `Expected.stored_as`), when each of its tensors in
+        that format is the source's tensor of the same name, dtype and shape, byte for byte."""
+        if self.inv.expected.stored_as is not None and seen.fmt == self.inv.expected.stored_as:
+            return self._copied(seen)
         quant = self.inv.source.layout.source if self.inv.source.layout is not None else None
         if quant is not None:
             return None
         src = self.inv.source.tensors.get(seen.name)
         if src is None or src.entry.dtype != seen.entry.dtype or tuple(src.entry.shape) != tuple(seen.entry.shape) \
                 or src.entry.dtype.is_floating_point and src.entry.dtype.itemsize > 1:
+            return None
+        self.check.figures["kept_quantized"] = self.check.figures.get("kept_quantized", 0) + 1
+        return _SameBytes(self, seen, src)
+
+    def _copied(self, seen: Seen) -> "_SameBytes | None":
+        """A tensor of a copy in the source's format: the source's of that name, dtype and shape."""
+        src = self.inv.source.tensors.get(seen.name)
+        if src is None or src.entry.dtype != seen.entry.dtype or tuple(src.entry.shape) != tuple(seen.entry.shape):
+            has = "no such tensor" if src is None else f"{DTYPE_NAMES[src.entry.dtype]} {list(src.entry.shape)}"
+            self.check.fail(seen.path, seen.name, f"is {DTYPE_NAMES[seen.entry.dtype]} {list(seen.entry.shape)}, the "
+                            f"source has {has}: a {seen.fmt} tensor copied from the source must be its bytes")
             return None
         self.check.figures["kept_quantized"] = self.check.figures.get("kept_quantized", 0) + 1
         return _SameBytes(self, seen, src)
@@ -214,6 +229,11 @@ def start(run: Recorder, inv: Inventory, device: str) -> "Gemm | None":
         return None
     if not inv.conf.usable or inv.expected.status == SKIPPED:
         run.new("numerics", "numerics", "sampled experts against the source").skip("no usable config")
+        return None
+    if inv.expected.stored_as is not None:
+        run.new("numerics", "numerics", "sampled experts against the source").skip(
+            f"the checkpoint is stored as the source stores it ({inv.expected.stored_as}): nothing quantized by "
+            f"convert to compare; `passthrough` holds every tensor to the source's bytes")
         return None
     from .. import kernels
 

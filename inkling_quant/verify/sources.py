@@ -6,6 +6,10 @@ weights read back exactly.
   (docs/convert.md): what the layout check expects of them, and what the `passthrough` check
   compares them with (the weight's bytes; the scale renamed and viewed; a dequantized weight's
   values);
+- `stored_as` / `copy_expected`: a checkpoint that is itself in a source's format (`convert
+  --scheme none` of an FP8 or MXFP4 source copies it as it is): its tensors validated as convert
+  validates a source (convert.planner.validate_source), and what the layout, config, values and
+  passthrough checks hold them to;
 - `source_weight`: a source's weight (an expert's, or one expert's slice of a stacked tensor) as
   fp32, its stored tensors dequantized exactly (model.sources names them, the source format
   decodes them): what `numerics[layer L]` compares a quantized expert with."""
@@ -15,10 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import InklingQuantError
+from ..errors import CheckpointError, InklingQuantError
 from ..export.modelopt import read_quantization
-from ..formats import Format, format_for_quant_algo, get_format
-from .inventory import Conf, Files, Shape, Source
+from ..formats import FORMATS, Format, format_for_quant_algo, get_format
+from ..io.safetensors import DTYPE_NAMES
+from ..model.sources import SourceQuant, source_quant
+from .inventory import CHECKED, FAILED, Conf, Expected, Files, Shape, Source, listing
+from .report import Check
 
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -85,6 +92,59 @@ def _kept_module(out: Kept, fmt: Format, weight: str, shape: tuple[int, ...]) ->
     return names
 
 
+
+
+# ============================================================================ a checkpoint in a source's format
+def stored_as(conf: Conf) -> SourceQuant | None:
+    """The source format the checkpoint's own config.json describes (model.sources.source_quant:
+    FP8 block-scaled or MXFP4), or None. ConfigError for an FP8 config convert does not read."""
+    return source_quant(conf.config, str(conf.root / "config.json")) if conf.config is not None else None
+
+
+def copy_expected(c: Check, files: Files, conf: Conf, source: Source | None) -> Expected:
+    """The `layout` check of a checkpoint stored in a source's format (a `--scheme none` copy):
+    its tensors are what convert accepts as such a source (convert.planner.validate_source: names,
+    dtypes, shapes, scale grids; the first problem fails it, naming the tensor), and with
+    --against exactly the source's tensors, each with the source's dtype and shape. Each stored
+    weight's tensors are expected in the source format, everything else passes through. The
+    caller compares the files with it."""
+    from ..convert.planner import validate_source  # the one validator of a quantized source's tensors
+    listed = {shard: {n: (DTYPE_NAMES[e.dtype], tuple(e.shape)) for n, e in h.tensors.items()}
+              for shard, h in files.headers.items()}
+    try:
+        _, lay = validate_source(conf.cfg, listed, str(conf.root))
+    except CheckpointError as e:
+        c.fail(e.path or listing(conf.root), e.tensor, f"{e.message} (stored as a quantized source: held to what "
+               f"convert accepts of one)")
+        return Expected(FAILED)
+    q = lay.source
+    held = source.tensors if source is not None and source.ok else files.tensors
+    tensors = {n: (tuple(w.entry.shape), w.entry.dtype) for n, w in held.items()}
+    fmt_of = {n: _copy_format(q, n, tensors) for n in tensors}
+    c.figures.update(detected=lay.describe(), stored_as=q.describe())
+    return Expected(CHECKED, False, tensors, fmt_of, layout=lay, stored_as=q.format)
+
+
+def _copy_format(q: SourceQuant, name: str, tensors: dict[str, Shape]) -> str:
+    """The format tensor `name` of a checkpoint in source format `q` is held to: the source format
+    for each stored weight's tensors (a weight quantized, with every companion present),
+    pass-through for the rest."""
+    own = q.owner(name)
+    weight = own[0] if own is not None else name
+    stored = q.stored(weight)
+    if name in stored.values() and all(n in tensors for n in stored.values()) \
+            and tensors[stored["weight"]][1] not in _FLOAT:
+        return q.format
+    return FORMATS["passthrough"].name
+
+
+def copy_value_rules(q: SourceQuant, name: str) -> set[str]:
+    """The value rules (formats.VALUE_RULES keys) the source format puts on stored tensor `name`
+    (its scale: finite and positive for FP8, e8m0 not 0xFF for MXFP4); a weight's own bytes are
+    held to its dtype's rule (no e4m3 NaN)."""
+    own = q.owner(name)
+    rule = get_format(q.format, source=True).value_rule(own[1] if own is not None else "weight")
+    return {rule} if rule is not None else set()
 
 
 # ============================================================================ a source's weights, exactly

@@ -30,12 +30,25 @@ class ValueRules:
     """The `values[F]` checks: each tensor's bytes against the rule its dtype and name give, and
     the encoder that wrote it (`encoder_of(t)`: "modelopt" or "release")."""
 
-    def __init__(self, encoder_of: Callable[[TensorName | None], str] = lambda t: "modelopt"):
-        self.encoder_of = encoder_of
+    def __init__(self, encoder_of: Callable[[TensorName | None], str] = lambda t: "modelopt",
+                 rules_of: Callable[[Seen], set[str] | None] | None = None):
+        self.encoder_of, self.rules_of = encoder_of, rules_of
 
     def visit(self, seen: Seen):
-        rule = _value_rule(seen.t, seen.entry, self.encoder_of(seen.t))
+        rules = self.rules_of(seen) if self.rules_of is not None else None
+        rule = _value_rule(seen.t, seen.entry, self.encoder_of(seen.t), rules)
         return None if rule is None else _RuleSink(seen, rule)
+
+
+def source_rules(inv: Inventory) -> Callable[[Seen], set[str] | None] | None:
+    """seen -> the value rules of a tensor stored in a source's format, for a checkpoint stored so
+    (a `--scheme none` copy: the source format's rules, sources.copy_value_rules); None for the
+    rest (their names decide). None for any other checkpoint."""
+    if inv.expected.stored_as is None:
+        return None
+    from .sources import copy_value_rules
+    fmt, q = inv.expected.stored_as, inv.expected.layout.source
+    return lambda seen: copy_value_rules(q, seen.name) if seen.fmt == fmt else None
 
 
 class _RuleSink:
@@ -82,12 +95,14 @@ class Rule(NamedTuple):
     bad: Callable[[memoryview], bool]       # bad(bytes of whole elements)
 
 
-def _value_rule(t: TensorName | None, entry: TensorEntry, encoder: str = "modelopt") -> Rule | None:
+def _value_rule(t: TensorName | None, entry: TensorEntry, encoder: str = "modelopt",
+                rules: set[str] | None = None) -> Rule | None:
     """The rule one tensor's bytes are held to: what the formats say of its name suffix (scales
-    finite and positive, e8m0 exponents not 0xFF), and for every float tensor no NaN/Inf, read
-    on the dtype's bits. Each test is one or two passes over the bytes with no per-element
+    finite and positive, e8m0 exponents not 0xFF; `rules`, where given, instead), and for every
+    float tensor no NaN/Inf, read on the dtype's bits. Each test is one or two passes over the bytes with no per-element
     Python (min/max propagate NaN and show Inf), ~1.5-3 GB/s on one core."""
-    rules = value_rules(t.suffix, encoder) if t is not None else set()
+    if rules is None:
+        rules = value_rules(t.suffix, encoder) if t is not None else set()
     dt = entry.dtype
     if dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         if "nonnegative" in rules:
