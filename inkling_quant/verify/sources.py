@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..convert.planner import validate_source  # the one validator of a quantized source's tensors
 from ..errors import CheckpointError, InklingQuantError
 from ..export.modelopt import read_quantization
 from ..formats import FORMATS, Format, format_for_quant_algo, get_format
@@ -108,7 +109,6 @@ def copy_expected(c: Check, files: Files, conf: Conf, source: Source | None) -> 
     --against exactly the source's tensors, each with the source's dtype and shape. Each stored
     weight's tensors are expected in the source format, everything else passes through. The
     caller compares the files with it."""
-    from ..convert.planner import validate_source  # the one validator of a quantized source's tensors
     listed = {shard: {n: (DTYPE_NAMES[e.dtype], tuple(e.shape)) for n, e in h.tensors.items()}
               for shard, h in files.headers.items()}
     try:
