@@ -32,6 +32,7 @@ from .io.output import CHECKSUMS, link_or_copy, staged_output, write_checksums
 from .io.safetensors import DTYPE_NAMES, ShardWriter, TensorBuffer, TensorEntry, sha256_file
 from .io.shards import ShardReaders, plan_shards
 from .model.inkling2 import TEXT_PREFIX, Inkling2Config, transformers_name
+from .model.layout import max_tensors
 from .model.tensors import TensorSpec
 
 QUANT_CONFIG = HF_QUANT_CONFIG
@@ -50,10 +51,10 @@ def open_source(src: str | Path) -> Source:
     """Open SRC, validate every shard header against the index and the draft against
     dspark_config; raise a clear error when there is no draft to work on."""
     ckpt = Checkpoint.open(src)
-    headers = ckpt.headers()
     config_path = safe_child(ckpt.root, "config.json")
     config = read_json(config_path, "config.json")
     cfg = Inkling2Config.from_dict(config, str(config_path))
+    headers = ckpt.headers(max_tensors(cfg))  # the config's bound, before any header's entries are built
     draft = [(s, e) for s in ckpt.shards for e in headers[s].tensors.values() if dspark.is_draft(e.name)]
     if cfg.draft is None:
         if draft:

@@ -1051,7 +1051,7 @@ def add_empty_tensors(ck: Path, n: int, listed: bool) -> None:
 
 
 @pytest.mark.parametrize("listed", [True, False], ids=["in-the-index", "header-only"])
-def test_header_of_empty_tensors_is_bounded(listed, src, converted, tmp_path):
+def test_header_of_empty_tensors_is_bounded(listed, src, cfg, converted, tmp_path):
     """Class 7: a shard whose header holds 100k zero-size tensors (an 8 MB file; the tiny config allows
     at most ~18k tensors, model.layout.max_tensors): verify, inspect and convert refuse it at the index
     or the header, naming the file, before an entry is built per tensor (400k of them took verify 17 s
@@ -1071,6 +1071,10 @@ def test_header_of_empty_tensors_is_bounded(listed, src, converted, tmp_path):
     c = _bounded(["convert", s, tmp_path / "conv", *AMAX])
     assert_refused(c, 2)
     assert refused in c.err, c.err
+    for argv in (["draft", "extract", s, tmp_path / "d"], ["lora", "check", s, write_adapter(tmp_path / "a", cfg)],
+                 ["verify", out, "--against", s, "--quiet"]):  # every reader of a checkpoint's headers
+        r = _bounded(argv)
+        assert r.rc in (1, 2) and refused in r.out + r.err, (argv, r.out, r.err)
 
 
 def test_tensor_bound_admits_the_published_model():

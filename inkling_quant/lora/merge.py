@@ -22,7 +22,7 @@ from ..io.safetensors import Header, ShardReader, TensorEntry
 from ..io.shards import ShardReaders
 from ..model.families import INKLING2
 from ..model.inkling2 import Inkling2Config
-from ..model.layout import MoEConfig, model_config
+from ..model.layout import MoEConfig, max_tensors, model_config
 from .hf import HFNaming
 from .inkling import Inkling2Naming
 from .plan import Factors, finite_merge, plan_targets, sliced_merge
@@ -74,7 +74,6 @@ def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0,
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     ckpt = Checkpoint.open(ckpt_dir)
-    headers = ckpt.headers()
     config_path = safe_child(ckpt.root, "config.json")
     config = read_json(config_path, "config.json")
     quantized = source_quant(config, str(config_path))
@@ -84,6 +83,7 @@ def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0,
                          f"first (`inkling-quant convert --dequantize-fp8` writes its attention BF16) and merge into "
                          f"the converted checkpoint", path=config_path)
     cfg = model_config(config, str(config_path))
+    headers = ckpt.headers(max_tensors(cfg))  # the config's bound, before any header's entries are built
     naming = NAMINGS[cfg.family](cfg, ckpt.weight_map) if cfg.family in NAMINGS else \
         HFNaming(cfg, ckpt.weight_map, headers, str(ckpt.root))
     adapter = open_adapter(adapter_spec)

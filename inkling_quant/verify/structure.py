@@ -300,7 +300,7 @@ def _source_layout(c: Check, root: Path, conf: Conf, tensors: dict[str, Located]
 
 def _open_source(c: Check, root: Path) -> tuple[dict[str, Header], dict[str, Located]] | None:
     try:
-        hs = Checkpoint.open(root).headers()
+        hs = Checkpoint.open(root).headers(tensor_bound(root))
     except InklingQuantError as e:
         c.error(root, f"source cannot be read: {e}")
         return None
