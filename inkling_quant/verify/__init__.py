@@ -133,7 +133,8 @@ def _run_checks(run: Recorder, o: _Options) -> None:
     # the single read of every file: sha256 + each tensor's bytes through the visitors
     tally, scales = Tally(), values.GateUpScales()
     passthrough = numerics.Passthrough.start(run, inv)                            # passthrough
-    visitors = [tally, values.ValueRules(encoding.encoder_of(inv), values.source_rules(inv)), scales] + ([passthrough] if passthrough else [])
+    rules = values.ValueRules(encoding.encoder_of(inv), values.source_rules(inv))
+    visitors = [tally, rules, scales] + ([passthrough] if passthrough else [])
     digests = stream.read_all(run, inv, integrity.files_to_hash(inv, o.write_checksums), visitors,
                               o.progress)                                         # values[F], read
     values.check_gate_up(run, inv, scales)                                        # gate_up

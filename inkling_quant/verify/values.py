@@ -20,6 +20,7 @@ from ..model.layout import CANONICAL
 from ..model.tensors import TensorName
 from .inventory import Inventory
 from .report import Recorder
+from .sources import copy_value_rules
 from .stream import Seen
 
 SLICE = 2 << 20            # value checks run on cache-sized slices of a chunk
@@ -46,7 +47,6 @@ def source_rules(inv: Inventory) -> Callable[[Seen], set[str] | None] | None:
     rest (their names decide). None for any other checkpoint."""
     if inv.expected.stored_as is None:
         return None
-    from .sources import copy_value_rules
     fmt, q = inv.expected.stored_as, inv.expected.layout.source
     return lambda seen: copy_value_rules(q, seen.name) if seen.fmt == fmt else None
 
