@@ -343,9 +343,7 @@ def _per_expert_unit(u: Unit, sources: ShardReaders, device: str, counts: dict[s
                 out = fmt.quantize(w, global_amax=global_amax, input_amax=ia, encoder=u.encoder)
             except FormatError as e:
                 raise FormatError(f"tensor {src.name!r}: {e.message}", path=path, tensor=src.name) from None
-            problem = fmt.magnitude_problem({k: t.cpu() for k, t in out.items()}, w.cpu())
-            if problem is not None:
-                raise FormatError(f"tensor {src.name!r}: {problem}", path=path, tensor=src.name)
+            _refuse_too_small(fmt, {k: t.cpu() for k, t in out.items()}, w.cpu(), path, src.name)
             # the format's own tensors: what a per-module (ModelOpt) form names; an encoder's extra
             # (the release rule's weight_amax) is for the stacked form, and weight_scale_2 carries it here
             outputs += [(fmt.tensor_name(src.name, suffix), t.cpu() if device != "cpu" else t, True)
@@ -382,9 +380,7 @@ def _requantize_expert(u: Unit, fmt, ts: list[torch.Tensor], path_of: dict, devi
             out = fmt.requantize(st, src, global_amax=g, input_amax=ia, encoder=u.encoder, name=w.name)
         except FormatError as e:
             raise FormatError(f"tensor {w.name!r}: {e.message}", path=path_of[w.name], tensor=w.name) from None
-        problem = fmt.magnitude_problem(out, None)  # from stored bytes: only the scales are asked
-        if problem is not None:
-            raise FormatError(f"tensor {w.name!r}: {problem}", path=path_of[w.name], tensor=w.name)
+        _refuse_too_small(fmt, out, None, path_of[w.name], w.name)  # from stored bytes: only the scales are asked
         outputs += [(fmt.tensor_name(w.name, k), t.cpu(), True) for k, t in out.items() if k in fmt.suffixes]
         _count(counts, u.format)
     if progress is not None:
@@ -402,10 +398,17 @@ def _check_magnitude(u: Unit, fmt, q: dict[str, torch.Tensor], slab: torch.Tenso
         parts = [({k: v if v.dim() < 2 else u.storage.split_gate_up(v, width)[i] for k, v in q.items()},
                   u.storage.split_gate_up(slab, width)[i]) for i in (0, 1)]
     for i, (tensors, weight) in enumerate(parts):
-        problem = fmt.magnitude_problem(tensors, weight)
-        if problem is not None:
-            what = "" if len(parts) == 1 else ("gate: ", "up: ")[i]
-            raise FormatError(f"{where}: {what}{problem}", path=path, tensor=u.sources[0].name)
+        _refuse_too_small(fmt, tensors, weight, path, u.sources[0].name,
+                          where if len(parts) == 1 else f"{where}: {('gate', 'up')[i]}")
+
+
+def _refuse_too_small(fmt, q: dict[str, torch.Tensor], weight: torch.Tensor | None, path, name: str,
+                      where: str | None = None) -> None:
+    """FormatError naming `name` (after `where`, by default the tensor) when `q`, the format's
+    encoding of `weight`, would fail verify for its magnitude alone (`Format.magnitude_problem`)."""
+    problem = fmt.magnitude_problem(q, weight)
+    if problem is not None:
+        raise FormatError(f"{where or f'tensor {name!r}'}: {problem}", path=path, tensor=name)
 
 
 def _check_stored(fmt, stored: dict[str, torch.Tensor], path, name: str, e: int) -> None:

@@ -110,6 +110,12 @@ def tile_max(w: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+def _tile_amax(tm: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Each tile's max |value| from its largest magnitude byte (`tile_max`) and its scale s:
+    exact, since a positive scale keeps the bytes' order."""
+    return _E4M3_VALUES.to(s.device)[tm.long().to(s.device)] * s
+
+
 def has_nan_byte(w: torch.Tensor) -> bool:
     """Whether e4m3 bytes hold a NaN (0x7F / 0xFF; e4m3fn has no Inf): one compiled pass on CPU
     (what a converter copying FP8 bytes as they are checks them for)."""
@@ -200,7 +206,7 @@ class FP8Block(Format):
         if w.numel() == 0:
             return torch.zeros((), dtype=torch.float32)
         s = s.to(w.device).abs()
-        per_tile = _E4M3_VALUES.to(w.device)[tile_max(w).long()] * s
+        per_tile = _tile_amax(tile_max(w), s)
         if bool(torch.isinf(s).any()):  # a zero in a tile of infinite scale is 0 x Inf = NaN
             zero = _tiles(w.view(torch.uint8) & 0x7F, fill=0x7E).amin(dim=(-3, -1)) == 0
             per_tile = torch.where(zero & torch.isinf(s), torch.full_like(s, float("nan")), per_tile)
@@ -228,7 +234,7 @@ class FP8Block(Format):
                               f"reciprocal, the first {float(s[at]):g} at tile {at}", tensor=sname or None)
         if tm is None:
             return torch.zeros((), dtype=torch.float32)
-        amax = (_E4M3_VALUES.to(w.device)[tm.long()] * s.to(w.device)).amax()
+        amax = _tile_amax(tm, s.to(w.device)).amax()
         if not bool(torch.isfinite(amax)):
             raise FormatError(f"{_where(name)}dequantizes past the fp32 range (a scale too large)",
                               tensor=name or None)
