@@ -262,13 +262,12 @@ def test_dequantize_fp8_where_it_does_not_apply_is_refused(sources, tmp_path, sr
 def test_quantized_tensors_under_a_config_convert_does_not_read(sources, tmp_path, qc, says):
     """FP8 tensors whose config.json does not say fp8 (another spelling, or none): refused, the
     message saying what the config declares rather than only that scales are unexpected."""
-    src = tmp_path / "src"
-    shutil.copytree(sources["ds"], src)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.pop("quantization_config")
-    if qc is not None:
-        cfg["quantization_config"] = qc
-    (src / "config.json").write_text(json.dumps(cfg))
+    def edit(cfg):
+        cfg.pop("quantization_config")
+        if qc is not None:
+            cfg["quantization_config"] = qc
+
+    src = _with_config(sources["ds"], tmp_path / "src", edit)
     with pytest.raises(CheckpointError, match=says):
         _convert(src, tmp_path / "o")
 
@@ -276,11 +275,9 @@ def test_quantized_tensors_under_a_config_convert_does_not_read(sources, tmp_pat
 def test_bf16_experts_under_an_mxfp4_config_say_so(sources, tmp_path):
     """gpt-oss BF16 experts (`gate_up_proj`) under the MXFP4 release's config: refused, saying
     the config describes them stored quantized (not an expert count that reads 'expert None')."""
-    src = tmp_path / "src"
-    shutil.copytree(sources["root"] / "go-bf16", src)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = json.loads((sources["go"] / "config.json").read_text())["quantization_config"]
-    (src / "config.json").write_text(json.dumps(cfg))
+    mxfp4 = json.loads((sources["go"] / "config.json").read_text())["quantization_config"]
+    src = _with_config(sources["root"] / "go-bf16", tmp_path / "src",
+                       lambda cfg: cfg.__setitem__("quantization_config", mxfp4))
     with pytest.raises(CheckpointError, match="quant_method 'mxfp4'") as err:
         _convert(src, tmp_path / "o")
     assert "None" not in str(err.value)
@@ -366,12 +363,20 @@ def test_gpt_oss_layout_bf16_and_mxfp4(sources, tmp_path):
 
 # ------------------------------------------------------------------------------ refusals
 def _tamper(src: Path, dst: Path, fn) -> Path:
-    import shutil
-
+    """A copy of checkpoint `src` at `dst` whose state dict `fn` edited in place."""
     shutil.copytree(src, dst)
     sd = load_file(dst / "model.safetensors")
     fn(sd)
     save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def _with_config(src: Path, dst: Path, fn) -> Path:
+    """A copy of checkpoint `src` at `dst` whose config.json `fn` edited in place."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    fn(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
     return dst
 
 
@@ -444,15 +449,9 @@ def test_expert_tensors_of_the_wrong_dtype_named_in_the_sources_terms(sources, t
 
 
 def test_fp8_configs_this_reader_does_not_take(sources, tmp_path):
-    import shutil
-
     for key, value, match in (("weight_block_size", [1, 128], "128x128 blocks only"),
                               ("activation_scheme", "static", "static")):
-        d = tmp_path / key
-        shutil.copytree(sources["qw"], d)
-        cfg = json.loads((d / "config.json").read_text())
-        cfg["quantization_config"][key] = value
-        (d / "config.json").write_text(json.dumps(cfg))
+        d = _with_config(sources["qw"], tmp_path / key, lambda cfg: cfg["quantization_config"].__setitem__(key, value))
         with pytest.raises(ConfigError, match=match) as e:
             _convert(d, tmp_path / f"o-{key}")
         assert str(e.value.path).endswith("config.json")
