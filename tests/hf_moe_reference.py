@@ -89,11 +89,13 @@ def text_layers(model: torch.nn.Module) -> int:
 
 
 def export(family: str, out: Path, source: Path, seed: int = 0, batches: int = 3, seq: int = 24,
-           reload: bool = False, max_shard_size: str | None = None) -> Path:
+           reload: bool = False, max_shard_size: str | None = None, mxfp8: str = "last") -> Path:
     """Save the BF16 model of `family` to `source` (save_pretrained) and ModelOpt's quantized
     export of it to `out`. `reload`: export the model as a user has it, loaded back from `source`
     by from_pretrained (which keeps DeepSeek-V3's e_score_correction_bias in FP32).
-    `max_shard_size`: both sharded (an index beside the shards), else one model.safetensors each."""
+    `max_shard_size`: both sharded (an index beside the shards), else one model.safetensors each.
+    `mxfp8`: which layers' routed experts are MXFP8, the rest NVFP4: "last" (the default
+    scheme's split here), "none" or "all" (one format: ModelOpt's one-format config)."""
     import transformers as T
 
     shards = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
@@ -105,5 +107,6 @@ def export(family: str, out: Path, source: Path, seed: int = 0, batches: int = 3
     g = torch.Generator().manual_seed(seed + 2)
     ids = [torch.randint(0, 90, (1, seq), generator=g) for _ in range(batches)]
     # routed experts only: `.experts.` (a shared_experts module is no match)
-    return quantize_and_export(model, quant_config([text_layers(model) - 1], "*layers.{i}.*.experts.*"), ids, out,
-                               **shards)
+    n = text_layers(model)
+    layers = {"last": [n - 1], "none": [], "all": list(range(n))}[mxfp8]
+    return quantize_and_export(model, quant_config(layers, "*layers.{i}.*.experts.*"), ids, out, **shards)

@@ -43,10 +43,12 @@ def quant_config(mxfp8_layers, experts: str = "*layers.{i}.mlp.experts*"):
     return cfg
 
 
-def export_tiny(out: Path, seed: int = 0, batches: int = 3, seq: int = 24, source: Path | None = None) -> Path:
-    """Quantize the tiny Inkling 2 with ModelOpt (NVFP4 experts, MXFP8 in the last layer) and
-    export it to `out` with `export_hf_checkpoint`; with `source`, the BF16 model is first saved
-    there by transformers' save_pretrained (the original layout our converter reads)."""
+def export_tiny(out: Path, seed: int = 0, batches: int = 3, seq: int = 24, source: Path | None = None,
+                mxfp8_last: bool = True) -> Path:
+    """Quantize the tiny Inkling 2 with ModelOpt (NVFP4 experts, MXFP8 in the last layer unless
+    not `mxfp8_last`) and export it to `out` with `export_hf_checkpoint`; with `source`, the BF16
+    model is first saved there by transformers' save_pretrained (the original layout our
+    converter reads)."""
     cfg = tiny_modelopt_config()
     torch.manual_seed(seed)
     model = inkling2.Inkling2ForConditionalGeneration._from_config(cfg, dtype=torch.bfloat16)
@@ -59,7 +61,8 @@ def export_tiny(out: Path, seed: int = 0, batches: int = 3, seq: int = 24, sourc
         copy.deepcopy(model).save_pretrained(source)  # then passes to Tensor.to ("Invalid device string")
     g = torch.Generator().manual_seed(seed + 1)
     ids = [torch.randint(0, cfg.text_config.unpadded_vocab_size - 2, (1, seq), generator=g) for _ in range(batches)]
-    return quantize_and_export(model, quant_config([cfg.text_config.num_hidden_layers - 1]), ids, out)
+    mxfp8 = [cfg.text_config.num_hidden_layers - 1] if mxfp8_last else []
+    return quantize_and_export(model, quant_config(mxfp8), ids, out)
 
 
 def quantize_and_export(model, config: dict, ids: list[torch.Tensor], out: Path, **export_args) -> Path:

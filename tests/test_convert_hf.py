@@ -58,6 +58,47 @@ def test_default_scheme_equals_modelopt_export(exported, tmp_path, family):
     assert report["activation_scales"]["calibrated"] > 0 and report["activation_scales"]["default"] == 0
 
 
+@pytest.mark.parametrize("family,scheme", [(f, "nvfp4") for f in FAMILIES] + [("deepseek_v3", "mxfp8")])
+def test_one_format_equals_modelopt_export(tmp_path, family, scheme):
+    """Every routed expert one format: ModelOpt writes its one-format configs (no quantized_layers;
+    the unquantized modules summarized as prefix wildcards, `ignore` in config.json; config_groups
+    targeting Linear for NVFP4, none for MXFP8) and ours equals them, tensors and both files."""
+    src = tmp_path / "src"
+    modelopt = export(family, tmp_path / "modelopt", src, mxfp8="all" if scheme == "mxfp8" else "none")
+    hq = json.loads((modelopt / "hf_quant_config.json").read_text())["quantization"]
+    assert hq["quant_algo"] == scheme.upper() and "quantized_layers" not in hq and hq["exclude_modules"]
+    out = tmp_path / "out"
+    scales = {"activation_scales": str(modelopt)} if scheme == "nvfp4" else {}  # MXFP8 has none
+    convert(str(src), out, Options(scheme=scheme, **scales), quiet=True)
+    _assert_equals_modelopt(out, modelopt)
+    assert main(["verify", str(out), "--against", str(src), "--quiet"]) == 0
+
+
+def test_exclusions_are_summarized_as_modelopt_does():
+    """export.modelopt.summarize_exclusions against nvidia-modelopt 0.47's own
+    `_prefix_wildcard_summarize_exclude_modules` on module lists of every shape it distinguishes:
+    a whole dense layer, a sibling prefix (layers.1 / layers.10), a module whose every prefix is
+    taken, nested experts, in shuffled orders."""
+    import random
+
+    from modelopt.torch.export.quant_utils import _prefix_wildcard_summarize_exclude_modules as theirs
+
+    from inkling_quant.export.modelopt import summarize_exclusions
+    rng = random.Random(0)
+    for trial in range(200):
+        n = rng.randint(1, 12)
+        quantized = {f"model.layers.{i}.mlp.experts" for i in range(n) if rng.random() < 0.6}
+        names = ["lm_head", "model.embed_tokens", "model.norm"]
+        for i in range(n):
+            names += [f"model.layers.{i}.self_attn.{p}" for p in ("q_proj", "k_proj", "o_proj")]
+            names += [f"model.layers.{i}.mlp.gate"] + ([] if f"model.layers.{i}.mlp.experts" in quantized else
+                                                      [f"model.layers.{i}.mlp.{p}" for p in ("up_proj", "down_proj")])
+            if rng.random() < 0.3:
+                names.append(f"model.layers.{i}.mlp.experts.shared")
+        rng.shuffle(names)
+        assert summarize_exclusions(names, quantized) == sorted(theirs(names, quantized)), (trial, names, quantized)
+
+
 def test_shared_experts_and_dense_layers_pass_through(exported, tmp_path):
     src, _ = exported["deepseek_v3"]
     out = tmp_path / "out"
@@ -101,13 +142,28 @@ def test_scheme_none_copies_every_tensor(exported, tmp_path):
 
 
 def test_a_users_scheme_file(exported, tmp_path):
+    """A scheme file quantizing layer 1's experts alone (MXFP8): one format, so ModelOpt's
+    one-format configs, with layers 0 and 2 (their experts too) among the exclusions; equal to
+    ModelOpt's own export of the same recipe, tensors and both files."""
+    import copy
+
+    from hf_moe_reference import build
+    from modelopt_reference import MXFP8_CFG, quantize_and_export
     src, _ = exported["mixtral"]
+    g = torch.Generator().manual_seed(2)
+    recipe = {"quant_cfg": [{"quantizer_name": "*", "enable": False}] + [
+        {"quantizer_name": f"*layers.1.*.experts.*{q}*", "cfg": MXFP8_CFG} for q in ("weight_quantizer", "input_quantizer")],
+        "algorithm": "max"}
+    modelopt = quantize_and_export(build("mixtral"), copy.deepcopy(recipe),
+                                   [torch.randint(0, 90, (1, 24), generator=g) for _ in range(3)], tmp_path / "modelopt")
     scheme = tmp_path / "mine.toml"
     scheme.write_text('[[rules]]\npart = "expert"\nlayers = "1"\nformat = "mxfp8"\n')
     out = tmp_path / "out"
     convert(str(src), out, Options(scheme=str(scheme)), quiet=True)
-    q = json.loads((out / "hf_quant_config.json").read_text())["quantization"]["quantized_layers"]
-    assert q == {"model.layers.1.block_sparse_moe.experts": {"quant_algo": "MXFP8", "group_size": 32}}
+    _assert_equals_modelopt(out, modelopt)
+    q = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert q["quant_algo"] == "MXFP8" and {"model.layers.0*", "model.layers.2*"} <= set(q["exclude_modules"])
+    assert main(["verify", str(out), "--quiet"]) == 0
     b = _tensors(out)
     assert b["model.layers.1.block_sparse_moe.experts.0.w1.weight"].dtype == torch.float8_e4m3fn
     assert b["model.layers.0.block_sparse_moe.experts.0.w1.weight"].dtype == torch.bfloat16

@@ -122,8 +122,121 @@ def test_quantization_config_names_each_layers_experts(pair):
     assert "model.llm.layers.*.attn*" in q["exclude_modules"]
     hq = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
     assert hq["quantized_layers"] == q["quantized_layers"]
+    assert hq["modelopt_quant_config"] == q["modelopt_quant_config"]
     cfg = Inkling2Config.load(out)  # the rest of config.json is the source's
     assert cfg == Inkling2Config.load(src)
+
+
+def _modelopt_preset(name: str) -> dict[str, dict]:
+    """nvidia-modelopt's own preset recipe `name`: its weight and input quantizers' attributes
+    (num_bits, block_sizes; None where the preset disables the quantizer)."""
+    from modelopt.torch.quantization import config as mtq_config
+    out = {}
+    for entry in getattr(mtq_config, name)["quant_cfg"]:
+        kind = {"*weight_quantizer": "weight", "*input_quantizer": "input"}.get(entry["quantizer_name"])
+        if kind is not None:
+            cfg = entry.get("cfg")
+            out[kind] = None if entry.get("enable") is False or cfg is None else \
+                {"num_bits": list(cfg["num_bits"]), "block_sizes": {str(k): list(v) if isinstance(v, tuple) else v
+                                                                  for k, v in cfg["block_sizes"].items()}}
+    return out
+
+
+def _resolved(quant_cfg: dict, module: str, kind: str) -> dict | None:
+    """ModelOpt's dict-form quant_cfg applied to one quantizer: the last wildcard matching its
+    name wins; only what a preset also holds (num_bits, block_sizes; None: disabled)."""
+    import fnmatch
+    got = None
+    for pattern, attrs in quant_cfg.items():
+        if fnmatch.fnmatchcase(f"{module}.{kind}_quantizer", pattern):
+            got = attrs
+    if got is None or got.get("enable") is False:
+        return None
+    return {"num_bits": got["num_bits"], "block_sizes": got["block_sizes"]}
+
+
+def test_the_recipe_gives_each_layer_modelopts_own_quantizers(pair):
+    """The inkling form's `modelopt_quant_config.quant_cfg` (the first Inkling generation's
+    schema, which SGLang 0.5.23's Inkling parser reads at `quant_cfg["*weight_quantizer"]`): each
+    layer's experts resolve to the quantizers of nvidia-modelopt's own NVFP4 / MXFP8 presets, and
+    the global weight quantizer is NVFP4 (e2m1 with e4m3 block scales: what that parser checks)."""
+    _, out, _ = pair
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]["modelopt_quant_config"]["quant_cfg"]
+    presets = {"nvfp4": _modelopt_preset("NVFP4_DEFAULT_CFG"), "mxfp8": _modelopt_preset("MXFP8_DEFAULT_CFG")}
+    for layer in range(LAYERS):
+        module = f"model.llm.layers.{layer}.mlp.experts"
+        for kind in ("weight", "input"):
+            assert _resolved(cfg, module, kind) == presets[expert_format(layer)][kind], (layer, kind)
+    top = cfg["*weight_quantizer"]
+    assert tuple(top["num_bits"]) == (2, 1) and tuple(top["block_sizes"]["scale_bits"]) == (4, 3)
+    assert "-2" not in top["block_sizes"]  # one scale per 16 along a row, not 2-D
+
+
+def test_one_format_is_written_in_modelopts_one_format_form(release, tmp_path):
+    """Every module MXFP8 (the MXFP8 release's form): the config is ModelOpt's one-format form,
+    as nvidia-modelopt's own `process_layer_quant_config` collapses identical entries (no
+    quantized_layers; quant_algo and group_size at the top), with the exclusions and the recipe;
+    SGLang 0.5.23's generic parser reads that as mxfp8, where it reads a MIXED_PRECISION config
+    with no NVFP4 layer as w4afp8. A weight-only NVFP4 conversion is W4A16_NVFP4 the same way,
+    its recipe's input quantizer off (nvidia-modelopt's W4A16_NVFP4_CFG). verify reads the encoder
+    from the one-format entry."""
+    from modelopt.torch.export.quant_utils import process_layer_quant_config
+    modules = [f"model.llm.layers.{i}.mlp.experts" for i in range(LAYERS)]
+    for out, kind in ((release, "mxfp8"), (tmp_path / "wo", "w4a16_nvfp4")):
+        if kind == "w4a16_nvfp4":
+            convert(release, out, Options(scheme="nvfp4", weight_only=True), quiet=True)
+        q = json.loads((out / "config.json").read_text())["quantization_config"]
+        block = 32 if kind == "mxfp8" else 16
+        ref = process_layer_quant_config({**{f"{m}.quantization": kind for m in modules},
+                                          **{f"{m}.awq_block_size": block for m in modules}})
+        assert "quantized_layers" not in q and "quantized_layers" not in ref
+        assert {k: q[k] for k in ref if k != "exclude_modules"} == {k: v for k, v in ref.items() if k != "exclude_modules"}
+        assert q["exclude_modules"] and "model.llm.layers.*.attn*" in q["exclude_modules"]
+        preset = _modelopt_preset("MXFP8_DEFAULT_CFG" if kind == "mxfp8" else "W4A16_NVFP4_CFG")
+        cfg = q["modelopt_quant_config"]["quant_cfg"]
+        assert {k: _resolved(cfg, modules[0], k) for k in ("weight", "input")} == \
+            {"weight": preset["weight"], "input": preset.get("input")}
+        hq = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+        assert {k: v for k, v in q.items() if k != "quant_method"} == hq
+    # the encoder is read from the one-format entry's keys, with no converter record to fall back on
+    import shutil
+
+    from inkling_quant.verify import verify
+    bare = tmp_path / "bare"
+    shutil.copytree(release, bare)
+    _rewrite_json(bare / "hf_quant_config.json", lambda h: h.pop("converter"))
+    enc = next(c for c in verify(bare, sample=1).checks if c.id == "encoder")
+    assert enc.status == "pass" and set(enc.figures["encoder"].values()) == {"mxfp8_nearest"}
+
+
+def test_verify_fails_a_recipe_that_disagrees_with_the_tensors(pair, tmp_path):
+    """A recipe whose wildcards give layer 5's MXFP8 experts NVFP4 quantizers (its override
+    dropped, in both files alike) fails verify's config check, naming a layer-5 tensor; a recipe
+    that is not an object of quantizer attributes fails too."""
+    import shutil
+
+    from inkling_quant.verify import verify
+    _, out, _ = pair
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    (bad / "checksums.sha256").unlink()
+
+    def drop(q):
+        cfg = q["modelopt_quant_config"]["quant_cfg"]
+        for k in [k for k in cfg if k.startswith("model.llm.layers.5.")]:
+            del cfg[k]
+    _rewrite_json(bad / "config.json", lambda c: drop(c["quantization_config"]))
+    _rewrite_json(bad / "hf_quant_config.json", lambda h: drop(h["quantization"]))
+    r = verify(bad, sample=0)
+    problems = next(c for c in r.checks if c.id == "config").problems
+    assert r.exit_code == 1 and len(problems) == 4  # weight and input quantizers, in both files
+    assert all("modelopt_quant_config.quant_cfg gives 'model.llm.layers.5.mlp.experts'" in p.message for p in problems)
+    assert problems[0].tensor.startswith("model.llm.layers.5.mlp.experts.w") and "MXFP8" in problems[0].message
+    for f, key in (("config.json", "quantization_config"), ("hf_quant_config.json", "quantization")):
+        _rewrite_json(bad / f, lambda c: c[key].update(modelopt_quant_config={"quant_cfg": ["*weight_quantizer"]}))
+    r = verify(bad, sample=0)
+    assert r.exit_code == 1 and len([p for p in next(c for c in r.checks if c.id == "config").problems
+                                     if "quant_cfg must be an object of quantizer attributes" in p.message]) == 2
 
 
 def test_parallel_and_resumed_runs_are_byte_identical(pair, tmp_path):
@@ -217,8 +330,8 @@ def test_release_round_trips_and_feeds_modelopt_hf(pair, release, tmp_path):
     convert(release, tmp_path / "none", Options(scheme="none"), quiet=True)
     r, n = tensors(release), tensors(tmp_path / "none")
     assert set(r) == set(n) and all(torch.equal(bits(r[k]), bits(n[k])) for k in r)
-    assert json.loads((tmp_path / "none" / "config.json").read_text())["quantization_config"]["quantized_layers"] == \
-        json.loads((release / "config.json").read_text())["quantization_config"]["quantized_layers"]
+    assert json.loads((tmp_path / "none" / "config.json").read_text())["quantization_config"] == \
+        json.loads((release / "config.json").read_text())["quantization_config"]
     convert(release, tmp_path / "hf", Options(output_format="modelopt-hf", default_activation_amax=AMAX), quiet=True)
     hf = tensors(tmp_path / "hf")
     assert "lm_head.weight" in hf and "model.language_model.layers.5.mlp.experts.0.gate_proj.weight_scale" in hf

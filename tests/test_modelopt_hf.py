@@ -44,6 +44,28 @@ def test_modelopt_hf_output_equals_modelopt_export(exported, tmp_path):
     assert q_ours == q_theirs
 
 
+def test_one_format_equals_modelopt_export(tmp_path):
+    """Every layer's experts NVFP4: ModelOpt's one-format export of the tiny Inkling 2 (its
+    exclusions summarized from the modules it put a quantizer on: not the text embedding,
+    model.inkling2.MODELOPT_UNWRAPPED) and ours, tensor for tensor and both config files; ours
+    passes verify --against its source."""
+    ref = mo.export_tiny(tmp_path / "modelopt", source=tmp_path / "src", mxfp8_last=False)
+    convert(tmp_path / "src", tmp_path / "ours", Options(scheme="nvfp4", output_format="modelopt-hf",
+                                                         activation_scales=str(ref)), quiet=True)
+    theirs, ours = mo.load_export(ref), mo.load_export(tmp_path / "ours")
+    assert set(theirs) == set(ours) and all(torch.equal(bits(theirs[n]), bits(ours[n])) for n in theirs)
+    for f in ("hf_quant_config.json", "config.json"):
+        assert json.loads((tmp_path / "ours" / f).read_text()).get("quantization_config") == \
+            json.loads((ref / f).read_text()).get("quantization_config"), f
+    hq = json.loads((tmp_path / "ours" / "hf_quant_config.json").read_text())
+    assert hq == json.loads((ref / "hf_quant_config.json").read_text())
+    assert hq["quantization"]["quant_algo"] == "NVFP4" and "model.vision_tower*" in hq["quantization"]["exclude_modules"]
+    # the embedding it leaves out is no Linear: verify's one-format rule does not ask for it
+    from inkling_quant.verify import verify
+    r = verify(tmp_path / "ours", against=tmp_path / "src", sample=1)
+    assert r.ok, r.format_summary()
+
+
 def test_inkling_output_carries_the_same_quantized_experts(exported, tmp_path):
     """The Inkling (stacked) output of the same conversion with ModelOpt's encoder, unstacked, is
     ModelOpt's per-expert tensors bit for bit (the form changes the layout, not the bits)."""

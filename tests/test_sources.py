@@ -144,7 +144,8 @@ def test_deepseek_fp8_dequantized_modules_equal_transformers_reading(sources, tm
               "model.layers.0.mlp.down_proj.weight"):   # aligned: transformers' grid-derived blocks are right
         assert torch.equal(sd[w], out[w]), w
     q = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
-    assert all(v["quant_algo"] == "NVFP4" for v in q["quantized_layers"].values())
+    assert q["quant_algo"] == "NVFP4" and "quantized_layers" not in q  # one format: ModelOpt's one-format form
+    assert "model.layers.1.self_attn*" in q["ignore"]  # the dequantized modules are among the exclusions
     assert verify(tmp_path / "o", against=sources["ds"]).exit_code == 0
 
 

@@ -41,7 +41,8 @@ from .worker import SHARD_METADATA, ShardResult, convert_shard
 
 __all__ = ["FLOAT_SOURCES", "MANIFEST", "MANIFEST_GLOB", "SHARD_METADATA", "Options", "Prepared", "ShardJob",
            "ShardResult", "SrcTensor", "Unit", "add_arguments", "convert", "convert_shard", "finalize",
-           "load_activation_amax", "plan", "prepare", "print_summary", "quantized_layers", "run", "validate_source"]
+           "load_activation_amax", "plan", "prepare", "print_summary", "quantized_layers", "run", "unquantized_modules",
+           "validate_source"]
 
 
 # --------------------------------------------------------------------------- the pipeline
@@ -147,14 +148,29 @@ def quantized_layers(prep: Prepared) -> dict:
             if u.format != "passthrough" and (m := u.writing.quantized_module(u, prep.layout)) is not None}
 
 
+def unquantized_modules(prep: Prepared) -> list[str]:
+    """Every module the planned conversion writes unquantized, as the output names it: each
+    pass-through `<module>.weight` of two dims or more (a Linear, an embedding, a conv: what
+    ModelOpt puts a quantizer on), and the experts module of a layer whose routed experts pass
+    through. What a one-format config must exclude."""
+    out = []
+    for u in (u for j in prep.jobs for u in j.units if u.format == "passthrough"):
+        if u.storage is not None:  # routed experts left as they are
+            out.append(prep.layout.experts_modules[prep.layout.classify(u.sources[0].name).layer])
+            continue
+        out += [name[: -len(".weight")] for name, _, shape in u.writing.specs(u)
+                if name.endswith(".weight") and len(shape) >= 2]
+    return list(dict.fromkeys(out))
+
+
 def _write_configs(out: Path, prep: Prepared, opts: Options) -> list[str]:
     """The output form's quantization config files (with who converted it where the form records
     it); a conversion that quantizes nothing (scheme `none`) writes config.json as the source has
     it, as ModelOpt leaves an unquantized model. Returns the names written."""
     converter = {"name": "inkling-quant", "version": __version__, "scheme": _applied_scheme(prep).record(),
                  "weight_only": opts.weight_only, "encoder": opts.encoder or prep.form.encoder}
-    files = prep.form.config_files(prep.cfg, quantized_layers(prep), opts.weight_only, converter) \
-        or {CONFIG_NAME: prep.cfg.raw}
+    files = prep.form.config_files(prep.cfg, quantized_layers(prep), opts.weight_only, converter,
+                                   unquantized_modules(prep)) or {CONFIG_NAME: prep.cfg.raw}
     for name, obj in files.items():
         write_json_atomic(out / name, obj)
     return list(files)

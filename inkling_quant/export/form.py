@@ -117,9 +117,12 @@ class OutputForm:
         (--max-shard-size), as ModelOpt's exporter packs them."""
         return None
 
-    def config_files(self, cfg, layers: dict, weight_only: bool, converter: dict) -> dict[str, dict]:
+    def config_files(self, cfg, layers: dict, weight_only: bool, converter: dict,
+                     unquantized: list[str]) -> dict[str, dict]:
         """file name -> JSON object of the quantization configs for the quantized `layers` (experts
-        module -> Format); {} when nothing is quantized (config.json is then the source's)."""
+        module -> Format) and the modules written unquantized (`unquantized`: every one whose
+        weight of two dims or more passes through, as the output names it); {} when nothing is
+        quantized (config.json is then the source's)."""
         raise NotImplementedError
 
     def expert_specs(self, layout: "Layout", weight: str, shape, dtype, fmt, activation_scale: bool) -> dict:

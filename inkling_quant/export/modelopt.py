@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -26,7 +27,7 @@ from ..errors import ConfigError, FormatError, UsageError, short_repr
 from ..formats import FORMATS, Format, format_for_quant_algo, get_format
 from ..io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG, read_json, safe_child
 from ..io.safetensors import DTYPE_NAMES, DTYPES
-from ..model.inkling2 import modelopt_tensor, transformers_name
+from ..model.inkling2 import MODELOPT_UNWRAPPED, Inkling2Config, modelopt_tensor, transformers_name
 from ..model.layout import Layout, natural_key
 from ..model.storage import ExpertStorage
 from .form import Copy, ExpertWriter, OutputForm, Outputs, Spec, Writing, out_specs, row_suffixes
@@ -44,11 +45,84 @@ def quantization(module_formats: Iterable[tuple[str, Format]], weight_only: bool
             "quantized_layers": dict(sorted(layers.items(), key=lambda kv: natural_key(kv[0])))}
 
 
+def one_format(q: dict, exclude: list[str] | None = None) -> dict:
+    """A MIXED_PRECISION `q` whose quantized modules all share one entry, in the form ModelOpt 0.47
+    writes for a single format (export/quant_utils.py:780-790: the entry's keys at the top, then
+    the exclusions, no quantized_layers); `q` itself otherwise. `exclude`: the exclusions to
+    write (default: q's own). Engines read that form by its quant_algo alone: SGLang 0.5.23 maps a
+    MIXED_PRECISION config with no NVFP4 layer to w4afp8 (srt/configs/model_config.py
+    `_parse_modelopt_quant_config`), an MXFP8 one to mxfp8."""
+    entries = list(q["quantized_layers"].values())
+    if not entries or any(e != entries[0] for e in entries):
+        return q
+    return {"quant_algo": None, "kv_cache_quant_algo": q["kv_cache_quant_algo"], **entries[0],  # ModelOpt's key order
+            "exclude_modules": q["exclude_modules"] if exclude is None else exclude}
+
+
+def summarize_exclusions(unquantized: Iterable[str], quantized: Iterable[str]) -> list[str]:
+    """ModelOpt 0.47's `exclude_modules` of a one-format export: the modules it left unquantized,
+    each as the shortest prefix wildcard cut at a dot (`model.layers.0*`, or `prefix.*` where
+    `prefix*` would also match a longer sibling) that matches no quantized module, the module's
+    own name where none does; sorted. export/quant_utils.py:609-681
+    `_prefix_wildcard_summarize_exclude_modules`, evaluated in its order."""
+    negative = set()
+    for layer in quantized:
+        negative.add(layer)
+        negative.update(layer[:i] + "*" for i in range(len(layer) + 1))
+    summary: set[str] = set()
+    for layer in unquantized:
+        found: list[str] = []
+        options = [w for i, ch in enumerate(layer) if ch == "." for w in ([layer[:i] + "*"], [layer[:i], layer[:i] + ".*"])]
+        for wildcards in options + [[layer]]:
+            if any(w in negative for w in wildcards):
+                continue
+            found = [] if all(w in summary for w in wildcards) else wildcards
+            break
+        if len(found) == 2 and found[1] == found[0] + ".*":
+            summary.add(found[1])  # a pair [prefix, prefix.*]: ModelOpt writes prefix.* alone
+        else:
+            summary.update(found)
+    return sorted(summary)
+
+
+def recipe_quant_cfg(layers: dict[str, dict]) -> dict[str, dict]:
+    """ModelOpt's recipe for the quantized modules (module -> quantized_layers entry) as a
+    `quant_cfg` of its dict form: wildcard -> quantizer attributes (`Format.modelopt_quantizers`),
+    a later wildcard overriding an earlier one for the quantizers it matches, as ModelOpt applies
+    them. The most common entry's quantizers stand under `*weight_quantizer` / `*input_quantizer`
+    (what SGLang 0.5.23's Inkling parser reads: srt/models/inkling_common/quantization/config.py
+    `is_nvfp4`), each module of another entry's under `<module>.*`. Which modules are left
+    unquantized is `exclude_modules`' to say, as in that parser."""
+    quantizers = {m: format_for_quant_algo(e["quant_algo"], source=True).modelopt_quantizers(e["quant_algo"])
+                  for m, e in layers.items()}
+    keys = {m: repr(sorted(v.items())) for m, v in quantizers.items()}
+    counts = Counter(keys.values())
+    common = max(counts, key=counts.get)  # ties: the first module's
+    first = next(v for m, v in quantizers.items() if keys[m] == common)
+    cfg = {"*weight_quantizer": first["weight"], "*input_quantizer": first["input"]}
+    for m, v in quantizers.items():
+        if keys[m] != common:
+            cfg.update({f"{m}.*weight_quantizer": v["weight"], f"{m}.*input_quantizer": v["input"]})
+    return cfg
+
+
+def quantizer_of(quant_cfg: dict, module: str, kind: str):
+    """The attributes `quant_cfg` (recipe_quant_cfg's form) gives `module`'s `kind` ("weight",
+    "input") quantizer: its last wildcard matching `<module>.<kind>_quantizer`; None if none."""
+    name, got = f"{module}.{kind}_quantizer", None
+    for pattern, attrs in quant_cfg.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            got = attrs
+    return got
+
+
 def modelopt_quantization_config(q: dict) -> dict:
     """config.json's `quantization_config` exactly as ModelOpt's exporter writes it for a
     MIXED_PRECISION `q` (hf_quant_config.json's `quantization`): layers grouped by their entry
     into compressed-tensors `config_groups`, `ignore` from exclude_modules (ModelOpt 0.47
     export/convert_hf_config.py:236-282)."""
+    if "quantized_layers" not in q:
+        return _modelopt_one_format_config(q)
     by_entry: dict[tuple, list[str]] = {}
     for layer, entry in q["quantized_layers"].items():
         by_entry.setdefault(tuple(sorted(entry.items())), []).append(layer)
@@ -71,12 +145,33 @@ def modelopt_quantization_config(q: dict) -> dict:
             "quant_method": QUANT_METHOD}
 
 
+#: the one-format quant_algos ModelOpt 0.47's config.json gives a config_groups entry targeting
+#: every Linear (export/convert_hf_config.py:185-215; MXFP8 has none there)
+_ONE_FORMAT_GROUPS = ("NVFP4", "W4A16_NVFP4")
+
+
+def _modelopt_one_format_config(q: dict) -> dict:
+    """config.json's quantization_config as ModelOpt's exporter derives it from a one-format `q`
+    (export/convert_hf_config.py:185-285): a config_groups entry for NVFP4 / W4A16_NVFP4 alone,
+    the exclusions as `ignore`, no group_size of its own."""
+    algo, out = q["quant_algo"], {}
+    if algo in _ONE_FORMAT_GROUPS:
+        wbits, abits = format_for_quant_algo(algo).config_group_bits(algo)
+        gs = q.get("group_size", 16)
+        group = {"input_activations": {"dynamic": False, "num_bits": abits, "type": "float", "group_size": gs}} \
+            if abits is not None else {}
+        out["config_groups"] = {"group_0": {**group, "weights": {"dynamic": False, "num_bits": wbits, "type": "float",
+                                                                 "group_size": gs}, "targets": ["Linear"]}}
+    return {**out, "ignore": q.get("exclude_modules") or [], "quant_algo": algo,
+            "producer": {"name": QUANT_METHOD, "version": PRODUCER_VERSION}, "quant_method": QUANT_METHOD}
+
+
 def modelopt_hf_quant_config(q: dict) -> dict:
-    """hf_quant_config.json as ModelOpt's exporter writes it (no exclusions in MIXED_PRECISION:
-    a module not in quantized_layers is unquantized)."""
-    return {"producer": {"name": QUANT_METHOD, "version": PRODUCER_VERSION},
-            "quantization": {"quant_algo": q["quant_algo"], "kv_cache_quant_algo": None,
-                             "quantized_layers": q["quantized_layers"]}}
+    """hf_quant_config.json as ModelOpt's exporter writes it: MIXED_PRECISION with no exclusions
+    (a module not in quantized_layers is unquantized), or `one_format`'s form as it is."""
+    quantization = {k: q[k] for k in ("quant_algo", "kv_cache_quant_algo", "quantized_layers")} \
+        if "quantized_layers" in q else q
+    return {"producer": {"name": QUANT_METHOD, "version": PRODUCER_VERSION}, "quantization": quantization}
 
 
 def read_quantization(root: Path, config: dict) -> dict | None:
@@ -195,7 +290,33 @@ def quantization_problems(q: dict, want: dict[str, dict], key: str,
         gs = [e.get("group_size") for e in want.values() if format_for_quant_algo(e.get("quant_algo")) is fmt]
         if gs and q["group_size"] != gs[0]:
             fail(None, f"{key}.group_size is {q['group_size']}, the {fmt.name.upper()} tensors use {gs[0]}")
+    if "modelopt_quant_config" in q:
+        _check_recipe(fail, key, q["modelopt_quant_config"], want, tensor_of)
     return out
+
+
+def _check_recipe(fail: Callable[[str | None, str], None], key: str, mq, want: dict[str, dict],
+                  tensor_of: Callable[[str], str]) -> None:
+    """`modelopt_quant_config.quant_cfg` (recipe_quant_cfg's form) against the tensors: each
+    quantized module's weight and input quantizers as its format's are; one problem per kind of
+    disagreement, naming its first module."""
+    cfg = mq.get("quant_cfg") if isinstance(mq, dict) else None
+    if not isinstance(cfg, dict) or not all(isinstance(v, dict) for v in cfg.values()):
+        fail(None, f"{key}.modelopt_quant_config.quant_cfg must be an object of quantizer attributes")
+        return
+    wrong: dict[tuple, list[str]] = {}
+    for module, entry in want.items():
+        algo = entry.get("quant_algo")
+        fmt = format_for_quant_algo(algo, source=True)
+        expected = fmt.modelopt_quantizers(algo) if fmt is not None else None
+        for kind in expected or ():
+            got = quantizer_of(cfg, module, kind)
+            if got != expected[kind]:
+                wrong.setdefault((kind, short_repr(got, 200), algo, short_repr(expected[kind], 200)), []).append(module)
+    for (kind, got, algo, expected), modules in wrong.items():
+        more = f" (and {len(modules) - 1} more modules)" if len(modules) > 1 else ""
+        fail(tensor_of(modules[0]), f"{key}.modelopt_quant_config.quant_cfg gives {modules[0]!r}{more} the {kind} "
+             f"quantizer {got}; the tensors are {algo}: {expected}")
 
 
 def _check_layer(fail: Callable[[str | None, str], None], key: str, module: str, tensor: str, entry: dict,
@@ -397,13 +518,16 @@ class ModelOptForm(OutputForm):
         module = (transformers_name(name) if layout.original_names else name).rsplit(".", 1)[0]
         return ExpertModules(module, projection, layout.experts)
 
-    def config_files(self, cfg, layers: dict, weight_only: bool, converter: dict) -> dict[str, dict]:
+    def config_files(self, cfg, layers: dict, weight_only: bool, converter: dict,
+                     unquantized: list[str]) -> dict[str, dict]:
         """Exactly ModelOpt's two files, nothing of ours; where another encoder than ModelOpt's
-        wrote the bits (--encoder release), hf_quant_config.json says so in a `converter` entry."""
+        wrote the bits (--encoder release), hf_quant_config.json says so in a `converter` entry.
+        One format: ModelOpt's one-format form, its exclusions summarized from `unquantized`."""
         q = quantization(layers.items(), weight_only)
         if not q["quantized_layers"]:
             return {}
-        q.pop("exclude_modules")
+        wrapped = [m for m in unquantized if not (isinstance(cfg, Inkling2Config) and m in MODELOPT_UNWRAPPED)]
+        q = one_format(q, summarize_exclusions(wrapped, q["quantized_layers"]))
         hq = modelopt_hf_quant_config(q)
         if converter.get("encoder", self.encoder) != self.encoder:
             hq["converter"] = converter

@@ -242,6 +242,13 @@ class Format:
         (the release's: `encoder` nvfp4_nearest / mxfp8_nearest, `scales` amax_denominator / ue8m0)."""
         return None
 
+    def modelopt_quantizers(self, quant_algo: str) -> dict[str, dict] | None:
+        """The quantizers of a module written as `quant_algo` in ModelOpt's recipe terms:
+        {"weight": attributes, "input": attributes}, what a `quant_cfg` holds under
+        `*weight_quantizer` / `*input_quantizer` (num_bits as (exponent, mantissa) bits,
+        block_sizes by dim, scale_bits; {"enable": False} for none). None if unquantized."""
+        return None
+
     def _with_encoder(self, entry: dict, encoder: str) -> dict:
         rule = self.encoder_rule(encoder)
         return entry if rule == "modelopt" else {**entry, "encoder": rule, "scales": self.encoder_scales[encoder]}

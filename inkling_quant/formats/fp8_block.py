@@ -248,6 +248,11 @@ class FP8Block(Format):
         """Its `quantized_layers` entry as ModelOpt 0.47's exporter writes it (no group_size)."""
         return {"quant_algo": QUANT_ALGO}
 
+    def modelopt_quantizers(self, quant_algo):
+        # nvidia-modelopt 0.47 quantization/config.py FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG
+        return {"weight": {"num_bits": [4, 3], "block_sizes": {"-1": TILE, "-2": TILE}, "axis": None, "enable": True},
+                "input": {"enable": False}}
+
     def config_group_bits(self, quant_algo: str | None = None):
         """None: ModelOpt's config.json has no config_groups bits for FP8_PB_WO (its group is
         ``{"quant_algo": ...}`` alone)."""

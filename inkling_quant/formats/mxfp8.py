@@ -257,5 +257,11 @@ class MXFP8(Format):
     def layer_config(self, weight_only: bool = False, encoder: str = "modelopt") -> dict:
         return self._with_encoder({"quant_algo": "MXFP8", "group_size": BLOCK_SIZE}, encoder)
 
+    def modelopt_quantizers(self, quant_algo):
+        # nvidia-modelopt 0.47 quantization/config.py MXFP8_DEFAULT_CFG (e4m3, e8m0 scale per 32; activations too)
+        q = {"num_bits": [4, 3], "block_sizes": {"-1": BLOCK_SIZE, "type": "dynamic", "scale_bits": [8, 0]},
+             "axis": None, "enable": True}
+        return {"weight": q, "input": dict(q)}
+
     def value_rule(self, suffix, encoder="modelopt"):
         return "e8m0" if suffix == "weight_scale" else None  # a biased exponent byte; 0xFF is NaN

@@ -455,6 +455,12 @@ class NVFP4(Format):
         return self._with_encoder({"quant_algo": "W4A16_NVFP4" if weight_only else "NVFP4", "group_size": BLOCK_SIZE},
                                   encoder)
 
+    def modelopt_quantizers(self, quant_algo):
+        # nvidia-modelopt 0.47 quantization/config.py NVFP4_DEFAULT_CFG, W4A16_NVFP4_CFG (e2m1, e4m3 scale per 16)
+        q = {"num_bits": [2, 1], "block_sizes": {"-1": BLOCK_SIZE, "type": "dynamic", "scale_bits": [4, 3]},
+             "axis": None, "enable": True}
+        return {"weight": q, "input": {"enable": False} if quant_algo == "W4A16_NVFP4" else dict(q)}
+
     def fused_global_amax(self, weights):
         """gate and up of an expert share one weight_scale_2 (vLLM fuses them into one GEMM and
         reads one global scale): the max of their amaxes, as ModelOpt's export does."""

@@ -503,6 +503,13 @@ _MODELOPT_TENSOR = re.compile(r"model\.language_model\.layers\.(?P<layer>\d+)\.m
                               r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<suffix>[A-Za-z0-9_]+)")
 
 
+#: modules of transformers' Inkling 2 that ModelOpt 0.47 puts no quantizer on, so that its one-format
+#: export does not list them as excluded: its QuantModuleRegistry matches nn.Embedding by exact type
+#: (quantization/nn/modules/quant_embedding.py:31) and transformers 5.25's text embedding is the
+#: subclass Inkling2NormedEmbedding (models/inkling2/modeling_inkling2.py:1360)
+MODELOPT_UNWRAPPED = ("model.language_model.embed_tokens",)
+
+
 def modelopt_tensor(cfg: Inkling2Config, original: str) -> tuple[str, int | None]:
     """(name, rows kept or None for all) of the pass-through tensor `original` in ModelOpt's
     export: transformers' name, the unembedding cut to the rows transformers' lm_head keeps

@@ -368,11 +368,16 @@ def quantized_layers(expected: Expected) -> dict[str, dict] | None:
 
 
 def unquantized(expected: Expected) -> list[str]:
-    """The Linear modules the tensors leave unquantized (a pass-through 2D `<module>.weight`):
-    what a quantization config of one format must exclude."""
+    """The Linear modules the tensors leave unquantized (a pass-through 2D `<module>.weight`,
+    not an embedding's: under a one-format config engines quantize Linear, LM-head and MoE layers
+    only, vLLM 0.33 quantization/modelopt.py:254-264): what a quantization config of one format
+    must exclude."""
+    def embedding(name: str) -> bool:
+        part = expected.layout.part_of(name) if expected.layout is not None else None
+        return part is not None and part.part == "embed"
     return [n[:-len(".weight")] for n, (shape, _) in expected.tensors.items()
             if n.endswith(".weight") and len(shape) == 2 and expected.fmt_of[n] == _PASS.name
-            and n[:-len(".weight")] not in expected.kept_modules]
+            and n[:-len(".weight")] not in expected.kept_modules and not embedding(n)]
 
 
 def tensor_namer(expected: Expected) -> Callable[[str], str] | None:
