@@ -36,9 +36,9 @@ def build(family: str, seed: int = 0) -> torch.nn.Module:
     """The tiny model of `family` in BF16, weights with row scales that differ by ~100x."""
     import transformers as T
 
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "qwen3_moe_tied"):  # _tied: lm_head tied to the embedding
         cfg = T.Qwen3MoeConfig(**_TEXT, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-                               num_experts=4, mlp_only_layers=[0])
+                               num_experts=4, mlp_only_layers=[0], tie_word_embeddings=family.endswith("_tied"))
         cls = T.Qwen3MoeForCausalLM
     elif family == "mixtral":
         cfg = T.MixtralConfig(**_TEXT, intermediate_size=32, num_hidden_layers=3, num_local_experts=4)
@@ -89,13 +89,15 @@ def text_layers(model: torch.nn.Module) -> int:
 
 
 def export(family: str, out: Path, source: Path, seed: int = 0, batches: int = 3, seq: int = 24,
-           reload: bool = False, max_shard_size: str | None = None, mxfp8: str = "last") -> Path:
+           reload: bool = False, max_shard_size: str | None = None, mxfp8: str = "last",
+           weight_only: bool = False) -> Path:
     """Save the BF16 model of `family` to `source` (save_pretrained) and ModelOpt's quantized
     export of it to `out`. `reload`: export the model as a user has it, loaded back from `source`
     by from_pretrained (which keeps DeepSeek-V3's e_score_correction_bias in FP32).
     `max_shard_size`: both sharded (an index beside the shards), else one model.safetensors each.
     `mxfp8`: which layers' routed experts are MXFP8, the rest NVFP4: "last" (the default
-    scheme's split here), "none" or "all" (one format: ModelOpt's one-format config)."""
+    scheme's split here), "none" or "all" (one format: ModelOpt's one-format config).
+    `weight_only`: every input quantizer off (NVFP4 becomes W4A16_NVFP4)."""
     import transformers as T
 
     shards = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
@@ -109,4 +111,7 @@ def export(family: str, out: Path, source: Path, seed: int = 0, batches: int = 3
     # routed experts only: `.experts.` (a shared_experts module is no match)
     n = text_layers(model)
     layers = {"last": [n - 1], "none": [], "all": list(range(n))}[mxfp8]
-    return quantize_and_export(model, quant_config(layers, "*layers.{i}.*.experts.*"), ids, out, **shards)
+    recipe = quant_config(layers, "*layers.{i}.*.experts.*")
+    if weight_only:
+        recipe["quant_cfg"].append({"quantizer_name": "*input_quantizer", "enable": False})
+    return quantize_and_export(model, recipe, ids, out, **shards)

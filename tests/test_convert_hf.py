@@ -43,8 +43,9 @@ def _assert_equals_modelopt(ours: Path, modelopt: Path) -> None:
     assert set(a) == set(b), (sorted(set(a) - set(b))[:5], sorted(set(b) - set(a))[:5])
     differ = sorted(k for k in a if not _same_bits(a[k], b[k]))
     assert not differ, differ[:5]
-    for name in ("config.json", "hf_quant_config.json"):
-        assert json.loads((ours / name).read_text()) == json.loads((modelopt / name).read_text()), name
+    for name in ("config.json", "hf_quant_config.json"):  # key order included: dumped as parsed
+        assert json.dumps(json.loads((ours / name).read_text())) == \
+            json.dumps(json.loads((modelopt / name).read_text())), name
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -58,18 +59,23 @@ def test_default_scheme_equals_modelopt_export(exported, tmp_path, family):
     assert report["activation_scales"]["calibrated"] > 0 and report["activation_scales"]["default"] == 0
 
 
-@pytest.mark.parametrize("family,scheme", [(f, "nvfp4") for f in FAMILIES] + [("deepseek_v3", "mxfp8")])
+@pytest.mark.parametrize("family,scheme", [(f, "nvfp4") for f in FAMILIES] + [
+    ("deepseek_v3", "mxfp8"), ("mixtral", "w4a16_nvfp4"), ("qwen3_moe_tied", "nvfp4")])
 def test_one_format_equals_modelopt_export(tmp_path, family, scheme):
     """Every routed expert one format: ModelOpt writes its one-format configs (no quantized_layers;
     the unquantized modules summarized as prefix wildcards, `ignore` in config.json; config_groups
-    targeting Linear for NVFP4, none for MXFP8) and ours equals them, tensors and both files."""
+    targeting Linear for NVFP4 and W4A16_NVFP4, none for MXFP8; a tied lm_head listed all the
+    same) and ours equals them, tensors and both files."""
     src = tmp_path / "src"
-    modelopt = export(family, tmp_path / "modelopt", src, mxfp8="all" if scheme == "mxfp8" else "none")
+    weight_only = scheme == "w4a16_nvfp4"
+    modelopt = export(family, tmp_path / "modelopt", src, mxfp8="all" if scheme == "mxfp8" else "none",
+                      weight_only=weight_only)
     hq = json.loads((modelopt / "hf_quant_config.json").read_text())["quantization"]
-    assert hq["quant_algo"] == scheme.upper() and "quantized_layers" not in hq and hq["exclude_modules"]
+    assert hq["quant_algo"] == scheme.upper() and "quantized_layers" not in hq and "lm_head" in hq["exclude_modules"]
     out = tmp_path / "out"
-    scales = {"activation_scales": str(modelopt)} if scheme == "nvfp4" else {}  # MXFP8 has none
-    convert(str(src), out, Options(scheme=scheme, **scales), quiet=True)
+    scales = {"activation_scales": str(modelopt)} if scheme == "nvfp4" else {}  # W4A16 and MXFP8 have none
+    convert(str(src), out, Options(scheme="mxfp8" if scheme == "mxfp8" else "nvfp4", weight_only=weight_only,
+                                   **scales), quiet=True)
     _assert_equals_modelopt(out, modelopt)
     assert main(["verify", str(out), "--against", str(src), "--quiet"]) == 0
 

@@ -172,41 +172,59 @@ def test_the_recipe_gives_each_layer_modelopts_own_quantizers(pair):
     assert "-2" not in top["block_sizes"]  # one scale per 16 along a row, not 2-D
 
 
-def test_one_format_is_written_in_modelopts_one_format_form(release, tmp_path):
-    """Every module MXFP8 (the MXFP8 release's form): the config is ModelOpt's one-format form,
-    as nvidia-modelopt's own `process_layer_quant_config` collapses identical entries (no
-    quantized_layers; quant_algo and group_size at the top), with the exclusions and the recipe;
-    SGLang 0.5.23's generic parser reads that as mxfp8, where it reads a MIXED_PRECISION config
-    with no NVFP4 layer as w4afp8. A weight-only NVFP4 conversion is W4A16_NVFP4 the same way,
-    its recipe's input quantizer off (nvidia-modelopt's W4A16_NVFP4_CFG). verify reads the encoder
-    from the one-format entry."""
-    from modelopt.torch.export.quant_utils import process_layer_quant_config
-    modules = [f"model.llm.layers.{i}.mlp.experts" for i in range(LAYERS)]
-    for out, kind in ((release, "mxfp8"), (tmp_path / "wo", "w4a16_nvfp4")):
-        if kind == "w4a16_nvfp4":
-            convert(release, out, Options(scheme="nvfp4", weight_only=True), quiet=True)
-        q = json.loads((out / "config.json").read_text())["quantization_config"]
-        block = 32 if kind == "mxfp8" else 16
-        ref = process_layer_quant_config({**{f"{m}.quantization": kind for m in modules},
-                                          **{f"{m}.awq_block_size": block for m in modules}})
-        assert "quantized_layers" not in q and "quantized_layers" not in ref
-        assert {k: q[k] for k in ref if k != "exclude_modules"} == {k: v for k, v in ref.items() if k != "exclude_modules"}
-        assert q["exclude_modules"] and "model.llm.layers.*.attn*" in q["exclude_modules"]
-        preset = _modelopt_preset("MXFP8_DEFAULT_CFG" if kind == "mxfp8" else "W4A16_NVFP4_CFG")
-        cfg = q["modelopt_quant_config"]["quant_cfg"]
-        assert {k: _resolved(cfg, modules[0], k) for k in ("weight", "input")} == \
-            {"weight": preset["weight"], "input": preset.get("input")}
-        hq = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
-        assert {k: v for k, v in q.items() if k != "quant_method"} == hq
-    # the encoder is read from the one-format entry's keys, with no converter record to fall back on
+def test_one_format_stays_per_layer_with_the_presets_recipe(release, tmp_path):
+    """Every module MXFP8 (the MXFP8 release's form), or every module weight-only NVFP4: still
+    MIXED_PRECISION, every layer listed with its encoder (docs/formats.md says why the inkling
+    form does not take ModelOpt's one-format form), the two files alike, and the recipe resolving
+    every layer to nvidia-modelopt's own MXFP8_DEFAULT_CFG / W4A16_NVFP4_CFG (whose input
+    quantizer is off). verify reads the encoder from the entries with no converter record."""
     import shutil
 
     from inkling_quant.verify import verify
+    convert(release, tmp_path / "wo", Options(scheme="nvfp4", weight_only=True), quiet=True)
+    for out, preset, algo in ((release, "MXFP8_DEFAULT_CFG", "MXFP8"), (tmp_path / "wo", "W4A16_NVFP4_CFG", "W4A16_NVFP4")):
+        q = json.loads((out / "config.json").read_text())["quantization_config"]
+        assert q["quant_algo"] == "MIXED_PRECISION" and len(q["quantized_layers"]) == LAYERS
+        assert {e["quant_algo"] for e in q["quantized_layers"].values()} == {algo}
+        want = _modelopt_preset(preset)
+        cfg = q["modelopt_quant_config"]["quant_cfg"]
+        for layer in range(LAYERS):
+            module = f"model.llm.layers.{layer}.mlp.experts"
+            assert {k: _resolved(cfg, module, k) for k in ("weight", "input")} == \
+                {"weight": want["weight"], "input": want.get("input")}, (preset, layer)
+        hq = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+        assert {k: v for k, v in q.items() if k != "quant_method"} == hq
     bare = tmp_path / "bare"
     shutil.copytree(release, bare)
     _rewrite_json(bare / "hf_quant_config.json", lambda h: h.pop("converter"))
     enc = next(c for c in verify(bare, sample=1).checks if c.id == "encoder")
     assert enc.status == "pass" and set(enc.figures["encoder"].values()) == {"mxfp8_nearest"}
+
+
+def test_a_one_format_config_must_exclude_the_experts_it_leaves_in_bf16(pair, tmp_path):
+    """Layers 0-4's experts MXFP8 and layer 5's left BF16 (a scheme file), the configs then
+    rewritten into ModelOpt's one-format form (as another writer might): unless the exclusions
+    name layer 5's experts module, verify fails naming its stacked tensor (an engine would load
+    those BF16 experts as MXFP8); with it named, the config check passes."""
+    from inkling_quant.verify import verify
+    src, _, _ = pair
+    scheme = tmp_path / "mine.toml"
+    scheme.write_text('[[rules]]\npart = "expert"\nlayers = "0-4"\nformat = "mxfp8"\n')
+    out = tmp_path / "out"
+    convert(src, out, Options(scheme=str(scheme)), quiet=True)
+    (out / "checksums.sha256").unlink()
+    for extra, ok in (([], False), (["model.llm.layers.5.mlp.experts"], True)):
+        for f, key in (("config.json", "quantization_config"), ("hf_quant_config.json", "quantization")):
+            _rewrite_json(out / f, lambda c: c.update({key: {
+                **({"quant_method": "modelopt"} if key == "quantization_config" else {}),
+                "quant_algo": "MXFP8", "kv_cache_quant_algo": None, "group_size": 32,
+                "exclude_modules": ["model.llm.unembed", "model.llm.embed", "model.llm.layers.*.attn*",
+                                    "model.llm.layers.*.mlp.gate", "model.visual*", "mtp*", *extra]}}))
+        check = verify(out, sample=0).check("config")
+        assert (check.status == "pass") == ok, check.problems
+        if not ok:
+            assert check.problems[0].tensor == "model.llm.layers.5.mlp.experts.w13_weight"
+            assert "does not exclude 'model.llm.layers.5.mlp.experts'" in check.problems[0].message
 
 
 def test_verify_fails_a_recipe_that_disagrees_with_the_tensors(pair, tmp_path):
@@ -232,6 +250,18 @@ def test_verify_fails_a_recipe_that_disagrees_with_the_tensors(pair, tmp_path):
     assert r.exit_code == 1 and len(problems) == 4  # weight and input quantizers, in both files
     assert all("modelopt_quant_config.quant_cfg gives 'model.llm.layers.5.mlp.experts'" in p.message for p in problems)
     assert problems[0].tensor.startswith("model.llm.layers.5.mlp.experts.w") and "MXFP8" in problems[0].message
+    # the same recipe spelled as nvidia-modelopt's presets spell it (effective_bits, tuples, no
+    # axis / enable; no input quantizer for weight-only) means the same quantizers: it passes
+    from modelopt.torch.quantization import config as mtq_config
+    spelled = {"*weight_quantizer": None, "*input_quantizer": None}
+    for name, prefix in (("NVFP4_DEFAULT_CFG", "*"), ("MXFP8_DEFAULT_CFG", "model.llm.layers.5.mlp.experts.*")):
+        for e in getattr(mtq_config, name)["quant_cfg"]:
+            if e["quantizer_name"] in ("*weight_quantizer", "*input_quantizer"):
+                spelled[prefix + e["quantizer_name"].lstrip("*")] = dict(e["cfg"])
+    spelled = json.loads(json.dumps({k: v for k, v in spelled.items() if v is not None}, default=list))
+    for f, key in (("config.json", "quantization_config"), ("hf_quant_config.json", "quantization")):
+        _rewrite_json(bad / f, lambda c: c[key].update(modelopt_quant_config={"quant_cfg": spelled}))
+    assert next(c for c in verify(bad, sample=0).checks if c.id == "config").status == "pass"
     for f, key in (("config.json", "quantization_config"), ("hf_quant_config.json", "quantization")):
         _rewrite_json(bad / f, lambda c: c[key].update(modelopt_quant_config={"quant_cfg": ["*weight_quantizer"]}))
     r = verify(bad, sample=0)

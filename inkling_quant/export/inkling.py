@@ -86,7 +86,7 @@ from ..io.safetensors import DTYPE_NAMES, DTYPES
 from ..model.inkling2 import release_file
 from ..model.layout import Layout
 from .form import ExpertWriter, OutputForm, Outputs, Spec, Writing, row_suffixes
-from .modelopt import QUANT_METHOD, one_format, quantization, recipe_quant_cfg
+from .modelopt import QUANT_METHOD, quantization, recipe_quant_cfg
 
 __all__ = ["PROJECTIONS", "OUTER_SCALE_DENOMINATOR", "INKLING", "InklingForm", "InklingStacked", "stacked_specs",
            "projection_specs", "expert_slices", "slab_slices", "stored_projection", "write_expert", "stack_experts",
@@ -417,14 +417,14 @@ class InklingForm(OutputForm):
     def config_files(self, cfg, layers: dict, weight_only: bool, converter: dict,
                      unquantized: list[str]) -> dict[str, dict]:
         """config.json's `quantization_config` and hf_quant_config.json's `quantization` alike:
-        ModelOpt's MIXED_PRECISION keyed by the original experts modules (its one-format form
-        where every module shares one entry: `one_format`), with the recipe as the first Inkling
-        generation's loaders read it (`modelopt_quant_config`: recipe_quant_cfg);
-        hf_quant_config.json adds a `converter` entry naming who wrote it (docs/formats.md)."""
+        ModelOpt's MIXED_PRECISION keyed by the original experts modules, each entry naming its
+        encoder, with the recipe as the first Inkling generation's loaders read it
+        (`modelopt_quant_config`: recipe_quant_cfg); hf_quant_config.json adds a `converter`
+        entry naming who wrote it. MIXED_PRECISION even for one format: why, docs/formats.md."""
         q = quantization(layers.items(), weight_only, EXCLUDE_MODULES_ORIGINAL, converter.get("encoder", self.encoder))
         if not q["quantized_layers"]:
             return {}
-        q = {**one_format(q), "modelopt_quant_config": {"quant_cfg": recipe_quant_cfg(q["quantized_layers"])}}
+        q["modelopt_quant_config"] = {"quant_cfg": recipe_quant_cfg(q["quantized_layers"])}
         return {CONFIG_NAME: config_with_quantization(cfg.raw, q), HF_QUANT_CONFIG: hf_quant_config(q, converter)}
 
     def expert_specs(self, layout: Layout, weight: str, shape, dtype, fmt, activation_scale: bool) -> dict:

@@ -14,10 +14,11 @@ vLLM's ModelOpt config classes resolve a layer's format from `quantized_layers[<
 from __future__ import annotations
 
 import fnmatch
+import json
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from dataclasses import dataclass
 
@@ -45,18 +46,15 @@ def quantization(module_formats: Iterable[tuple[str, Format]], weight_only: bool
             "quantized_layers": dict(sorted(layers.items(), key=lambda kv: natural_key(kv[0])))}
 
 
-def one_format(q: dict, exclude: list[str] | None = None) -> dict:
+def one_format(q: dict, exclude: list[str]) -> dict:
     """A MIXED_PRECISION `q` whose quantized modules all share one entry, in the form ModelOpt 0.47
     writes for a single format (export/quant_utils.py:780-790: the entry's keys at the top, then
-    the exclusions, no quantized_layers); `q` itself otherwise. `exclude`: the exclusions to
-    write (default: q's own). Engines read that form by its quant_algo alone: SGLang 0.5.23 maps a
-    MIXED_PRECISION config with no NVFP4 layer to w4afp8 (srt/configs/model_config.py
-    `_parse_modelopt_quant_config`), an MXFP8 one to mxfp8."""
+    the exclusions `exclude`, no quantized_layers); `q` itself otherwise."""
     entries = list(q["quantized_layers"].values())
     if not entries or any(e != entries[0] for e in entries):
         return q
     return {"quant_algo": None, "kv_cache_quant_algo": q["kv_cache_quant_algo"], **entries[0],  # ModelOpt's key order
-            "exclude_modules": q["exclude_modules"] if exclude is None else exclude}
+            "exclude_modules": exclude}
 
 
 def summarize_exclusions(unquantized: Iterable[str], quantized: Iterable[str]) -> list[str]:
@@ -72,7 +70,8 @@ def summarize_exclusions(unquantized: Iterable[str], quantized: Iterable[str]) -
     summary: set[str] = set()
     for layer in unquantized:
         found: list[str] = []
-        options = [w for i, ch in enumerate(layer) if ch == "." for w in ([layer[:i] + "*"], [layer[:i], layer[:i] + ".*"])]
+        options = [w for i, ch in enumerate(layer) if ch == "."
+                   for w in ([layer[:i] + "*"], [layer[:i], layer[:i] + ".*"])]
         for wildcards in options + [[layer]]:
             if any(w in negative for w in wildcards):
                 continue
@@ -117,10 +116,10 @@ def quantizer_of(quant_cfg: dict, module: str, kind: str):
 
 
 def modelopt_quantization_config(q: dict) -> dict:
-    """config.json's `quantization_config` exactly as ModelOpt's exporter writes it for a
-    MIXED_PRECISION `q` (hf_quant_config.json's `quantization`): layers grouped by their entry
-    into compressed-tensors `config_groups`, `ignore` from exclude_modules (ModelOpt 0.47
-    export/convert_hf_config.py:236-282)."""
+    """config.json's `quantization_config` exactly as ModelOpt's exporter writes it for `q`
+    (hf_quant_config.json's `quantization`): MIXED_PRECISION layers grouped by their entry into
+    compressed-tensors `config_groups`, `ignore` from exclude_modules (ModelOpt 0.47
+    export/convert_hf_config.py:236-282); a one-format `q` as `_modelopt_one_format_config`."""
     if "quantized_layers" not in q:
         return _modelopt_one_format_config(q)
     by_entry: dict[tuple, list[str]] = {}
@@ -229,7 +228,7 @@ def format_of(q: dict | None, module: str) -> Format | None:
 
 def quantization_problems(q: dict, want: dict[str, dict], key: str,
                           tensor_of: Callable[[str], str] = lambda m: f"{m}.weight",
-                          unquantized: Iterable[str] = ()) -> list[tuple[str | None, str]]:
+                          unquantized: Mapping[str, str] | None = None) -> list[tuple[str | None, str]]:
     """(tensor or None, message) for every way the quantization config `q` (config.json's
     `quantization_config` or hf_quant_config.json's `quantization`, named `key` in messages)
     disagrees with `want` (module -> the `quantized_layers` entry its tensors imply), as vLLM's
@@ -238,7 +237,8 @@ def quantization_problems(q: dict, want: dict[str, dict], key: str,
     ModelOpt 0.47 writes them (export/quant_utils.py:780-790): MIXED_PRECISION, every quantized
     module in `quantized_layers`; or one format's quant_algo (NVFP4, W4A16_NVFP4, MXFP8) with
     `group_size` and exclusions, where every module not excluded is that format, so each of
-    `unquantized` (the Linear modules the tensors leave unquantized) must be excluded. vLLM
+    `unquantized` (module -> the tensor a problem names: the modules the tensors leave
+    unquantized that an engine would quantize) must be excluded. vLLM
     reads the exclusions as `exclude_modules` (hf_quant_config.json) or `ignore` (config.json)."""
     out: list[tuple[str | None, str]] = []
 
@@ -281,9 +281,9 @@ def quantization_problems(q: dict, want: dict[str, dict], key: str,
             hit.add(pat)
             fail(tensor_of(module), f"{key}.{ekey} pattern {pat!r} excludes the "
                    f"quantized module {module!r} (vLLM would load it as BF16)")
-    for module in unquantized if single else ():
+    for module, tensor in (unquantized or {}).items() if single else ():
         if excluded(module) is None:
-            fail(f"{module}.weight", f"{key}.{ekey} does not exclude {module!r}, which the tensors leave "
+            fail(tensor, f"{key}.{ekey} does not exclude {module!r}, which the tensors leave "
                  f"unquantized (vLLM would load it as {algo})")
     if "group_size" in q:  # ModelOpt's top-level group_size is the NVFP4 block (single format: its block)
         fmt = format_for_quant_algo(algo) if single else _NVFP4
@@ -311,12 +311,24 @@ def _check_recipe(fail: Callable[[str | None, str], None], key: str, mq, want: d
         expected = fmt.modelopt_quantizers(algo) if fmt is not None else None
         for kind in expected or ():
             got = quantizer_of(cfg, module, kind)
-            if got != expected[kind]:
+            if _quantizer(got) != _quantizer(expected[kind]):
                 wrong.setdefault((kind, short_repr(got, 200), algo, short_repr(expected[kind], 200)), []).append(module)
     for (kind, got, algo, expected), modules in wrong.items():
         more = f" (and {len(modules) - 1} more modules)" if len(modules) > 1 else ""
         fail(tensor_of(modules[0]), f"{key}.modelopt_quant_config.quant_cfg gives {modules[0]!r}{more} the {kind} "
              f"quantizer {got}; the tensors are {algo}: {expected}")
+
+
+def _quantizer(attrs) -> str | None:
+    """What a quantizer's attributes in a recipe make it, as ModelOpt reads them: None when
+    disabled or absent (no entry: ModelOpt's presets give W4A16_NVFP4 no `*input_quantizer`),
+    else its num_bits and block_sizes (keys as JSON writes them; `enable` defaults to True;
+    `effective_bits`, `axis` and the like do not change the format)."""
+    if not isinstance(attrs, dict) or attrs.get("enable", True) is False:
+        return None
+    blocks = attrs.get("block_sizes")
+    blocks = {str(k): v for k, v in blocks.items()} if isinstance(blocks, dict) else blocks
+    return json.dumps({"num_bits": attrs.get("num_bits"), "block_sizes": blocks}, sort_keys=True, default=str)
 
 
 def _check_layer(fail: Callable[[str | None, str], None], key: str, module: str, tensor: str, entry: dict,
@@ -526,7 +538,10 @@ class ModelOptForm(OutputForm):
         q = quantization(layers.items(), weight_only)
         if not q["quantized_layers"]:
             return {}
+        # the modules ModelOpt put a quantizer on and left off: lm_head's Linear even when tied to
+        # the embedding (no lm_head.weight written; export/quant_utils.py:1635-1715)
         wrapped = [m for m in unquantized if not (isinstance(cfg, Inkling2Config) and m in MODELOPT_UNWRAPPED)]
+        wrapped += [] if "lm_head" in wrapped else ["lm_head"]
         q = one_format(q, summarize_exclusions(wrapped, q["quantized_layers"]))
         hq = modelopt_hf_quant_config(q)
         if converter.get("encoder", self.encoder) != self.encoder:

@@ -504,9 +504,10 @@ _MODELOPT_TENSOR = re.compile(r"model\.language_model\.layers\.(?P<layer>\d+)\.m
 
 
 #: modules of transformers' Inkling 2 that ModelOpt 0.47 puts no quantizer on, so that its one-format
-#: export does not list them as excluded: its QuantModuleRegistry matches nn.Embedding by exact type
-#: (quantization/nn/modules/quant_embedding.py:31) and transformers 5.25's text embedding is the
-#: subclass Inkling2NormedEmbedding (models/inkling2/modeling_inkling2.py:1360)
+#: export does not list them as excluded: its QuantModuleRegistry takes nn.Embedding
+#: (quantization/nn/modules/quant_embedding.py:31) and subclasses that keep its forward
+#: (opt/dynamic.py:930-939), and transformers 5.25's text embedding, Inkling2NormedEmbedding,
+#: overrides forward (models/inkling2/modeling_inkling2.py:1360-1365)
 MODELOPT_UNWRAPPED = ("model.language_model.embed_tokens",)
 
 

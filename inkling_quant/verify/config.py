@@ -5,7 +5,7 @@ the quantization configs to what the scheme prescribes."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Mapping
 
 from ..errors import ConfigError, InklingQuantError, UsageError
 from ..export.modelopt import MIXED_PRECISION, modelopt_quantization_config, quantization_problems
@@ -77,20 +77,21 @@ def _source_format(c: Check, config: dict, path: Path) -> bool:
 
 # ============================================================================ against the tensors
 def check_config(run: Recorder, conf: Conf, weight_only: bool, want: dict[str, dict] | None,
-                 tensor_of: Callable[[str], str] | None = None, unquantized: Iterable[str] = ()) -> None:
+                 tensor_of: Callable[[str], str] | None = None, unquantized: Mapping[str, str] | None = None) -> None:
     """The second half of the `config` check, once the tensors decided `weight_only`: both
     quantization configs list exactly the modules in `want` (experts module -> its
     quantized_layers entry; None: the layout check could not list them), with their algorithm.
     A problem about an experts module names the tensor `tensor_of(module)` (default: the
     Inkling 2 layout's, `named_tensor`). A config of one format (no quantized_layers) must exclude
-    every module in `unquantized` (the Linear modules the tensors leave unquantized)."""
+    every module in `unquantized` (module -> its tensor: what the tensors leave unquantized that
+    an engine would quantize; experts.unquantized)."""
     c = run.report.check("config")
     if not conf.usable or c.status == ERROR:
         return
     if want is None:
         c.figures["tensors"] = "not compared (the layout check could not list them)"
         return
-    run.guard(c, _check, c, conf, weight_only, (want, list(unquantized)), tensor_of or named_tensor)
+    run.guard(c, _check, c, conf, weight_only, (want, dict(unquantized or {})), tensor_of or named_tensor)
 
 
 def check_source_config(run: Recorder, conf: Conf) -> None:

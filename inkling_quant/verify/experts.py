@@ -367,17 +367,27 @@ def quantized_layers(expected: Expected) -> dict[str, dict] | None:
             **{m: get_format(f, source=True).layer_config() for m, f in expected.kept_modules.items()}}
 
 
-def unquantized(expected: Expected) -> list[str]:
-    """The Linear modules the tensors leave unquantized (a pass-through 2D `<module>.weight`,
-    not an embedding's: under a one-format config engines quantize Linear, LM-head and MoE layers
-    only, vLLM 0.33 quantization/modelopt.py:254-264): what a quantization config of one format
-    must exclude."""
-    def embedding(name: str) -> bool:
-        part = expected.layout.part_of(name) if expected.layout is not None else None
-        return part is not None and part.part == "embed"
-    return [n[:-len(".weight")] for n, (shape, _) in expected.tensors.items()
-            if n.endswith(".weight") and len(shape) == 2 and expected.fmt_of[n] == _PASS.name
-            and n[:-len(".weight")] not in expected.kept_modules and not embedding(n)]
+def unquantized(expected: Expected) -> dict[str, str]:
+    """module -> the tensor a problem names, for each module the tensors leave unquantized that a
+    quantization config of one format must exclude, as engines quantize under one (Linear,
+    LM-head and MoE layers only: vLLM 0.33 quantization/modelopt.py:254-264): each pass-through
+    2D `<module>.weight` but an embedding's (per-expert weights among them); the experts module
+    of stacked routed experts passed through; and transformers' `lm_head` where it is tied to
+    the embedding (no lm_head.weight: the engine builds the Linear all the same)."""
+    lay = expected.layout
+    out: dict[str, str] = {}
+    for n, (shape, _) in expected.tensors.items():
+        if expected.fmt_of[n] != _PASS.name:
+            continue
+        part = lay.part_of(n) if lay is not None else None
+        if part is not None and part.part == "expert" and len(shape) > 2:  # stacked [E, ...]
+            out.setdefault(lay.experts_modules[part.layer], n)
+        elif n.endswith(".weight") and len(shape) == 2 and n[:-len(".weight")] not in expected.kept_modules \
+                and (part is None or part.part != "embed"):
+            out.setdefault(n[:-len(".weight")], n)
+    if lay is not None and not lay.original_names and "lm_head.weight" not in expected.tensors:
+        out.setdefault("lm_head", "lm_head.weight")
+    return out
 
 
 def tensor_namer(expected: Expected) -> Callable[[str], str] | None:
