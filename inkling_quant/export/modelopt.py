@@ -322,12 +322,13 @@ def _check_recipe(fail: Callable[[str | None, str], None], key: str, mq, want: d
 def _quantizer(attrs) -> str | None:
     """What a quantizer's attributes in a recipe make it, as ModelOpt reads them: None when
     disabled or absent (no entry: ModelOpt's presets give W4A16_NVFP4 no `*input_quantizer`),
-    else its num_bits and block_sizes (keys as JSON writes them; `enable` defaults to True;
-    `effective_bits`, `axis` and the like do not change the format)."""
+    else its num_bits and block_sizes (scale_bits and type among them; keys as JSON writes them;
+    `enable` defaults to True; `effective_bits`, `axis` and the like do not change the format)."""
     if not isinstance(attrs, dict) or attrs.get("enable", True) is False:
         return None
     blocks = attrs.get("block_sizes")
-    blocks = {str(k): v for k, v in blocks.items()} if isinstance(blocks, dict) else blocks
+    if isinstance(blocks, dict):  # "type" defaults to static in ModelOpt's block_sizes
+        blocks = {str(k): v for k, v in blocks.items() if (k, v) != ("type", "static")}
     return json.dumps({"num_bits": attrs.get("num_bits"), "block_sizes": blocks}, sort_keys=True, default=str)
 
 
@@ -541,7 +542,7 @@ class ModelOptForm(OutputForm):
         # the modules ModelOpt put a quantizer on and left off: lm_head's Linear even when tied to
         # the embedding (no lm_head.weight written; export/quant_utils.py:1635-1715)
         wrapped = [m for m in unquantized if not (isinstance(cfg, Inkling2Config) and m in MODELOPT_UNWRAPPED)]
-        wrapped += [] if "lm_head" in wrapped else ["lm_head"]
+        wrapped += [] if any(m.rsplit(".", 1)[-1] == "lm_head" for m in wrapped) else ["lm_head"]
         q = one_format(q, summarize_exclusions(wrapped, q["quantized_layers"]))
         hq = modelopt_hf_quant_config(q)
         if converter.get("encoder", self.encoder) != self.encoder:

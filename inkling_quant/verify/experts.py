@@ -373,7 +373,7 @@ def unquantized(expected: Expected) -> dict[str, str]:
     LM-head and MoE layers only: vLLM 0.33 quantization/modelopt.py:254-264): each pass-through
     2D `<module>.weight` but an embedding's (per-expert weights among them); the experts module
     of stacked routed experts passed through; and transformers' `lm_head` where it is tied to
-    the embedding (no lm_head.weight: the engine builds the Linear all the same)."""
+    the embedding (no head tensor written: the engine builds the Linear all the same)."""
     lay = expected.layout
     out: dict[str, str] = {}
     for n, (shape, _) in expected.tensors.items():
@@ -385,7 +385,7 @@ def unquantized(expected: Expected) -> dict[str, str]:
         elif n.endswith(".weight") and len(shape) == 2 and n[:-len(".weight")] not in expected.kept_modules \
                 and (part is None or part.part != "embed"):
             out.setdefault(n[:-len(".weight")], n)
-    if lay is not None and not lay.original_names and "lm_head.weight" not in expected.tensors:
+    if lay is not None and lay.lm_head is None:  # tied: no head tensor under any name (layout.LM_HEADS)
         out.setdefault("lm_head", "lm_head.weight")
     return out
 
