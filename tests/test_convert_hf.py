@@ -79,15 +79,20 @@ def test_one_format_equals_modelopt_export(tmp_path, family, scheme):
     _assert_equals_modelopt(out, modelopt)
     assert main(["verify", str(out), "--against", str(src), "--quiet"]) == 0
     if family.endswith("_tied"):  # a tied head left out of the exclusions: vLLM builds it quantized
-        for name, key, excl in (("hf_quant_config.json", "quantization", "exclude_modules"),
-                                ("config.json", "quantization_config", "ignore")):
-            cfg = json.loads((out / name).read_text())
-            cfg[key][excl].remove("lm_head")
-            (out / name).write_text(json.dumps(cfg))
-        (out / "checksums.sha256").unlink()
-        from inkling_quant.verify import verify
-        problems = verify(out, sample=0).check("config").problems
+        problems = _config_problems_without(out, "lm_head")
         assert [p.tensor for p in problems] == ["lm_head.weight"] * 2 and "'lm_head'" in problems[0].message
+
+
+def _config_problems_without(out: Path, module: str) -> list:
+    """verify's `config` problems once both one-format configs of `out` stop excluding `module`."""
+    from inkling_quant.verify import verify
+    for name, key, excl in (("hf_quant_config.json", "quantization", "exclude_modules"),
+                            ("config.json", "quantization_config", "ignore")):
+        cfg = json.loads((out / name).read_text())
+        cfg[key][excl].remove(module)
+        (out / name).write_text(json.dumps(cfg))
+    (out / "checksums.sha256").unlink()
+    return verify(out, sample=0).check("config").problems
 
 
 def test_one_format_lm_head_under_its_own_name(tmp_path):
@@ -102,13 +107,7 @@ def test_one_format_lm_head_under_its_own_name(tmp_path):
     hq = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
     assert "language_model.lm_head" in hq["exclude_modules"] and "lm_head" not in hq["exclude_modules"]
     assert verify(out, against=src, sample=0).ok
-    for name, key, excl in (("hf_quant_config.json", "quantization", "exclude_modules"),
-                            ("config.json", "quantization_config", "ignore")):
-        cfg = json.loads((out / name).read_text())
-        cfg[key][excl].remove("language_model.lm_head")
-        (out / name).write_text(json.dumps(cfg))
-    (out / "checksums.sha256").unlink()
-    problems = verify(out, sample=0).check("config").problems
+    problems = _config_problems_without(out, "language_model.lm_head")
     assert [p.tensor for p in problems] == ["language_model.lm_head.weight"] * 2
 
 
