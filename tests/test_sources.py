@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import sources_reference as ref
+from modelopt_reference import load_export as _out  # every shard's tensors, by name
 from inkling_quant.convert import Options, convert
 from inkling_quant.errors import CheckpointError, ConfigError, FormatError, UsageError
 from inkling_quant.verify import verify
@@ -44,13 +45,6 @@ def sources(tmp_path_factory):
 def _convert(src: Path, out: Path, **kw) -> dict:
     opts = Options(**{"default_activation_amax": AMAX, **kw})
     return convert(str(src), out, opts, quiet=True)
-
-
-def _out(d: Path) -> dict[str, torch.Tensor]:
-    sd = {}
-    for f in sorted(d.glob("*.safetensors")):
-        sd.update(load_file(f))
-    return sd
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
