@@ -309,6 +309,39 @@ def test_buffered_io_same_bytes(tiny_src, converted, tmp_path):
     assert _files(out) == _files(converted)
 
 
+def test_read_buffers_serve_shard_after_shard(tiny_src, converted, tmp_path, monkeypatch):
+    """In one process the read buffers of a finished shard are the next shard's (fresh ones are
+    faulted in and zeroed again), handed on only once its writes are done: the same bytes out,
+    fewer buffers made than with each shard its own, and none by a second conversion."""
+    from inkling_quant.convert import worker
+
+    made = []
+
+    class Counted(worker.TensorBuffer):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    def run(name: str) -> int:
+        made.clear()
+        out = tmp_path / name
+        assert main(["convert", str(tiny_src), str(out), "--default-activation-amax", str(AMAX), "--quiet",
+                     "--workers", "1"]) == 0
+        assert _files(out) == _files(converted)
+        assert len(set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1
+        return len(made)
+
+    monkeypatch.setattr(worker, "TensorBuffer", Counted)
+    monkeypatch.setattr(worker, "_SPARE_SETS", [])
+    monkeypatch.setattr(worker._ReadAhead, "recycle", lambda self: None)
+    each_shard_its_own = run("unshared")
+    monkeypatch.undo()
+    monkeypatch.setattr(worker, "TensorBuffer", Counted)
+    monkeypatch.setattr(worker, "_SPARE_SETS", [])
+    assert 0 < run("shared") < each_shard_its_own
+    assert run("again") == 0 and len(worker._SPARE_SETS) == 1
+
+
 # ----------------------------------------------------------------------------- bad input
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)

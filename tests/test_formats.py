@@ -956,7 +956,7 @@ def test_nvfp4_from_mxfp4_is_modelopts_lossless_cast(case):
 
 @pytest.mark.parametrize("shape", [(300, 256), (130, 160), (256, 384)])
 def test_fp8_block_transcoders_equal_dequantize_then_quantize(shape):
-    """The FP8 block -> NVFP4 / MXFP8 fast paths (bytes decoded per chunk, never an fp32 copy)
+    """The FP8 block -> NVFP4 / MXFP8 fast paths (by table from the bytes, never an fp32 copy)
     are bit for bit quantize(dequantize(...)), with the weight's own or a shared global amax,
     for both encoders, on every e4m3 byte under scales spanning 60 binades (subnormal values)."""
     assert transcode.find("fp8_block", "nvfp4") is transcode.nvfp4_from_fp8_block
@@ -976,3 +976,68 @@ def test_fp8_block_transcoders_equal_dequantize_then_quantize(shape):
         with pytest.raises(FormatError, match="NaN or Inf") as e:
             target.requantize(bad, FP8B, name="m.weight")
         assert e.value.tensor == "m.weight"
+
+
+def fp8_weight_of_many_block_maxima(rows, cols, seed=0):
+    """An FP8 block-scaled weight as DeepSeek's weight_quant makes one (FP8B.quantize) of a
+    Gaussian whose 16-blocks are scaled by 2^U(-10, 0), with outlier rows, all-zero 16-blocks and
+    an all-zero row: each 128x128 tile then holds dozens of distinct block maxima."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g)
+    w *= torch.exp2(-10 * torch.rand(rows, cols // 16, 1, generator=g)).expand(-1, -1, 16).reshape(rows, cols)
+    w[torch.randint(0, rows, (3,), generator=g)] *= 30
+    w.view(rows, cols // 16, 16)[torch.rand(rows, cols // 16, generator=g) < 0.02] = 0
+    w[rows // 2] = 0
+    return FP8B.quantize(w)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fp8_block_transcoder_tables_match_modelopt(mo, threads):
+    """The FP8 -> NVFP4 / MXFP8 paths code each element by a table per (tile, block maximum byte);
+    on weights with many block maxima per tile (more tables in one band than one encoder batch
+    holds: 32 tile columns), zero blocks, -0 bytes and edge tiles of 2 rows and 16 (NVFP4) or 32
+    columns, they equal ModelOpt's NVFP4 and MXFP8 of the exactly dequantized weight and the plain
+    path, both NVFP4 encoders, the weight's own or a shared global amax."""
+    torch.set_num_threads(threads)
+    for shape in ((258, 4096), (130, 400), (130, 416)):
+        st = fp8_weight_of_many_block_maxima(*shape, seed=shape[1])
+        st["weight"].view(U8)[1, :64] = 0x80   # -0 bytes: code 0 under ModelOpt's sign rule, 8 under the release's
+        x = FP8B.dequantize(st)
+        shared = x.abs().amax() * 1.25
+        ours = NVFP4().requantize(st, FP8B, input_amax=3.5)
+        assert_nvfp4_equal(ours, *mo_nvfp4(mo, x))
+        assert_nvfp4_equal(NVFP4().requantize(st, FP8B, global_amax=shared),
+                           *mo_nvfp4(mo, x, (shared / (6.0 * 448.0)).float()))
+        for kw in (dict(encoder="release"), dict(global_amax=shared, encoder="release")):
+            fast, plain = NVFP4().requantize(st, FP8B, **kw), NVFP4().quantize(x, **kw)
+            assert set(fast) == set(plain) and all(torch.equal(_bits(fast[k]), _bits(plain[k])) for k in plain), kw
+        if shape[1] % 32:
+            continue   # MXFP8 takes whole 32-blocks
+        mq, ms = mo[1].quantize(x)
+        mx = MXFP8().requantize(st, FP8B)
+        assert torch.equal(_bits(mx["weight"]), _bits(mq._quantized_data)) and torch.equal(mx["weight_scale"], ms)
+        per_tile = (st["weight"].view(U8)[:128, :128] & 0x7F).reshape(128, 8, 16).amax(-1)
+        assert len(torch.unique(per_tile)) > 40   # many tables in one tile
+
+
+def test_fp8_block_transcoders_refuse_overflow_and_keep_release_amax_of_zeros():
+    """A tile whose values overflow fp32 once scaled (448 x 1e36) is refused as NaN/Inf with a
+    caller-given global amax too (the plain path refuses it); an all-zero weight's release
+    weight_amax is 1, as the plain path writes it."""
+    st = {"weight": torch.zeros(128, 128, dtype=U8), "weight_scale_inv": torch.full((1, 1), 1e36)}
+    st["weight"][3, 5] = 0x7E
+    st["weight"] = st["weight"].view(torch.float8_e4m3fn)
+    for kw in (dict(global_amax=3.0), dict(global_amax=3.0, encoder="release"), {}):
+        with pytest.raises(FormatError, match="NaN or Inf") as e:
+            NVFP4().requantize(st, FP8B, name="m.weight", **kw)
+        assert e.value.tensor == "m.weight"
+        with pytest.raises(FormatError, match="NaN or Inf"):
+            NVFP4().quantize(FP8B.dequantize(st), **kw)
+    zeros = {"weight": torch.zeros(130, 160, dtype=U8).view(torch.float8_e4m3fn),
+             "weight_scale_inv": torch.full((2, 2), 0.5)}
+    stored_zeros = [(FP8B, zeros), (MXFP8(), MXFP8().quantize(torch.zeros(4, 64, dtype=BF)))]
+    for src, stored in stored_zeros:
+        fast = NVFP4().requantize(stored, src, encoder="release")
+        plain = NVFP4().quantize(src.dequantize(stored), encoder="release")
+        assert float(plain["weight_amax"]) == 1.0
+        assert set(fast) == set(plain) and all(torch.equal(_bits(fast[k]), _bits(plain[k])) for k in plain), src.name

@@ -7,9 +7,10 @@ Speed: quantizes the same bf16 tensor (default one routed-expert gate/up project
 for bit, and prints MB/s of bf16 input (best of --repeat runs; the machine is shared, so the best
 run is the one least disturbed). "MB per CPU-second" divides by the process's CPU time instead:
 with T threads on T otherwise idle cores, wall MB/s approaches T times it. Also times ``amax``
-(the extra pass the converter makes for the gate/up shared global scale), and NVFP4 from the
-MXFP8 release (`NVFP4.requantize`, which takes formats/transcode.py's fast path) against
-dequantize + quantize.
+(the extra pass the converter makes for the gate/up shared global scale), and the paths from
+quantized sources' bytes (`Format.requantize`, which takes formats/transcode.py's fast paths:
+NVFP4 from the MXFP8 release; NVFP4 and MXFP8 from an FP8 block-scaled weight, and its checks)
+against dequantize + quantize.
 
     python tools/bench_formats.py                      # 2 threads, both formats
     python tools/bench_formats.py --threads 1 --rows 1024
@@ -32,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inkling_quant.formats import FORMATS, transcode  # noqa: E402
+from inkling_quant.formats import FORMATS, SOURCE_FORMATS, transcode  # noqa: E402
 from inkling_quant.formats.nvfp4 import amax as tensor_amax  # noqa: E402
 
 
@@ -120,22 +121,27 @@ def speed(args) -> None:
 
 
 def requantize_speed(w: torch.Tensor, mb: float, repeat: int) -> None:
-    """NVFP4 of the weight an MXFP8 release stores: read from its bytes (`NVFP4.requantize`, the
-    converter's path: transcode.nvfp4_from_mxfp8) against dequantizing to fp32 and quantizing
-    that; MB/s of the bf16 weight."""
-    nv, mx = FORMATS["nvfp4"], FORMATS["mxfp8"]
-    if transcode.find(mx, nv) is None:
-        raise SystemExit("no fast path from mxfp8 to nvfp4 is registered (formats/transcode.py)")
-    stored = mx.quantize(w)
-    fused, plain = nv.requantize(stored, mx), nv.quantize(mx.dequantize(stored))
-    same = all(torch.equal(fused[k].reshape(-1).view(torch.uint8), plain[k].reshape(-1).view(torch.uint8))
-               for k in plain) and set(fused) == set(plain)
-    t_fused = best_of(lambda: nv.requantize(stored, mx), repeat)
-    t_plain = best_of(lambda: nv.quantize(mx.dequantize(stored)), repeat)
-    print(f"{'mxfp8->nvfp4':<8} ours {mb / t_fused:9.1f} MB/s   dequantize + quantize {mb / t_plain:8.1f} MB/s"
-          f"   x{t_plain / t_fused:5.1f}   bit-identical: {same}")
-    if not same:
-        raise SystemExit("NVFP4.requantize differs from quantizing the dequantized weight")
+    """The converter's paths from a quantized source's bytes (`Format.requantize`, which takes
+    formats/transcode.py's fast path): NVFP4 of the weight an MXFP8 release stores, NVFP4 and MXFP8
+    of it stored FP8 block-scaled (DeepSeek-V3's weight_quant), each against dequantizing to fp32
+    and quantizing that; and the FP8 checks the converter runs first (`FP8Block.check_stored`).
+    MB/s of the bf16 weight."""
+    fp8 = SOURCE_FORMATS["fp8_block"]
+    for src, dst in ((FORMATS["mxfp8"], FORMATS["nvfp4"]), (fp8, FORMATS["nvfp4"]), (fp8, FORMATS["mxfp8"])):
+        if transcode.find(src, dst) is None:
+            raise SystemExit(f"no fast path from {src.name} to {dst.name} is registered (formats/transcode.py)")
+        stored = src.quantize(w)
+        fused, plain = dst.requantize(stored, src), dst.quantize(src.dequantize(stored))
+        same = all(torch.equal(fused[k].reshape(-1).view(torch.uint8), plain[k].reshape(-1).view(torch.uint8))
+                   for k in plain) and set(fused) == set(plain)
+        t_fused = best_of(lambda: dst.requantize(stored, src), repeat)
+        t_plain = best_of(lambda: dst.quantize(src.dequantize(stored)), repeat)
+        print(f"{src.name + '->' + dst.name:<16} ours {mb / t_fused:9.1f} MB/s   dequantize + quantize "
+              f"{mb / t_plain:8.1f} MB/s   x{t_plain / t_fused:5.1f}   bit-identical: {same}")
+        if not same:
+            raise SystemExit(f"{dst.name}.requantize differs from quantizing the dequantized weight")
+    stored = fp8.quantize(w)
+    print(f"{'fp8_block checks':<16} ours {mb / best_of(lambda: fp8.check_stored(stored), repeat):9.1f} MB/s")
 
 
 def errors(args) -> None:

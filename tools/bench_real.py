@@ -13,9 +13,10 @@ row-interleaved experts w13 [E, 4608, 4608] and w2 [E, 4608, 2304] bf16, fewer l
   passthrough  pass-through-heavy, default 2 layers x 1 expert (1.2 GB, 10 % experts);
   fp8          an FP8 block-scaled source in DeepSeek-V3's layout at its real shapes (hidden 7168, expert
                width 2048, its MLA attention, one shared expert; `weight` e4m3 + `weight_scale_inv`
-               fp32 per 128x128 tile, config quant_method fp8), default 2 layers x 32 experts
-               (3.2 GB, 88 % routed experts; vocab 8192): its copy floor against ``default`` (FP8
-               experts -> NVFP4/MXFP8, the rest kept FP8);
+               fp32 per 128x128 tile, as DeepSeek's weight_quant stores Gaussian weights; config
+               quant_method fp8), default 2 layers x 32 experts (3.5 GB, 80 % routed experts; vocab
+               8192): its copy floor against ``default`` (FP8 experts -> NVFP4/MXFP8, the rest kept
+               FP8);
   sweep        peak RSS of ``convert --scheme default`` on 1 layer with experts grown to ~1, 2, 4 and
                8 GB of input (--sweep-gb, --max-gb).
 
@@ -44,7 +45,7 @@ the baseline (cases alternate within a run: a busy moment hits them all).
 ``--baseline DIR`` (a checkout of another revision, e.g. ``git worktree add DIR REV``) adds, on the
 expert-heavy input, ``convert --scheme default`` and ``verify --against`` (of a default conversion
 made once, untimed) run by that checkout's inkling_quant, alternating with ours: a change's cost,
-side by side in one run (targets: within 5 %).
+side by side in one run (targets: within 5 %); on the FP8 input, its ``default`` and ``mxfp8``.
 """
 from __future__ import annotations
 
@@ -81,8 +82,9 @@ def _child_cli(spec: dict) -> dict:
     sys.path.insert(0, spec.get("root", str(ROOT)))  # a --baseline case: that checkout's inkling_quant
     import importlib
 
+    from inkling_quant import cli      # first, as the console script: it sets the environment torch reads
+
     importlib.import_module("torch")  # before the clock starts (every command imports it)
-    from inkling_quant import cli
 
     cli.build_parser(spec["argv"][0])  # imports the command's module
     c0, t0 = cpu_s(), time.perf_counter()
@@ -126,9 +128,12 @@ def _child_fp8_input(spec: dict) -> dict:
     """A DeepSeek-V3 FP8 block-scaled checkpoint at its real shapes (deepseek-ai/DeepSeek-V3
     inference/configs/config_671B.json: hidden 7168, expert width 2048, MLA q_lora 1536, kv_lora
     512, 128 heads), spec['layers'] MoE layers of spec['experts'] routed experts and one shared
-    expert, vocab 8192: every Linear weight random e4m3 bytes (no NaN) with a float32
-    `weight_scale_inv` per 128x128 tile (U(1e-4, 1e-2)); norms, router, embedding and LM head
-    bf16. Shards of about spec['shard_size'] bytes and an index. Returns its stats."""
+    expert, vocab 8192: every Linear weight as DeepSeek's weight_quant stores a trained one (e4m3
+    bytes, a float32 `weight_scale_inv` per 128x128 tile: inkling_quant's FP8Block.quantize) of a
+    Gaussian with 1 % of rows x8 (four such weights per shape, each tensor a copy of one: their
+    block maxima, which the FP8 -> NVFP4 / MXFP8 tables are keyed by, vary as a real weight's do);
+    norms, router, embedding and LM head bf16. Shards of about spec['shard_size'] bytes and an
+    index. Returns its stats."""
     sys.path.insert(0, str(ROOT))
     import torch
     from safetensors.torch import save_file
@@ -138,11 +143,18 @@ def _child_fp8_input(spec: dict) -> dict:
     L, E, H, I = spec["layers"], spec["experts"], 7168, 2048
     gen = torch.Generator().manual_seed(0)
 
+    from inkling_quant.formats import SOURCE_FORMATS
+    pool: dict[tuple[int, int], list[dict]] = {}
+
     def fp8(name, rows, cols):
-        q = torch.randint(0, 255, (rows, cols), generator=gen, dtype=torch.int32).to(torch.uint8)
-        q[(q & 0x7F) == 0x7F] ^= 1                                   # no NaN byte
-        s = torch.rand((-(-rows // 128), -(-cols // 128)), generator=gen) * 0.0099 + 1e-4
-        return {name: q.view(torch.float8_e4m3fn), name + "_scale_inv": s}
+        if (rows, cols) not in pool:
+            pool[(rows, cols)] = []
+            for _ in range(4):
+                w = torch.randn(rows, cols, generator=gen) * cols ** -0.5
+                w[torch.randint(0, rows, (max(1, rows // 100),), generator=gen)] *= 8
+                pool[(rows, cols)].append(SOURCE_FORMATS["fp8_block"].quantize(w))
+        st = pool[(rows, cols)][int(torch.randint(0, 4, (), generator=gen))]
+        return {name: st["weight"].clone(), name + "_scale_inv": st["weight_scale_inv"].clone()}
 
     def bf16(name, *shape):
         return {name: (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)}
@@ -212,15 +224,18 @@ CP = ("cp", "cp -r + sha256sum", "cp -r {src} {out} && sha256sum {out}/*.safeten
 VERIFY = ["verify", "{converted}", "--against", "{src}", "--quiet"]
 
 
+def beside_baseline(cases: list[dict], ids: tuple[str, ...], root: str | None) -> list[dict]:
+    """`cases`, each of `ids` followed at once by the --baseline checkout's run of it, if there is one
+    (adjacent: the same disk state for both)."""
+    return [c2 for c in cases for c2 in [c] + ([{**c, "id": f"{c['id']}@baseline", "label": f"{c['label']} (baseline)",
+                                                 "root": root}] if root and c["id"] in ids else [])]
+
+
 def with_baseline(cases: list[dict], cli, root: str) -> list[dict]:
-    """`cases` plus verify --against, each of convert --scheme default and verify followed at once by the
-    --baseline checkout's run of it (adjacent: the same disk state for both)."""
-    out = []
-    for c in cases + [cli("verify", "verify --against (of the default conversion)", VERIFY)]:
-        out.append(c)
-        if c["id"] in ("default", "verify"):
-            out.append({**c, "id": f"{c['id']}@baseline", "label": f"{c['label']} (baseline)", "root": root})
-    return out
+    """`cases` plus verify --against, each of convert --scheme default and verify beside the --baseline
+    checkout's run of it."""
+    return beside_baseline(cases + [cli("verify", "verify --against (of the default conversion)", VERIFY)],
+                           ("default", "verify"), root)
 
 
 def plan_cases(args, peer: bool) -> dict[str, list[dict]]:
@@ -244,9 +259,10 @@ def plan_cases(args, peer: bool) -> dict[str, list[dict]]:
         + (mo if not args.skip_modelopt else []) + lc,
         "release": [cli("none", "convert --scheme none (the release's copy floor)"),
                     cli("default", "convert --scheme default (MXFP8 release -> default)"), shell],
-        "fp8": [cli("none", "convert --scheme none (the FP8 source's copy floor)"),
-                cli("default", "convert --scheme default (FP8 source -> default)"),
-                cli("mxfp8", "convert --scheme mxfp8 (FP8 source -> MXFP8)"), shell],
+        "fp8": beside_baseline([cli("none", "convert --scheme none (the FP8 source's copy floor)"),
+                                cli("default", "convert --scheme default (FP8 source -> default)"),
+                                cli("mxfp8", "convert --scheme mxfp8 (FP8 source -> MXFP8)")], ("default", "mxfp8"),
+                               args.baseline) + [shell],
         "passthrough": ours + [shell,
                                cli("draft", "draft extract", ["draft", "extract", "{src}", "{out}", "--quiet"],
                                    bytes_="draft"),
@@ -442,7 +458,7 @@ def parse_args(argv):
     p.add_argument("--inputs", default="experts,release,passthrough,fp8,sweep",
                    help="which inputs to run (comma list; default all)")
     p.add_argument("--fp8-input", default="2,32", metavar="LAYERS,EXPERTS",
-                   help="the FP8 block-scaled source (DeepSeek-V3 shapes; default 2,32: 3.2 GB, 88%% routed experts)")
+                   help="the FP8 block-scaled source (DeepSeek-V3 shapes; default 2,32: 3.5 GB, 80%% routed experts)")
     p.add_argument("--sweep-gb", default="1,2,4,8", help="RSS sweep input sizes, GB")
     p.add_argument("--max-gb", type=float, default=8.0, help="leave out sweep sizes above this")
     p.add_argument("--sweep-layers", type=int, default=1, help="layers of the sweep inputs (1: 0.92 GB without experts)")

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+# Before torch loads libgomp: its OpenMP threads otherwise spin after every parallel torch op
+# (e.g. a check over an MXFP8 scale tensor), taking cores from the converter's own reader, kernel
+# and writer threads; sleeping instead cost 1.3 CPU-s less of 6.4 on an FP8 -> MXFP8 conversion
+# (docs/benchmarks.md). A caller's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .. import __version__
 from ..errors import InklingQuantError, printable

@@ -88,6 +88,7 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
             finally:
                 busy["read"] = steps.close()
                 io.shutdown(wait=True)  # never close the file under a running write
+                steps.recycle()         # no write uses the read buffers any more
             # No fsync per shard: O_DIRECT bytes are already on the device and buffered ones
             # survive a kill -9 in the page cache; --resume re-hashes every recorded shard anyway,
             # and finalize fsyncs all shards once (sizes, metadata) before the index exists.
@@ -111,15 +112,23 @@ class _Step:
     compute: Callable[[list[torch.Tensor]], Outputs]
 
 
+_SPARE_SETS: list[list[list[TensorBuffer]]] = []   # read buffers of finished shards, for the next
+_SPARE_LOCK = threading.Lock()
+
+
 class _ReadAhead:
     """Iterates (step, tensors read) with the reads of the next step already under way on a
     reader thread, one step queued at most. The buffer sets cycle through STAGES so that a set is
     reused only once the write of the step that used it has finished (convert_shard waits for
-    each write before submitting the next). An error of the reader is raised to the consumer."""
+    each write before submitting the next). An error of the reader is raised to the consumer.
+    The sets are a finished shard's where there is one (`recycle`): fresh ones would have every
+    page faulted in and zeroed again, shard after shard (seconds per GB on some VMs)."""
 
     _DONE = object()
 
     def __init__(self, steps: Iterator[_Step]):
+        with _SPARE_LOCK:
+            self._sets = _SPARE_SETS.pop() if _SPARE_SETS else [[] for _ in range(STAGES)]
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._cancel = threading.Event()
         self.seconds = 0.0  # busy reading
@@ -127,7 +136,7 @@ class _ReadAhead:
         self._thread.start()
 
     def _run(self, steps: Iterator[_Step]) -> None:
-        sets = itertools.cycle([[] for _ in range(STAGES)])  # each grows to the most reads of a step
+        sets = itertools.cycle(self._sets)  # each grows to the most reads of a step
         try:
             for step in steps:
                 bufs = next(sets)
@@ -166,6 +175,12 @@ class _ReadAhead:
         self._cancel.set()
         self._thread.join(timeout=5)
         return self.seconds
+
+    def recycle(self) -> None:
+        """Hand the buffers on to the next shard: call once nothing reads or writes them."""
+        if not self._thread.is_alive():  # else a late read may still fill one
+            with _SPARE_LOCK:
+                _SPARE_SETS.append(self._sets)
 
 
 def _job_steps(job: ShardJob, sources: ShardReaders, device: str, tallies: tuple[dict, dict],

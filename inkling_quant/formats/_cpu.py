@@ -3,6 +3,7 @@ the thread pool that runs chunks of whole blocks, and per-thread scratch buffers
 formats/: nothing here is a format rule."""
 from __future__ import annotations
 
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -107,14 +108,17 @@ def _run_chunks(fn: Callable[[int, int], object], n_items: int, unit: int, units
 
 
 def _buf(key: str, shape: tuple[int, ...], dtype) -> np.ndarray:
-    """A per-thread scratch array, reused across calls (grown when needed)."""
+    """A per-thread scratch array of `shape`, reused across calls: a view of a flat buffer that
+    only grows, so that calls alternating between sizes (an expert's w13 and w2) reuse the pages
+    they touched instead of faulting in fresh ones."""
     d = getattr(_TLS, "bufs", None)
     if d is None:
         d = _TLS.bufs = {}
+    size = math.prod(shape)
     a = d.get(key)
-    if a is None or a.shape != shape or a.dtype != dtype:
-        a = d[key] = np.empty(shape, dtype)
-    return a
+    if a is None or a.dtype != dtype or a.size < size:
+        a = d[key] = np.empty(size, dtype)
+    return a[:size].reshape(shape)
 
 
 # float8_e4m3fn byte -> its fp32 value (exact), the kernels' table

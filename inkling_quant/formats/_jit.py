@@ -345,83 +345,183 @@ def mxfp8_amax_by_scale(q, e8, e4m3_values, levels):
 
 # ============================================================================ FP8 block-scaled sources
 @_jit
-def fp8_tile_max(q, n, out):
+def fp8_tile_max(q, n, out, acc):
     """out[r // 128, c // 128] = the largest magnitude byte (sign cleared; 0x7F is NaN, the
-    largest) of the e4m3 bytes q of an [m, n] weight (q flat, row-major), per 128x128 tile:
-    the maxima of each row's 128-byte runs. out: uint8 [ceil(m/128), ceil(n/128)], zeroed."""
+    largest) of the e4m3 bytes q of an [m, n] weight (q flat, row-major), per 128x128 tile: per
+    band of 128 rows each column's maximum over the band (acc: uint8 [n]; a flat loop over a row,
+    which vectorizes), then the maximum of each 128 columns. out: uint8 [ceil(m/128), ceil(n/128)]."""
     m = q.size // n if n else 0
-    gn = out.shape[1]
-    for r in range(m):
-        row = out[r >> 7]
-        base = r * n
-        for j in range(gn):
-            lo, hi = j * 128, min(n, j * 128 + 128)
+    for g in range(out.shape[0]):
+        for c in range(n):
+            acc[c] = 0
+        for r in range(g * 128, min(m, g * 128 + 128)):
+            row = q[np.uint64(r * n): np.uint64(r * n + n)]
+            for c in range(n):
+                acc[c] = max(acc[c], row[c] & np.uint8(0x7F))
+        grid = out[g]
+        for j in range(out.shape[1]):
             t = np.uint8(0)
-            for k in range(lo, hi):
-                t = max(t, q[np.uint64(base + k)] & np.uint8(0x7F))
-            row[j] = max(row[j], t)
+            for c in range(j * 128, min(n, j * 128 + 128)):
+                t = max(t, acc[c])
+            grid[j] = t
 
 
 @_jit
-def scaled_e4m3(q, factor, per, e4m3_values, tmp, top, x):
-    """Decode e4m3 bytes q scaled by one fp32 factor per `per` elements (a 16- or 32-block of an
-    FP8 block-scaled weight: its tile's scale) into x, and each block's maximum |x| into top as
-    fp32 bits: from its largest magnitude byte times its factor (exact: a positive factor keeps
-    the bytes' order). Returns NONFINITE for a NaN byte or a non-finite factor."""
-    top8 = byte_block_max(q, tmp, top.size)
+def _band_slots(qb, n, per, top8, block_slot, slot, slot_tile, slot_top, tmp):
+    """Which tables one band of an FP8 block-scaled weight needs (qb: the bytes of its rows;
+    blocks of `per` elements, 16 or 32, each inside one 128x128 tile): each block's largest
+    magnitude byte into top8 (row by row), and one slot per (tile column, largest byte) pair that occurs,
+    numbered in order of first occurrence: slot[column * 128 + byte] (-1: none), slot_tile and
+    slot_top its column and byte, block_slot each block's. Returns the number of slots, or -1 if
+    a byte is NaN."""
+    nbr, gn = n // per, (n + 127) // 128
+    rows = qb.size // n
+    for r in range(rows):
+        tops = byte_block_max(qb[np.uint64(r * n): np.uint64(r * n + n)], tmp, nbr)
+        dst = top8[np.uint64(r * nbr): np.uint64(r * nbr + nbr)]
+        for b in range(nbr):
+            dst[b] = tops[b]
+    if top8[: rows * nbr].max() == 0x7F:
+        return -1
+    for i in range(gn * 128):
+        slot[i] = -1
+    k = 0
+    for r in range(rows):
+        tops = top8[np.uint64(r * nbr): np.uint64(r * nbr + nbr)]
+        for b in range(nbr):
+            key = ((b * per) >> 7) * 128 + tops[b]
+            if slot[key] < 0:
+                slot[key], slot_tile[k], slot_top[k] = k, (b * per) >> 7, tops[b]
+                k += 1
+            block_slot[r * nbr + b] = slot[key]
+    return k
+
+
+@_jit
+def nvfp4_from_fp8_bands(q, n, factor, s2, rel, e4m3_values, packed, scale, top8, block_slot, slot, slot_tile, slot_top, tmp,
+                         table, slot_scale, top, pbs, d, dd, codes, x, enc_scale, enc_packed):
+    """nvfp4_blocks of the fp32 weight an FP8 block-scaled weight's bytes hold (q: e4m3 bytes of
+    whole 128-row bands of an [m, n] weight, flat; factor: their tiles' fp32 scales, [bands, gn]
+    flat), by table. Every 16-block lies in one 128x128 tile, so each of its codes is a function of
+    its byte, its tile's factor, s2 and the block's largest magnitude byte t (which fixes its
+    maximum e4m3(t) * factor, hence its scale and divisor). Per band: for each (tile column, t)
+    pair that occurs (_band_slots) a table of the codes of all 256 bytes, made by nvfp4_encode
+    itself, then each element one lookup. A table is encoded from the 128 negative values: a
+    code's magnitude does not depend on the sign (fp32 rounding is symmetric), so a positive byte
+    takes the magnitude bits and a negative one the code with the sign bit the encoder gave it
+    (ModelOpt's: off where the quotient is 0). Tables are encoded a batch at a time (enc_scale.size
+    // 8 of them), in the scratch of nvfp4_encode (top, pbs, d: a batch's blocks; dd, codes, x: its
+    values; enc_packed: its packed bytes). Scratch per band: _band_slots' (top8, block_slot, slot,
+    slot_tile, slot_top, tmp), table (uint8, 256 per slot), slot_scale (one per slot)."""
+    nbr, gn = n // 16, (n + 127) // 128
+    per_batch = enc_scale.size // 8
     amax = top.view(np.float32)
-    for b in range(top.size):
-        amax[b] = e4m3_values[top8[b]] * factor[b]
-    if top.max() >= _INF_BITS:
-        return NONFINITE
-    shift = 4 if per == 16 else 5
-    for i in range(x.size):
-        x[i] = e4m3_values[q[i]] * factor[i >> shift]
+    for g in range(0, (q.size // n + 127) // 128 if n else 0):
+        qb = q[np.uint64(g * 128 * n): np.uint64(min(q.size, (g + 1) * 128 * n))]
+        k = _band_slots(qb, n, 16, top8, block_slot, slot, slot_tile, slot_top, tmp)
+        if k < 0:
+            return NONFINITE
+        fg = factor[np.uint64(g * gn): np.uint64(g * gn + gn)]
+        for k0 in range(0, k, per_batch):
+            kn = min(per_batch, k - k0)
+            for j in range(kn):
+                f = fg[slot_tile[k0 + j]]
+                bm = e4m3_values[slot_top[k0 + j]] * f
+                if not bm < np.inf:   # the block's values overflow fp32 (every block has a slot)
+                    return NONFINITE
+                for b in range(8):
+                    amax[j * 8 + b] = bm
+                xr = x[np.uint64(j * 128): np.uint64(j * 128 + 128)]
+                for i in range(128):
+                    xr[i] = e4m3_values[128 + i] * f
+            status = nvfp4_encode(x[: kn * 128], top[: kn * 8], s2, rel, e4m3_values, enc_packed[: kn * 64],
+                                  enc_scale[: kn * 8], pbs[: kn * 8], d[: kn * 8], dd[: kn * 128], codes[: kn * 128])
+            if status != OK:
+                return status
+            for j in range(kn):
+                slot_scale[k0 + j] = enc_scale[j * 8]
+                c = codes[np.uint64(j * 128): np.uint64(j * 128 + 128)]
+                t = table[np.uint64((k0 + j) * 256): np.uint64((k0 + j) * 256 + 256)]
+                for i in range(128):
+                    t[i] = np.uint8(c[i] & np.uint32(7))
+                    t[128 + i] = np.uint8(c[i])
+        pb = packed[np.uint64(g * 128 * n // 2): np.uint64(g * 128 * n // 2 + qb.size // 2)]
+        sb = scale[np.uint64(g * 128 * nbr): np.uint64(g * 128 * nbr + qb.size // 16)]
+        for blk in range(sb.size):
+            sb[blk] = slot_scale[block_slot[blk]]
+        for i in range(pb.size):   # a packed byte: two codes of one block
+            t = np.uint64(block_slot[i >> 3]) * np.uint64(256)
+            pb[i] = table[t + qb[2 * i]] | (table[t + qb[2 * i + 1]] << np.uint8(4))
     return OK
 
 
 @_jit
-def nvfp4_from_e4m3(q, factor, s2, rel, e4m3_values, packed, scale, tmp, top, pbs, d, dd, codes, x):
-    """nvfp4_blocks of the fp32 weight scaled e4m3 bytes hold (one factor per 16-block), read once:
-    scaled_e4m3 into a cache-sized scratch, then nvfp4_encode. In chunks of top.size blocks."""
-    M = top.size
-    for b0 in range(0, scale.size, M):
-        m = min(M, scale.size - b0)
-        a, n = b0 * 16, m * 16
-        if scaled_e4m3(q[a: a + n], factor[b0: b0 + m], 16, e4m3_values, tmp[:n], top[:m], x[:n]) != OK:
+def fp8_band_maxima(q, n, per, factor, e4m3_values, amax, counts, top8, block_slot, slot, slot_tile, slot_top, tmp):
+    """For each band of 128 rows of q (e4m3 bytes of an [m, n] weight, flat; factor: its tiles'
+    fp32 scales, [bands, gn] flat) and blocks of `per`: its slots (_band_slots) and each one's
+    maximum e4m3(t) * factor (exact: a positive factor keeps the bytes' order) into amax[band,
+    :k], k into counts[band]. NONFINITE for a NaN byte or a maximum past fp32."""
+    gn = (n + 127) // 128
+    for g in range(counts.size):
+        qb = q[np.uint64(g * 128 * n): np.uint64(min(q.size, (g + 1) * 128 * n))]
+        k = _band_slots(qb, n, per, top8, block_slot, slot, slot_tile, slot_top, tmp)
+        if k < 0:
             return NONFINITE
-        status = nvfp4_encode(x[:n], top[:m], s2, rel, e4m3_values, packed[a // 2: (a + n) // 2], scale[b0: b0 + m],
-                              pbs[:m], d[:m], dd[:n], codes[:n])
-        if status != OK:
-            return status
+        fg, row = factor[np.uint64(g * gn): np.uint64(g * gn + gn)], amax[g]
+        for j in range(k):
+            row[j] = e4m3_values[slot_top[j]] * fg[slot_tile[j]]
+            if not row[j] < np.inf:
+                return NONFINITE
+        counts[g] = k
     return OK
 
 
 @_jit
-def e4m3_block_amax(q, factor, per, e4m3_values, tmp, out):
-    """out[b] = max |x| of each `per`-block of the scaled e4m3 bytes (scaled_e4m3's maxima alone),
-    as fp32; NaN or Inf where one is held. Chunks of tmp.size // per blocks."""
-    M = tmp.size // per
-    for b0 in range(0, out.size, M):
-        m = min(M, out.size - b0)
-        top8 = byte_block_max(q[b0 * per: (b0 + m) * per], tmp[: m * per], m)
-        for b in range(m):
-            out[b0 + b] = e4m3_values[top8[b]] * factor[b0 + b]
-
-
-@_jit
-def mxfp8_from_e4m3(q, factor, e4m3_values, scale, out, tmp, top, u, f):
-    """MXFP8 (exponents given in `scale`: ModelOpt's rule of each block's amax, taken by the
-    caller) of the fp32 weight scaled e4m3 bytes hold, one factor per 32-block, in chunks of
-    top.size blocks: decoded into u's scratch (as fp32), then mxfp8_encode."""
-    M = top.size
-    for b0 in range(0, scale.size, M):
-        m = min(M, scale.size - b0)
-        a, n = b0 * 32, m * 32
-        if scaled_e4m3(q[a: a + n], factor[b0: b0 + m], 32, e4m3_values, tmp[:n], top[:m],
-                       u[:n].view(np.float32)) != OK:
+def mxfp8_from_fp8_bands(q, n, factor, slot_e8, e4m3_values, out, e8, top8, block_slot, slot, slot_tile, slot_top, tmp,
+                         table,
+                         u, scale, fb, f, enc):
+    """MXFP8 (ModelOpt's rule) of the fp32 weight an FP8 block-scaled weight's bytes hold (q,
+    factor as in nvfp4_from_fp8_bands), by table: a 32-block's bytes are a function of its bytes,
+    its tile's factor and its exponent, itself a function of its maximum e4m3(t) * factor; so per
+    (tile column, t) pair of a band (_band_slots, in the order fp8_band_maxima found them, whose
+    maxima give slot_e8[band, slot]: the exponents) mxfp8_encode itself makes the bytes of all 256
+    values, then each element is one lookup and each block's exponent (e8) its slot's. It encodes
+    the 128 positive values: a negative value's byte is its magnitude's with the sign bit set (the
+    encoder's: the e4m3 byte of |x| scaled, or'ed with x's sign). Tables are made a batch at a
+    time (scale.size // 4 of them) in mxfp8_encode's scratch (u: the values' fp32 bits, f: one per
+    value, enc: their bytes; scale and fb: one per 32 of them). Other scratch as in
+    nvfp4_from_fp8_bands."""
+    nbr, gn = n // 32, (n + 127) // 128
+    per_batch = scale.size // 4
+    x = u.view(np.float32)
+    for g in range(slot_e8.shape[0]):
+        qb = q[np.uint64(g * 128 * n): np.uint64(min(q.size, (g + 1) * 128 * n))]
+        k = _band_slots(qb, n, 32, top8, block_slot, slot, slot_tile, slot_top, tmp)
+        if k < 0:
             return NONFINITE
-        mxfp8_encode(u[:n], scale[b0: b0 + m], out[a: a + n], top[:m], f[:n])
+        fg, exps = factor[np.uint64(g * gn): np.uint64(g * gn + gn)], slot_e8[g]
+        for k0 in range(0, k, per_batch):
+            kn = min(per_batch, k - k0)
+            for j in range(kn):
+                f0 = fg[slot_tile[k0 + j]]
+                for b in range(4):
+                    scale[j * 4 + b] = exps[k0 + j]
+                xr = x[np.uint64(j * 128): np.uint64(j * 128 + 128)]
+                for i in range(128):
+                    xr[i] = e4m3_values[i] * f0
+            mxfp8_encode(u[: kn * 128], scale[: kn * 4], enc[: kn * 128], fb[: kn * 4], f[: kn * 128])
+            for j in range(kn):
+                e = enc[np.uint64(j * 128): np.uint64(j * 128 + 128)]
+                t = table[np.uint64((k0 + j) * 256): np.uint64((k0 + j) * 256 + 256)]
+                for i in range(128):
+                    t[i] = e[i]
+                    t[128 + i] = e[i] | np.uint8(0x80)
+        ob = out[np.uint64(g * 128 * n): np.uint64(g * 128 * n + qb.size)]
+        eb = e8[np.uint64(g * 128 * nbr): np.uint64(g * 128 * nbr + qb.size // 32)]
+        for blk in range(eb.size):
+            eb[blk] = exps[block_slot[blk]]
+        for i in range(ob.size):
+            ob[i] = table[np.uint64(block_slot[i >> 5]) * np.uint64(256) + qb[i]]
     return OK
 
 

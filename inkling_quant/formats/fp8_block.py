@@ -59,7 +59,7 @@ import torch
 
 from ..errors import FormatError
 from . import _jit
-from ._cpu import _E4M3_TO_F32, _check_dtype, _nonfinite, _run_chunks, _where
+from ._cpu import _E4M3_TO_F32, _buf, _check_dtype, _nonfinite, _run_chunks, _where
 from .base import MIN_INVERTIBLE_SCALE, Format, OutSpec
 
 __all__ = ["FP8Block", "TILE", "E4M3_MAX", "SCALE_SUFFIX", "MODELOPT_SCALE", "QUANT_ALGO", "SCALE_DTYPES", "tile_max",
@@ -104,9 +104,9 @@ def tile_max(w: torch.Tensor) -> torch.Tensor:
     out = np.zeros((*lead, gm, -(-n // TILE)), dtype=np.uint8)
     flat = w.contiguous().view(torch.uint8).reshape(-1, m * n).numpy()
     grids = out.reshape(-1, *out.shape[-2:])
-    for i in range(flat.shape[0]):  # rows of tiles in turn on the threads (_cpu._run_chunks)
-        _run_chunks(lambda t0, t1, q=flat[i], g=grids[i]: _jit.fp8_tile_max(q[t0 * TILE * n: t1 * TILE * n], n,
-                                                                              g[t0:t1]), gm, 1, 4)
+    for i in range(flat.shape[0]):  # bands of tiles in turn on the threads (_cpu._run_chunks)
+        _run_chunks(lambda t0, t1, q=flat[i], g=grids[i]: _jit.fp8_tile_max(
+            q[t0 * TILE * n: t1 * TILE * n], n, g[t0:t1], _buf("fp8:acc", (n,), np.uint8)), gm, 1, 4)
     return torch.from_numpy(out)
 
 

@@ -223,6 +223,12 @@ def release_rule(amax: np.float32, den: float, name: str) -> np.ndarray:
     return np.array([a, d, k], dtype=np.float32)
 
 
+def release_weight_amax(amax, device="cpu") -> torch.Tensor:
+    """The release rule's stored ``weight_amax`` for a global amax: the amax itself, but 1 for an
+    all-zero tensor, as its weight_scale_2 (_global_scale): a scale, never 0."""
+    return torch.tensor(amax if amax != 0 else np.float32(1.0), dtype=torch.float32, device=device)
+
+
 def _nvfp4_cpu(w: torch.Tensor, s2: torch.Tensor, rel: np.ndarray, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed uint8 [numel/2], scale uint8 [numel/16]) for a contiguous CPU weight."""
     src, shift, mask = _source_bits(w)
@@ -234,9 +240,11 @@ def _nvfp4_cpu(w: torch.Tensor, s2: torch.Tensor, rel: np.ndarray, name: str) ->
     return _nvfp4_chunks(blocks, src.size // BLOCK_SIZE, s2, name)
 
 
-def _nvfp4_chunks(blocks, nblk: int, s2: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A compiled kernel over the blocks, in ranges the threads take in turn (_run_chunks):
-    blocks(b0, b1, s2, (packed, scale) of those blocks, per-thread scratch) -> a _jit status."""
+def _nvfp4_chunks(blocks, nblk: int, s2: torch.Tensor, name: str, unit: int = _NV_CHUNK_BLOCKS,
+                  units_per_call: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """A compiled kernel over the blocks, in ranges of whole `unit`s the threads take in turn
+    (_run_chunks): blocks(b0, b1, s2, (packed, scale) of those blocks, per-thread scratch) -> a
+    _jit status."""
     packed = torch.empty(nblk * 8, dtype=torch.uint8)
     scale = torch.empty(nblk, dtype=torch.uint8)
     packed_np, scale_np, s2f = packed.numpy(), scale.numpy(), np.float32(float(s2))
@@ -253,7 +261,7 @@ def _nvfp4_chunks(blocks, nblk: int, s2: torch.Tensor, name: str) -> tuple[torch
             raise FormatError(f"{_where(name)}global_amax {float(s2) * GLOBAL_DIV:g} is too small: "
                               f"block scale * weight_scale_2 underflows to 0", tensor=name or None)
 
-    _run_chunks(chunk, nblk, _NV_CHUNK_BLOCKS)
+    _run_chunks(chunk, nblk, unit, units_per_call)
     return packed, scale
 
 
@@ -400,9 +408,8 @@ class NVFP4(Format):
         s2 = _global_scale(g, name, denominator if release else GLOBAL_DIV)
         packed, scale = (_nvfp4_cpu if w.device.type == "cpu" else _nvfp4_torch)(w, s2, rel, name)
         out = _tensors(tuple(w.shape), packed, scale, s2, input_amax, name)
-        if release:  # an all-zero tensor's is 1, as its weight_scale_2 (_global_scale): a scale, not 0
-            out["weight_amax"] = torch.tensor(g if g != 0 else np.float32(1.0), dtype=torch.float32,
-                                              device=packed.device)
+        if release:
+            out["weight_amax"] = release_weight_amax(g, packed.device)
         return out
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:

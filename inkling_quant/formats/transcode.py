@@ -29,12 +29,13 @@ from ..errors import FormatError
 from . import _jit
 from ._cpu import _E4M3_TO_F32, _buf, _nonfinite, _run_chunks, _where
 from .base import TRANSCODERS, Format, Transcoder
+from .fp8_block import TILE as FP8_TILE
 from .mxfp8 import _MX_CHUNK_BLOCKS, amax_before_reading, e8m0_exponent, stored_bytes
 from .mxfp8 import BLOCK_SIZE as MX_BLOCK
 from .mxfp4 import E2M1_MAGNITUDES
 from .nvfp4 import (_MODELOPT, _NV_CHUNK_BLOCKS, BLOCK_SIZE, E2M1_MAX, E4M3_MAX, GLOBAL_DIV, MIN_BLOCK_SCALE,
                     RELEASE_DENOMINATOR, _as_amax, _e2m1_codes_torch, _global_scale, _nvfp4_chunks, _tensors,
-                    nvfp4_input_scale, release_rule)
+                    nvfp4_input_scale, release_rule, release_weight_amax)
 
 __all__ = ["TRANSCODERS", "transcoder", "find", "nvfp4_from_mxfp8", "nvfp4_from_mxfp4", "nvfp4_from_fp8_block",
            "mxfp8_from_fp8_block", "STATS"]
@@ -92,7 +93,7 @@ def nvfp4_from_mxfp8(tensors: Mapping[str, torch.Tensor], source: Format, target
     packed, scale = _nvfp4_blocks_from_mxfp8(q, e8, s2, rel, name)
     out = _tensors(shape, packed, scale, s2, input_amax, name)
     if release:
-        out["weight_amax"] = torch.tensor(g, dtype=torch.float32)
+        out["weight_amax"] = release_weight_amax(g)
     return out
 
 
@@ -178,14 +179,6 @@ def _requantize_blocks(b: torch.Tensor, e8: torch.Tensor, k: torch.Tensor, in_ra
 
 
 # ============================================================================ FP8 block-scaled -> NVFP4, MXFP8
-def _fp8_factors(s: torch.Tensor, m: int, n: int, per: int) -> np.ndarray:
-    """The fp32 scale of each `per`-element block of an [m, n] FP8 block-scaled weight (its tile's),
-    flat in row-major block order: the [ceil(m/128), ceil(n/128)] grid repeated over rows and
-    over the blocks of a tile's 128 columns, cropped."""
-    rows = np.repeat(s.numpy(), 128, axis=0)[:m]
-    return np.ascontiguousarray(np.repeat(rows, 128 // per, axis=1)[:, : n // per]).reshape(-1)
-
-
 def _fp8_bytes(tensors, source: Format, per: int, name: str):
     """(e4m3 bytes flat, fp32 scale grid, (m, n)) of a 2-D CPU weight whose blocks of `per` fit its
     last dim and whose scales are finite and > 0; None otherwise (the plain path then decides,
@@ -196,19 +189,37 @@ def _fp8_bytes(tensors, source: Format, per: int, name: str):
     return w.contiguous().view(torch.uint8).reshape(-1).numpy(), s.contiguous(), tuple(w.shape)
 
 
+def _slot_scratch(n: int) -> tuple[np.ndarray, ...]:
+    """Per-thread scratch of _jit._band_slots (the by-table kernels' slots) for a weight of `n`
+    columns: top8 and block_slot (one per block of a band), slot (tile columns x 128: the (column,
+    block maximum byte) pairs a band can hold), slot_tile and slot_top (one per pair), a row's
+    bytes."""
+    slots, blocks = -(-n // FP8_TILE) * 128, FP8_TILE * n // 16
+    return (_buf("fp8:top8", (blocks,), np.uint8), _buf("fp8:block_slot", (blocks,), np.int32),
+            _buf("fp8:slot", (slots,), np.int32),
+            _buf("fp8:slot_tile", (slots,), np.int32), _buf("fp8:slot_top", (slots,), np.uint8),
+            _buf("fp8:row", (n,), np.uint8))
+
+
+def _tables(n: int) -> np.ndarray:
+    """Per-thread scratch of the by-table kernels' tables: 256 bytes for each pair a band can hold."""
+    return _buf("fp8:table", (-(-n // FP8_TILE) * 128 * 256,), np.uint8)
+
+
 @transcoder("fp8_block", "nvfp4")
 def nvfp4_from_fp8_block(tensors: Mapping[str, torch.Tensor], source: Format, target: Format, *, global_amax=None,
                          input_amax: float | None = None, name: str = "",
                          encoder: str = "modelopt") -> dict[str, torch.Tensor] | None:
-    """NVFP4 of an FP8 block-scaled weight (one expert's projection) on CPU, its bytes read once:
-    per chunk the values ``fp32(e4m3) * scale`` decoded into a cache-sized fp32 scratch and the
-    NVFP4 kernel's own code on them (_jit.nvfp4_from_e4m3); the global amax the caller's (gate
-    and up's shared one) or the weight's, from the bytes (`FP8Block.amax`, exact). Bit for bit
-    ``quantize(dequantize(tensors, float32), global_amax=...)``; no fp32 copy of the weight."""
+    """NVFP4 of an FP8 block-scaled weight (one expert's projection) on CPU from its bytes, by
+    table: per band of 128 rows, for each (tile, block maximum byte) that occurs the codes of
+    all 256 bytes made by the NVFP4 kernel's own encoder, then each element a lookup
+    (_jit.nvfp4_from_fp8_bands); the global amax the caller's (gate and up's shared one) or the
+    weight's, from the bytes (`FP8Block.amax`, exact). Bit for bit ``quantize(dequantize(tensors,
+    float32), global_amax=...)``; no fp32 copy of the weight."""
     got = _fp8_bytes(tensors, source, BLOCK_SIZE, name)
     if got is None:
         return None
-    q, s, shape = got
+    q, s, (m, n) = got
     release = target.encoder_rule(encoder) != "modelopt"
     g = None if global_amax is None else _as_amax(global_amax, "global_amax", name)
     if g is None or g == 0:  # the weight's own amax (a NaN byte or an overflow otherwise shows in the kernel)
@@ -220,16 +231,19 @@ def nvfp4_from_fp8_block(tensors: Mapping[str, torch.Tensor], source: Format, ta
         g = np.float32(true_amax.item()) if g is None else g
     rel = release_rule(g, RELEASE_DENOMINATOR, name) if release else _MODELOPT
     s2 = _global_scale(g, name, RELEASE_DENOMINATOR if release else GLOBAL_DIV)
-    factor = _fp8_factors(s, *shape, BLOCK_SIZE)
+    factor, gn, band = s.numpy().reshape(-1), s.shape[1], FP8_TILE * n // BLOCK_SIZE   # band: a tile row's blocks
 
-    def blocks(b0: int, b1: int, s2f, out, scratch) -> int:
-        return _jit.nvfp4_from_e4m3(q[b0 * 16: b1 * 16], factor[b0:b1], s2f, rel, _E4M3_TO_F32, *out,
-                                    _buf("nv:tmp8", (_NV_CHUNK_BLOCKS * 16,), np.uint8), *scratch,
-                                    _buf("nv:x", (_NV_CHUNK_BLOCKS * 16,), np.float32))
-    packed, scale = _nvfp4_chunks(blocks, q.size // BLOCK_SIZE, s2, name)
-    out = _tensors(shape, packed, scale, s2, input_amax, name)
+    def bands(b0: int, b1: int, s2f, out, scratch) -> int:   # b0: a band's first block
+        return _jit.nvfp4_from_fp8_bands(q[b0 * 16: b1 * 16], n, factor[b0 // band * gn: -(-b1 // band) * gn], s2f,
+                                         rel, _E4M3_TO_F32, *out, *_slot_scratch(n), _tables(n),
+                                         _buf("fp8:slot_scale", (-(-n // FP8_TILE) * 128,), np.uint8), *scratch,
+                                         _buf("nv:x", (_NV_CHUNK_BLOCKS * 16,), np.float32),
+                                         _buf("nv:scale", (_NV_CHUNK_BLOCKS,), np.uint8),
+                                         _buf("nv:tmp8", (_NV_CHUNK_BLOCKS * 16,), np.uint8)[: _NV_CHUNK_BLOCKS * 8])
+    packed, scale = _nvfp4_chunks(bands, q.size // BLOCK_SIZE, s2, name, unit=max(band, 1), units_per_call=1)
+    out = _tensors((m, n), packed, scale, s2, input_amax, name)
     if release:
-        out["weight_amax"] = torch.tensor(g, dtype=torch.float32)
+        out["weight_amax"] = release_weight_amax(g)
     return out
 
 
@@ -237,33 +251,43 @@ def nvfp4_from_fp8_block(tensors: Mapping[str, torch.Tensor], source: Format, ta
 def mxfp8_from_fp8_block(tensors: Mapping[str, torch.Tensor], source: Format, target: Format, *, global_amax=None,
                          input_amax: float | None = None, name: str = "",
                          encoder: str = "modelopt") -> dict[str, torch.Tensor] | None:
-    """MXFP8 (ModelOpt's rule) of an FP8 block-scaled weight on CPU from its bytes: each 32-block's
-    amax from its largest byte times its scale (exact), ModelOpt's exponent of it (its fp32
-    ``log2`` expression, `mxfp8.e8m0_exponent`, as MXFP8 quantizes any fp32 weight), then per
-    chunk the values decoded into a scratch and MXFP8's own encoder (_jit.mxfp8_from_e4m3). Bit
-    for bit ``quantize(dequantize(tensors, float32))``. None for the release's rule."""
+    """MXFP8 (ModelOpt's rule) of an FP8 block-scaled weight on CPU from its bytes, by table: per
+    band of 128 rows, the (tile, block maximum byte) pairs that occur and their maxima (exact:
+    largest byte times scale; _jit.fp8_band_maxima), ModelOpt's exponent of each (its fp32
+    ``log2`` expression, `mxfp8.e8m0_exponent`, as MXFP8 quantizes any fp32 weight: on the
+    pairs, a few per tile, not on every block), then the bytes of all 256 values of each pair by
+    MXFP8's own encoder and each element a lookup (_jit.mxfp8_from_fp8_bands). Bit for bit
+    ``quantize(dequantize(tensors, float32))``. None for the release's rule."""
     got = _fp8_bytes(tensors, source, MX_BLOCK, name)
     if got is None or target.encoder_rule(encoder) != "modelopt":
         return None
-    q, s, shape = got
-    nblk = q.size // MX_BLOCK
-    factor = _fp8_factors(s, *shape, MX_BLOCK)
-    amax = np.empty(nblk, dtype=np.float32)
-    _run_chunks(lambda b0, b1: _jit.e4m3_block_amax(q[b0 * 32: b1 * 32], factor[b0:b1], MX_BLOCK, _E4M3_TO_F32,
-                                                    _buf("mx:tmp8", (_MX_CHUNK_BLOCKS * 32,), np.uint8), amax[b0:b1]),
-                nblk, _MX_CHUNK_BLOCKS)
-    if nblk and not np.isfinite(amax).all():
-        raise _nonfinite(name)
-    e8 = e8m0_exponent(torch.from_numpy(amax)).numpy()
-    out = np.empty(q.size, dtype=np.uint8)
+    q, s, (m, n) = got
+    factor, (gm, gn), slots = s.numpy().reshape(-1), s.shape, -(-n // FP8_TILE) * 128
+    amax, counts = np.empty((gm, slots), np.float32), np.zeros(gm, np.int64)
 
-    def chunk(b0: int, b1: int) -> None:
-        M = _MX_CHUNK_BLOCKS
-        if _jit.mxfp8_from_e4m3(q[b0 * 32: b1 * 32], factor[b0:b1], _E4M3_TO_F32, e8[b0:b1], out[b0 * 32: b1 * 32],
-                                _buf("mx:tmp8", (M * 32,), np.uint8), _buf("mx:top", (M,), np.uint32),
-                                _buf("mx:u", (M * 32,), np.uint32), _buf("mx:f", (M * 32,), np.float32)) != _jit.OK:
+    def maxima(g0: int, g1: int) -> None:
+        if _jit.fp8_band_maxima(q[g0 * FP8_TILE * n: g1 * FP8_TILE * n], n, MX_BLOCK, factor[g0 * gn: g1 * gn],
+                                _E4M3_TO_F32, amax[g0:g1], counts[g0:g1], *_slot_scratch(n)) != _jit.OK:
             raise _nonfinite(name)
 
-    _run_chunks(chunk, nblk, _MX_CHUNK_BLOCKS)
-    return {"weight": torch.from_numpy(out).view(torch.float8_e4m3fn).reshape(shape),
-            "weight_scale": torch.from_numpy(e8).reshape(*shape[:-1], shape[-1] // MX_BLOCK)}
+    _run_chunks(maxima, gm, 1, 1)
+    ends = np.cumsum(counts)
+    exps = e8m0_exponent(torch.from_numpy(np.concatenate([amax[g, :k] for g, k in enumerate(counts)]))).numpy()
+    slot_e8 = np.empty((gm, slots), np.uint8)
+    for g, k in enumerate(counts):
+        slot_e8[g, :k] = exps[ends[g] - k: ends[g]]
+    out, e8 = np.empty(q.size, np.uint8), np.empty(q.size // MX_BLOCK, np.uint8)
+
+    def bands(g0: int, g1: int) -> None:
+        M, rows = _MX_CHUNK_BLOCKS, FP8_TILE * n
+        if _jit.mxfp8_from_fp8_bands(q[g0 * rows: g1 * rows], n, factor[g0 * gn: g1 * gn], slot_e8[g0:g1],
+                                     _E4M3_TO_F32, out[g0 * rows: g1 * rows],
+                                     e8[g0 * rows // MX_BLOCK: g1 * rows // MX_BLOCK], *_slot_scratch(n), _tables(n),
+                                     _buf("mx:u", (M * 32,), np.uint32), _buf("mx:scale", (M,), np.uint8),
+                                     _buf("mx:top", (M,), np.uint32), _buf("mx:f", (M * 32,), np.float32),
+                                     _buf("mx:tmp8", (M * 32,), np.uint8)) != _jit.OK:
+            raise _nonfinite(name)
+
+    _run_chunks(bands, gm, 1, 1)
+    return {"weight": torch.from_numpy(out).view(torch.float8_e4m3fn).reshape(m, n),
+            "weight_scale": torch.from_numpy(e8).reshape(m, n // MX_BLOCK)}
