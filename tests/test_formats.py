@@ -1023,7 +1023,7 @@ def test_fp8_block_transcoder_tables_match_modelopt(mo, threads):
 def test_fp8_block_transcoders_refuse_overflow_and_keep_release_amax_of_zeros():
     """A tile whose values overflow fp32 once scaled (448 x 1e36) is refused as NaN/Inf with a
     caller-given global amax too (the plain path refuses it); an all-zero weight's release
-    weight_amax is 1, as the plain path writes it."""
+    weight_amax is 1, as the plain path writes it; an empty weight gives the plain path's."""
     st = {"weight": torch.zeros(128, 128, dtype=U8), "weight_scale_inv": torch.full((1, 1), 1e36)}
     st["weight"][3, 5] = 0x7E
     st["weight"] = st["weight"].view(torch.float8_e4m3fn)
@@ -1036,6 +1036,12 @@ def test_fp8_block_transcoders_refuse_overflow_and_keep_release_amax_of_zeros():
     zeros = {"weight": torch.zeros(130, 160, dtype=U8).view(torch.float8_e4m3fn),
              "weight_scale_inv": torch.full((2, 2), 0.5)}
     stored_zeros = [(FP8B, zeros), (MXFP8(), MXFP8().quantize(torch.zeros(4, 64, dtype=BF)))]
+    for shape in ((0, 128), (128, 0)):
+        empty = {"weight": torch.zeros(shape, dtype=U8).view(torch.float8_e4m3fn),
+                 "weight_scale_inv": torch.ones(FP8B.scale_shape(shape))}
+        for target in (NVFP4(), MXFP8()):
+            fast, plain = target.requantize(empty, FP8B), target.quantize(FP8B.dequantize(empty))
+            assert {k: (v.shape, v.dtype) for k, v in fast.items()} == {k: (v.shape, v.dtype) for k, v in plain.items()}
     for src, stored in stored_zeros:
         fast = NVFP4().requantize(stored, src, encoder="release")
         plain = NVFP4().quantize(src.dequantize(stored), encoder="release")

@@ -370,10 +370,10 @@ def fp8_tile_max(q, n, out, acc):
 def _band_slots(qb, n, per, top8, block_slot, slot, slot_tile, slot_top, tmp):
     """Which tables one band of an FP8 block-scaled weight needs (qb: the bytes of its rows;
     blocks of `per` elements, 16 or 32, each inside one 128x128 tile): each block's largest
-    magnitude byte into top8 (row by row), and one slot per (tile column, largest byte) pair that occurs,
-    numbered in order of first occurrence: slot[column * 128 + byte] (-1: none), slot_tile and
-    slot_top its column and byte, block_slot each block's. Returns the number of slots, or -1 if
-    a byte is NaN."""
+    magnitude byte into top8 (row by row), and one slot per (tile column, largest byte) pair that
+    occurs, numbered in order of first occurrence (the same order on every call):
+    slot[column * 128 + byte] (-1: none), slot_tile and slot_top its column and byte, block_slot
+    each block's. Returns the number of slots, or -1 if a byte is NaN."""
     nbr, gn = n // per, (n + 127) // 128
     rows = qb.size // n
     for r in range(rows):
@@ -398,8 +398,8 @@ def _band_slots(qb, n, per, top8, block_slot, slot, slot_tile, slot_top, tmp):
 
 
 @_jit
-def nvfp4_from_fp8_bands(q, n, factor, s2, rel, e4m3_values, packed, scale, top8, block_slot, slot, slot_tile, slot_top, tmp,
-                         table, slot_scale, top, pbs, d, dd, codes, x, enc_scale, enc_packed):
+def nvfp4_from_fp8_bands(q, n, factor, s2, rel, e4m3_values, packed, scale, top8, block_slot, slot, slot_tile,
+                         slot_top, tmp, table, slot_scale, top, pbs, d, dd, codes, x, enc_scale, enc_packed):
     """nvfp4_blocks of the fp32 weight an FP8 block-scaled weight's bytes hold (q: e4m3 bytes of
     whole 128-row bands of an [m, n] weight, flat; factor: their tiles' fp32 scales, [bands, gn]
     flat), by table. Every 16-block lies in one 128x128 tile, so each of its codes is a function of
@@ -456,7 +456,8 @@ def nvfp4_from_fp8_bands(q, n, factor, s2, rel, e4m3_values, packed, scale, top8
 
 
 @_jit
-def fp8_band_maxima(q, n, per, factor, e4m3_values, amax, counts, top8, block_slot, slot, slot_tile, slot_top, tmp):
+def fp8_band_maxima(q, n, per, factor, e4m3_values, amax, counts, top8, block_slot, slot, slot_tile, slot_top,
+                    tmp):
     """For each band of 128 rows of q (e4m3 bytes of an [m, n] weight, flat; factor: its tiles'
     fp32 scales, [bands, gn] flat) and blocks of `per`: its slots (_band_slots) and each one's
     maximum e4m3(t) * factor (exact: a positive factor keeps the bytes' order) into amax[band,
@@ -477,9 +478,8 @@ def fp8_band_maxima(q, n, per, factor, e4m3_values, amax, counts, top8, block_sl
 
 
 @_jit
-def mxfp8_from_fp8_bands(q, n, factor, slot_e8, e4m3_values, out, e8, top8, block_slot, slot, slot_tile, slot_top, tmp,
-                         table,
-                         u, scale, fb, f, enc):
+def mxfp8_from_fp8_bands(q, n, factor, slot_e8, e4m3_values, out, e8, top8, block_slot, slot, slot_tile, slot_top,
+                         tmp, table, u, scale, fb, f, enc):
     """MXFP8 (ModelOpt's rule) of the fp32 weight an FP8 block-scaled weight's bytes hold (q,
     factor as in nvfp4_from_fp8_bands), by table: a 32-block's bytes are a function of its bytes,
     its tile's factor and its exponent, itself a function of its maximum e4m3(t) * factor; so per

@@ -180,11 +180,12 @@ def _requantize_blocks(b: torch.Tensor, e8: torch.Tensor, k: torch.Tensor, in_ra
 
 # ============================================================================ FP8 block-scaled -> NVFP4, MXFP8
 def _fp8_bytes(tensors, source: Format, per: int, name: str):
-    """(e4m3 bytes flat, fp32 scale grid, (m, n)) of a 2-D CPU weight whose blocks of `per` fit its
-    last dim and whose scales are finite and > 0; None otherwise (the plain path then decides,
-    errors included)."""
+    """(e4m3 bytes flat, fp32 scale grid, (m, n)) of a non-empty 2-D CPU weight whose blocks of
+    `per` fit its last dim and whose scales are finite and > 0; None otherwise (the plain path then
+    decides, errors included)."""
     w, s = source._stored(tensors, name)
-    if w.device.type != "cpu" or w.dim() != 2 or w.shape[-1] % per or not bool(((s > 0) & (s < np.inf)).all()):
+    if (w.device.type != "cpu" or w.dim() != 2 or w.numel() == 0 or w.shape[-1] % per
+            or not bool(((s > 0) & (s < np.inf)).all())):
         return None
     return w.contiguous().view(torch.uint8).reshape(-1).numpy(), s.contiguous(), tuple(w.shape)
 
@@ -196,9 +197,8 @@ def _slot_scratch(n: int) -> tuple[np.ndarray, ...]:
     bytes."""
     slots, blocks = -(-n // FP8_TILE) * 128, FP8_TILE * n // 16
     return (_buf("fp8:top8", (blocks,), np.uint8), _buf("fp8:block_slot", (blocks,), np.int32),
-            _buf("fp8:slot", (slots,), np.int32),
-            _buf("fp8:slot_tile", (slots,), np.int32), _buf("fp8:slot_top", (slots,), np.uint8),
-            _buf("fp8:row", (n,), np.uint8))
+            _buf("fp8:slot", (slots,), np.int32), _buf("fp8:slot_tile", (slots,), np.int32),
+            _buf("fp8:slot_top", (slots,), np.uint8), _buf("fp8:row", (n,), np.uint8))
 
 
 def _tables(n: int) -> np.ndarray:
@@ -240,7 +240,7 @@ def nvfp4_from_fp8_block(tensors: Mapping[str, torch.Tensor], source: Format, ta
                                          _buf("nv:x", (_NV_CHUNK_BLOCKS * 16,), np.float32),
                                          _buf("nv:scale", (_NV_CHUNK_BLOCKS,), np.uint8),
                                          _buf("nv:tmp8", (_NV_CHUNK_BLOCKS * 16,), np.uint8)[: _NV_CHUNK_BLOCKS * 8])
-    packed, scale = _nvfp4_chunks(bands, q.size // BLOCK_SIZE, s2, name, unit=max(band, 1), units_per_call=1)
+    packed, scale = _nvfp4_chunks(bands, q.size // BLOCK_SIZE, s2, name, unit=band, units_per_call=1)
     out = _tensors((m, n), packed, scale, s2, input_amax, name)
     if release:
         out["weight_amax"] = release_weight_amax(g)
