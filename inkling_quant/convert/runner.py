@@ -30,7 +30,7 @@ from ..io.output import CHECKSUMS, OutputLock, read_checksums
 from ..io.safetensors import DTYPES, sha256_file, shard_file_size
 from ..schemes import Scheme
 from .planner import Options, Prepared, ShardJob
-from .worker import SHARD_METADATA, ShardResult, convert_shard
+from .worker import SHARD_METADATA, ShardResult, convert_shard, drop_spare_read_buffers
 
 MANIFEST = RESUME_MANIFEST  # a part's: the same name with its part tag before ".json"
 MANIFEST_GLOB = MANIFEST.removesuffix(".json") + "*.json"
@@ -346,9 +346,12 @@ def _progress_bars(jobs: list[ShardJob], todo: list[ShardJob], done: dict[str, s
 
 def _convert_here(todo: list[ShardJob], args: tuple, record, progress) -> None:
     """In this process, one shard after another; a signal stops it at the next unit."""
-    for j in todo:
-        _STOP.check()
-        record(convert_shard(j, *args, progress=progress, stop=_STOP.check))
+    try:
+        for j in todo:
+            _STOP.check()
+            record(convert_shard(j, *args, progress=progress, stop=_STOP.check))
+    finally:
+        drop_spare_read_buffers()
 
 
 def _start_pool(workers: int) -> cf.ProcessPoolExecutor:

@@ -116,6 +116,13 @@ _SPARE_SETS: list[list[list[TensorBuffer]]] = []   # read buffers of finished sh
 _SPARE_LOCK = threading.Lock()
 
 
+def drop_spare_read_buffers() -> None:
+    """Free the read buffers finished shards left for the next: at the end of a run, so that a
+    process converting in-process does not keep a run's buffers (hundreds of MB) afterwards."""
+    with _SPARE_LOCK:
+        _SPARE_SETS.clear()
+
+
 class _ReadAhead:
     """Iterates (step, tensors read) with the reads of the next step already under way on a
     reader thread, one step queued at most. The buffer sets cycle through STAGES so that a set is
