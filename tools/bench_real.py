@@ -18,7 +18,8 @@ row-interleaved experts w13 [E, 4608, 4608] and w2 [E, 4608, 2304] bf16, fewer l
                8192): its copy floor against ``default`` (FP8 experts -> NVFP4/MXFP8, the rest kept
                FP8);
   sweep        peak RSS of ``convert --scheme default`` on 1 layer with experts grown to ~1, 2, 4 and
-               8 GB of input (--sweep-gb, --max-gb).
+               8 GB of input (--sweep-gb, --max-gb);
+  fp8sweep     the same on the fp8 input's layout (1 layer of DeepSeek-V3 shapes, experts grown).
 
 Cases, each its own process (tools/benchlib.py: wall, CPU and peak RSS of the largest process
 (wait4) and of the process tree (sampled /proc)): our CLI in-process (``inkling_quant.cli.main``;
@@ -387,7 +388,7 @@ TARGETS = [  # (what, input, case, baseline input, baseline case, at least this 
 ]
 
 
-def check_targets(rows: list[dict], sweep: list[dict], rss_band: float) -> list[dict]:
+def check_targets(rows: list[dict], sweeps: dict[str, list[dict]], rss_band: float) -> list[dict]:
     by = {(r["input"], r["id"]): r for r in rows if r["runs"]}
     out = []
     for what, i, c, bi, bc, need in TARGETS:
@@ -406,18 +407,19 @@ def check_targets(rows: list[dict], sweep: list[dict], rss_band: float) -> list[
     if rel and floor:  # another reading of the release target: the same model's BF16 copy floor, by time
         x = floor["best_work_s"] / rel["best_work_s"]
         print(f"INFO  MXFP8 release -> default against the BF16 input's copy floor (its time / ours): {x:.2f}x")
-    if len(sweep) >= 2:
+    for what, sweep in sweeps.items():
+        if len(sweep) < 2:
+            print(f"SKIP  peak RSS flat over 1-8 GB ({what}): fewer than two sweep sizes")
+            continue
         ref = sweep[0]["peak_tree_rss_mb"]
         dev = [s["peak_tree_rss_mb"] / ref - 1 for s in sweep]
         ok = max(abs(d) for d in dev) <= rss_band
         span = f"{sweep[0]['src_gb']:.1f}-{sweep[-1]['src_gb']:.1f} GB"
-        out.append({"target": f"peak RSS flat within +-{rss_band:.0%} over {span}", "pass": ok,
+        out.append({"target": f"peak RSS flat within +-{rss_band:.0%} over {span} ({what})", "pass": ok,
                     "rss_mb": [s["peak_tree_rss_mb"] for s in sweep], "deviation": [round(d, 3) for d in dev]})
         print(f"{'PASS' if ok else 'FAIL'}  peak RSS (process tree) flat within +-{rss_band:.0%} of the smallest "
-              f"input's over {span}: " + ", ".join(f"{s['src_gb']:.1f} GB {s['peak_tree_rss_mb']:.0f} MB ({d:+.1%})"
-                                                   for s, d in zip(sweep, dev)))
-    else:
-        print("SKIP  peak RSS flat over 1-8 GB: fewer than two sweep sizes")
+              f"input's over {span} ({what}): " + ", ".join(f"{s['src_gb']:.1f} GB {s['peak_tree_rss_mb']:.0f} MB "
+                                                            f"({d:+.1%})" for s, d in zip(sweep, dev)))
     return out
 
 
@@ -434,18 +436,43 @@ def rss_sweep(args, work: Path, env: dict) -> list[dict]:
     case = next(c for c in plan_cases(args, False)["experts"] if c["id"] == "default")
     print(f"\n== sweep: {case['label']}, {args.sweep_layers} layer(s), experts grown to "
           f"{', '.join(f'{g:g}' for g in gbs)} GB", flush=True)
-    rows = []
     picks = {min(table, key=lambda row: abs(row[1] / 1e9 - g))[0]: None for g in gbs}  # distinct, in order
+    rows = []
     for experts, total, expert in (row for e in picks for row in table if row[0] == e):
         inp = make_input("sweep", args.sweep_layers, experts, work, args, env)
         inp["stats"] = {"bytes": total, "parts": {"expert": expert}}
-        r = run_case(case, inp, work, None)
-        rows.append({"src_gb": round(total / 1e9, 3), "experts": experts, "expert_gb": round(expert / 1e9, 3), **r})
-        print(f"  {total / 1e9:5.2f} GB ({experts} experts)  {r['work_s']:7.2f} s {r['mb_per_s']:6.0f} MB/s  "
-              f"RSS {r['peak_rss_mb']:5.0f} / tree {r['peak_tree_rss_mb']:5.0f} MB  load {r['load_before']:.1f}",
-              flush=True)
-        shutil.rmtree(inp["dir"])
+        rows.append(_sweep_run(case, inp, work))
     return rows
+
+
+FP8_EXPERT_BYTES = 3 * 2048 * 7168      # the fp8 input: one routed expert's e4m3 bytes (scales aside)
+FP8_LAYER_REST = 466e6                  # and 1 layer's other bytes: attention, shared expert, embedding, LM head
+
+
+def fp8_rss_sweep(args, work: Path, env: dict) -> list[dict]:
+    """Peak RSS of `convert --scheme default` on the fp8 input's layout, 1 layer, experts grown to
+    --sweep-gb (up to --max-gb), one run each."""
+    gbs = [float(g) for g in args.sweep_gb.split(",") if float(g) <= args.max_gb]
+    case = next(c for c in plan_cases(args, False)["fp8"] if c["id"] == "default")
+    print(f"\n== fp8sweep: {case['label']}, 1 layer, experts grown to {', '.join(f'{g:g}' for g in gbs)} GB",
+          flush=True)
+    rows = []
+    for experts in dict.fromkeys(max(1, round((g * 1e9 - FP8_LAYER_REST) / FP8_EXPERT_BYTES)) for g in gbs):
+        inp = {"key": "fp8sweep", "dir": work / "fp8sweep", "experts": experts}
+        inp["stats"] = helper(ME, {"kind": "fp8_input", "out": str(inp["dir"]), "layers": 1, "experts": experts,
+                                   "shard_size": args.src_shard_size}, work / "h.json", env)
+        rows.append(_sweep_run(case, inp, work))
+    return rows
+
+
+def _sweep_run(case: dict, inp: dict, work: Path) -> dict:
+    """One run of `case` on a sweep input (removed after), printed."""
+    r = run_case(case, inp, work, None)
+    total, expert = inp["stats"]["bytes"], inp["stats"]["parts"].get("expert", 0)
+    print(f"  {total / 1e9:5.2f} GB ({inp['experts']} experts)  {r['work_s']:7.2f} s {r['mb_per_s']:6.0f} MB/s  "
+          f"RSS {r['peak_rss_mb']:5.0f} / tree {r['peak_tree_rss_mb']:5.0f} MB  load {r['load_before']:.1f}", flush=True)
+    shutil.rmtree(inp["dir"])
+    return {"src_gb": round(total / 1e9, 3), "experts": inp["experts"], "expert_gb": round(expert / 1e9, 3), **r}
 
 
 # ============================================================================ driver
@@ -455,7 +482,7 @@ def parse_args(argv):
                    help="the expert-heavy input (default 2,32: 5.2 GB, 78%% routed experts)")
     p.add_argument("--passthrough-input", default="2,1", metavar="LAYERS,EXPERTS",
                    help="the pass-through-heavy input (default 2,1: 1.2 GB, 10%% routed experts)")
-    p.add_argument("--inputs", default="experts,release,passthrough,fp8,sweep",
+    p.add_argument("--inputs", default="experts,release,passthrough,fp8,sweep,fp8sweep",
                    help="which inputs to run (comma list; default all)")
     p.add_argument("--fp8-input", default="2,32", metavar="LAYERS,EXPERTS",
                    help="the FP8 block-scaled source (DeepSeek-V3 shapes; default 2,32: 3.5 GB, 80%% routed experts)")
@@ -559,11 +586,13 @@ def main(argv=None) -> int:
     print("llm-compressor does not take the stacked form as it is (model_free_ptq quantizes 2-D <module>.weight "
           "only): it reads a copy with the experts unstacked; nor the MXFP8 release (e4m3 experts): not run there")
     rows, inputs = run_inputs(args, work, env, lc_py)
-    sweep = rss_sweep(args, work, env) if "sweep" in args.inputs.split(",") else []
+    which = args.inputs.split(",")
+    sweeps = {"bf16": rss_sweep(args, work, env) if "sweep" in which else [],
+              "fp8": fp8_rss_sweep(args, work, env) if "fp8sweep" in which else []}
     if rows:
         print_table(rows)
     print()
-    targets = check_targets(rows, sweep, args.rss_band)
+    targets = check_targets(rows, sweeps, args.rss_band)
     print(f"\n{sum(t['pass'] for t in targets)} of {len(targets)} targets met; {time.perf_counter() - t0:.0f} s in all")
     if args.json:
         Path(args.json).write_text(json.dumps({
@@ -572,7 +601,7 @@ def main(argv=None) -> int:
             "cpus": os.cpu_count(), "workers": args.workers,
             "command": " ".join(["python", "tools/bench_real.py", *(argv if argv is not None else sys.argv[1:])]),
             "inputs": {k: {kk: str(v) if isinstance(v, Path) else v for kk, v in i.items()} for k, i in inputs.items()},
-            "results": rows, "sweep": sweep, "targets": targets}, indent=2) + "\n")
+            "results": rows, "sweep": sweeps["bf16"], "fp8_sweep": sweeps["fp8"], "targets": targets}, indent=2) + "\n")
         print(f"wrote {args.json}")
     shutil.rmtree(work)
     return 0
