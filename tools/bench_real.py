@@ -424,55 +424,41 @@ def check_targets(rows: list[dict], sweeps: dict[str, list[dict]], rss_band: flo
 
 
 # ============================================================================ the RSS sweep
-def rss_sweep(args, work: Path, env: dict) -> list[dict]:
+def rss_sweep(args, work: Path, env: dict, fp8: bool = False) -> list[dict]:
     """Peak RSS of `convert --scheme default` on inputs of --sweep-gb (up to --max-gb), one run each,
-    experts grown at a fixed layer count so only routed-expert bytes grow, as up to the real model."""
+    experts grown at a fixed layer count so only routed-expert bytes grow, as up to the real model:
+    the bench preset's layout (--sweep-layers) or, with `fp8`, 1 layer of the fp8 input's."""
     gbs = [float(g) for g in args.sweep_gb.split(",") if float(g) <= args.max_gb]
     if not gbs:
         return []
-    most = int(max(gbs) * 1e9 / 63.7e6) + 16  # one expert of the bench preset: 63.7 MB
-    table = helper(SCALE, {"kind": "sizes", "layers": args.sweep_layers, "max_experts": most}, work / "h.json",
-                   env)["sizes"]
-    case = next(c for c in plan_cases(args, False)["experts"] if c["id"] == "default")
-    print(f"\n== sweep: {case['label']}, {args.sweep_layers} layer(s), experts grown to "
-          f"{', '.join(f'{g:g}' for g in gbs)} GB", flush=True)
-    picks = {min(table, key=lambda row: abs(row[1] / 1e9 - g))[0]: None for g in gbs}  # distinct, in order
+    case = next(c for c in plan_cases(args, False)["fp8" if fp8 else "experts"] if c["id"] == "default")
+    print(f"\n== {'fp8sweep' if fp8 else 'sweep'}: {case['label']}, {1 if fp8 else args.sweep_layers} layer(s), "
+          f"experts grown to {', '.join(f'{g:g}' for g in gbs)} GB", flush=True)
+    if fp8:  # an expert: 3 x 2048 x 7168 e4m3 bytes; the rest of a layer (attention, embedding, ...) ~466 MB
+        sizes = [(e, None) for e in dict.fromkeys(max(1, round((g * 1e9 - 466e6) / (3 * 2048 * 7168))) for g in gbs)]
+    else:
+        most = int(max(gbs) * 1e9 / 63.7e6) + 16  # one expert of the bench preset: 63.7 MB
+        table = helper(SCALE, {"kind": "sizes", "layers": args.sweep_layers, "max_experts": most}, work / "h.json",
+                       env)["sizes"]
+        picks = {min(table, key=lambda row: abs(row[1] / 1e9 - g))[0]: None for g in gbs}  # distinct, in order
+        sizes = [(e, {"bytes": total, "parts": {"expert": expert}}) for e in picks for e2, total, expert in table
+                 if e2 == e]
     rows = []
-    for experts, total, expert in (row for e in picks for row in table if row[0] == e):
-        inp = make_input("sweep", args.sweep_layers, experts, work, args, env)
-        inp["stats"] = {"bytes": total, "parts": {"expert": expert}}
-        rows.append(_sweep_run(case, inp, work))
+    for experts, stats in sizes:
+        if fp8:
+            inp = {"key": "fp8sweep", "dir": work / "fp8sweep", "experts": experts}
+            inp["stats"] = helper(ME, {"kind": "fp8_input", "out": str(inp["dir"]), "layers": 1, "experts": experts,
+                                       "shard_size": args.src_shard_size}, work / "h.json", env)
+        else:
+            inp = {**make_input("sweep", args.sweep_layers, experts, work, args, env), "stats": stats}
+        r = run_case(case, inp, work, None)
+        total, expert = inp["stats"]["bytes"], inp["stats"]["parts"].get("expert", 0)
+        rows.append({"src_gb": round(total / 1e9, 3), "experts": experts, "expert_gb": round(expert / 1e9, 3), **r})
+        print(f"  {total / 1e9:5.2f} GB ({experts} experts)  {r['work_s']:7.2f} s {r['mb_per_s']:6.0f} MB/s  "
+              f"RSS {r['peak_rss_mb']:5.0f} / tree {r['peak_tree_rss_mb']:5.0f} MB  load {r['load_before']:.1f}",
+              flush=True)
+        shutil.rmtree(inp["dir"])
     return rows
-
-
-FP8_EXPERT_BYTES = 3 * 2048 * 7168      # the fp8 input: one routed expert's e4m3 bytes (scales aside)
-FP8_LAYER_REST = 466e6                  # and 1 layer's other bytes: attention, shared expert, embedding, LM head
-
-
-def fp8_rss_sweep(args, work: Path, env: dict) -> list[dict]:
-    """Peak RSS of `convert --scheme default` on the fp8 input's layout, 1 layer, experts grown to
-    --sweep-gb (up to --max-gb), one run each."""
-    gbs = [float(g) for g in args.sweep_gb.split(",") if float(g) <= args.max_gb]
-    case = next(c for c in plan_cases(args, False)["fp8"] if c["id"] == "default")
-    print(f"\n== fp8sweep: {case['label']}, 1 layer, experts grown to {', '.join(f'{g:g}' for g in gbs)} GB",
-          flush=True)
-    rows = []
-    for experts in dict.fromkeys(max(1, round((g * 1e9 - FP8_LAYER_REST) / FP8_EXPERT_BYTES)) for g in gbs):
-        inp = {"key": "fp8sweep", "dir": work / "fp8sweep", "experts": experts}
-        inp["stats"] = helper(ME, {"kind": "fp8_input", "out": str(inp["dir"]), "layers": 1, "experts": experts,
-                                   "shard_size": args.src_shard_size}, work / "h.json", env)
-        rows.append(_sweep_run(case, inp, work))
-    return rows
-
-
-def _sweep_run(case: dict, inp: dict, work: Path) -> dict:
-    """One run of `case` on a sweep input (removed after), printed."""
-    r = run_case(case, inp, work, None)
-    total, expert = inp["stats"]["bytes"], inp["stats"]["parts"].get("expert", 0)
-    print(f"  {total / 1e9:5.2f} GB ({inp['experts']} experts)  {r['work_s']:7.2f} s {r['mb_per_s']:6.0f} MB/s  "
-          f"RSS {r['peak_rss_mb']:5.0f} / tree {r['peak_tree_rss_mb']:5.0f} MB  load {r['load_before']:.1f}", flush=True)
-    shutil.rmtree(inp["dir"])
-    return {"src_gb": round(total / 1e9, 3), "experts": inp["experts"], "expert_gb": round(expert / 1e9, 3), **r}
 
 
 # ============================================================================ driver
@@ -588,7 +574,7 @@ def main(argv=None) -> int:
     rows, inputs = run_inputs(args, work, env, lc_py)
     which = args.inputs.split(",")
     sweeps = {"bf16": rss_sweep(args, work, env) if "sweep" in which else [],
-              "fp8": fp8_rss_sweep(args, work, env) if "fp8sweep" in which else []}
+              "fp8": rss_sweep(args, work, env, fp8=True) if "fp8sweep" in which else []}
     if rows:
         print_table(rows)
     print()
