@@ -85,13 +85,11 @@ def quantize_and_export(model, config: dict, ids: list[torch.Tensor], out: Path,
     return out
 
 
-def load_export(out: Path) -> dict[str, torch.Tensor]:
+def read_tensors(root: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a directory's safetensors files, by name (a checkpoint or an export)."""
     from safetensors.torch import load_file
 
-    sd: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(out).glob("*.safetensors")):
-        sd.update(load_file(f))
-    return sd
+    return {k: v for f in sorted(Path(root).glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def layer_experts(sd: dict[str, torch.Tensor], layer: int) -> list[dict[str, dict[str, torch.Tensor]]]:

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hf_moe_reference import FAMILIES, export
+from modelopt_reference import read_tensors
 from inkling_quant.cli import main
 from inkling_quant.convert import Options, convert
 from inkling_quant.errors import CheckpointError, UsageError
@@ -26,20 +27,13 @@ def exported(tmp_path_factory):
     return {f: (base / f"{f}-bf16", export(f, base / f"{f}-modelopt", base / f"{f}-bf16")) for f in FAMILIES}
 
 
-def _tensors(root: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(root.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
                                                                      b.reshape(-1).view(torch.uint8))
 
 
 def _assert_equals_modelopt(ours: Path, modelopt: Path) -> None:
-    a, b = _tensors(modelopt), _tensors(ours)
+    a, b = read_tensors(modelopt), read_tensors(ours)
     assert set(a) == set(b), (sorted(set(a) - set(b))[:5], sorted(set(b) - set(a))[:5])
     differ = sorted(k for k in a if not _same_bits(a[k], b[k]))
     assert not differ, differ[:5]
@@ -140,7 +134,7 @@ def test_shared_experts_and_dense_layers_pass_through(exported, tmp_path):
     src, _ = exported["deepseek_v3"]
     out = tmp_path / "out"
     convert(str(src), out, Options(scheme="nvfp4", default_activation_amax=4.0), quiet=True)
-    a, b = _tensors(src), _tensors(out)
+    a, b = read_tensors(src), read_tensors(out)
     for name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.1.mlp.shared_experts.up_proj.weight",
                  "model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
                  "model.embed_tokens.weight", "lm_head.weight"):
@@ -173,7 +167,7 @@ def test_scheme_none_copies_every_tensor(exported, tmp_path):
     src, _ = exported["qwen3_vl_moe"]
     out = tmp_path / "out"
     convert(str(src), out, Options(scheme="none"), quiet=True)
-    a, b = _tensors(src), _tensors(out)
+    a, b = read_tensors(src), read_tensors(out)
     assert set(a) == set(b) and all(_same_bits(a[k], b[k]) for k in a)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
 
@@ -201,7 +195,7 @@ def test_a_users_scheme_file(exported, tmp_path):
     q = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
     assert q["quant_algo"] == "MXFP8" and {"model.layers.0*", "model.layers.2*"} <= set(q["exclude_modules"])
     assert main(["verify", str(out), "--quiet"]) == 0
-    b = _tensors(out)
+    b = read_tensors(out)
     assert b["model.layers.1.block_sparse_moe.experts.0.w1.weight"].dtype == torch.float8_e4m3fn
     assert b["model.layers.0.block_sparse_moe.experts.0.w1.weight"].dtype == torch.bfloat16
 

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from inkling2_reference import inkling2, tiny_config
+from modelopt_reference import read_tensors
 from inkling_quant import inspect_cmd
 from inkling_quant.convert import Options, convert
 from inkling_quant.errors import CheckpointError, UsageError
@@ -89,13 +90,6 @@ def _scales() -> dict[str, float]:
             for n in range(4) for e in range(4) for m in ("gate_proj", "up_proj", "down_proj")}
 
 
-def _tensors(root: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(root.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
@@ -111,7 +105,7 @@ def test_in_memory_names_are_what_the_model_holds(sources):
 @pytest.mark.parametrize("naming", ["original", "transformers", "per_expert"])
 def test_the_spec_under_each_naming_is_the_checkpoint(sources, naming):
     """layout.expected_tensors under the detected layout: exactly the saved names and shapes."""
-    held = {k: tuple(v.shape) for k, v in _tensors(sources[naming]).items()}
+    held = {k: tuple(v.shape) for k, v in read_tensors(sources[naming]).items()}
     cfg = Inkling2Config.load(sources[naming])
     lay = detect(list(held), cfg)
     assert {n: s.shape for n, s in expected_tensors(cfg, lay).items()} == held
@@ -124,7 +118,7 @@ def test_modelopt_hf_output_is_the_same_from_every_naming(sources, tmp_path, nam
     opts = Options(output_format="modelopt-hf", activation_scales=str(scales))
     convert(str(sources["original"]), tmp_path / "ref", opts, quiet=True)
     report = convert(str(sources[naming]), tmp_path / "out", opts, quiet=True)
-    ref, out = _tensors(tmp_path / "ref"), _tensors(tmp_path / "out")
+    ref, out = read_tensors(tmp_path / "ref"), read_tensors(tmp_path / "out")
     assert sorted(set(ref) ^ set(out)) == []
     differ = [k for k in ref if ref[k].dtype != out[k].dtype or ref[k].shape != out[k].shape
               or not torch.equal(_bits(ref[k]), _bits(out[k]))]
@@ -140,7 +134,7 @@ def test_transformers_names_default_to_modelopt_hf_and_refuse_the_inkling_form(s
     convert(str(sources["transformers"]), tmp_path / "a", Options(default_activation_amax=3.0), quiet=True)
     convert(str(sources["transformers"]), tmp_path / "b", Options(default_activation_amax=3.0,
                                                                   output_format="modelopt-hf"), quiet=True)
-    a, b = _tensors(tmp_path / "a"), _tensors(tmp_path / "b")
+    a, b = read_tensors(tmp_path / "a"), read_tensors(tmp_path / "b")
     assert set(a) == set(b) and all(torch.equal(_bits(a[k]), _bits(b[k])) for k in a)
     with pytest.raises(UsageError, match="--output-format inkling writes the original names.*modelopt-hf"):
         convert(str(sources["transformers"]), tmp_path / "c", Options(default_activation_amax=3.0,

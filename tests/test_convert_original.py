@@ -8,8 +8,8 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from modelopt_reference import read_tensors
 from inkling_quant.convert import Options, convert
 from inkling_quant.errors import CheckpointError, FormatError
 from inkling_quant.export.inkling import unstack_expert
@@ -19,10 +19,6 @@ from inkling_quant.model.inkling2 import Inkling2Config
 from inkling_quant.synth import write_checkpoint
 
 LAYERS, AMAX = 6, 4.0  # the default scheme: NVFP4 experts in layers 0-4, MXFP8 in layer 5
-
-
-def tensors(root) -> dict[str, torch.Tensor]:
-    return {k: v for f in sorted(root.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -43,7 +39,7 @@ def expert_format(layer: int) -> str:
 
 def test_everything_but_the_experts_is_bit_exact_and_experts_are_stacked(pair):
     src, out, report = pair
-    s, o = tensors(src), tensors(out)
+    s, o = read_tensors(src), read_tensors(out)
     assert report["shards"] > 1
     experts = {n for n in s if ".mlp.experts." in n}
     for name in set(s) - experts:
@@ -66,7 +62,7 @@ def test_expert_values_equal_quantizing_gate_up_down_apart(pair):
     source on their own, with the activation amax given: quantizing the interleaved slab as stored
     is quantizing gate and up apart."""
     src, out, _ = pair
-    s, o = tensors(src), tensors(out)
+    s, o = read_tensors(src), read_tensors(out)
     for layer in range(LAYERS):
         fmt = FORMATS[expert_format(layer)]
         p = f"model.llm.layers.{layer}.mlp.experts."
@@ -95,7 +91,7 @@ def test_transformers_reads_the_experts(pair):
     the one-ulp rounding-order difference test_stacked documents)."""
     test_stacked = pytest.importorskip("test_stacked")
     src, out, _ = pair
-    o = tensors(out)
+    o = read_tensors(out)
     for layer in (0, 5):
         fmt = FORMATS[expert_format(layer)]
         p = f"model.llm.layers.{layer}.mlp.experts."
@@ -307,7 +303,7 @@ def test_default_from_the_mxfp8_release(pair, release, tmp_path):
     gate, up and down."""
     src, from_bf16, _ = pair
     convert(release, tmp_path / "out", Options(default_activation_amax=AMAX, max_shard_bytes=1 << 17), quiet=True)
-    r, o, b = tensors(release), tensors(tmp_path / "out"), tensors(from_bf16)
+    r, o, b = read_tensors(release), read_tensors(tmp_path / "out"), read_tensors(from_bf16)
     assert set(o) == set(b)  # the same tensors as converting the BF16 source
     mx, nv = FORMATS["mxfp8"], FORMATS["nvfp4"]
     for layer in range(LAYERS):
@@ -339,7 +335,7 @@ def test_nvfp4_from_the_release_costs_little_against_nvfp4_from_bf16(pair, relea
     ~2-3%, is mostly absorbed by NVFP4's ~10% grid); measured figures are in docs/convert.md."""
     src, from_bf16, _ = pair
     convert(release, tmp_path / "out", Options(default_activation_amax=AMAX), quiet=True)
-    s, o, b = tensors(src), tensors(tmp_path / "out"), tensors(from_bf16)
+    s, o, b = read_tensors(src), read_tensors(tmp_path / "out"), read_tensors(from_bf16)
     nv = FORMATS["nvfp4"]
     errs = {"bf16": [], "release": []}
     for layer in range(5):
@@ -358,12 +354,12 @@ def test_nvfp4_from_the_release_costs_little_against_nvfp4_from_bf16(pair, relea
 def test_release_round_trips_and_feeds_modelopt_hf(pair, release, tmp_path):
     """--scheme none keeps the release's experts as they are; modelopt-hf output from it works."""
     convert(release, tmp_path / "none", Options(scheme="none"), quiet=True)
-    r, n = tensors(release), tensors(tmp_path / "none")
+    r, n = read_tensors(release), read_tensors(tmp_path / "none")
     assert set(r) == set(n) and all(torch.equal(bits(r[k]), bits(n[k])) for k in r)
     assert json.loads((tmp_path / "none" / "config.json").read_text())["quantization_config"] == \
         json.loads((release / "config.json").read_text())["quantization_config"]
     convert(release, tmp_path / "hf", Options(output_format="modelopt-hf", default_activation_amax=AMAX), quiet=True)
-    hf = tensors(tmp_path / "hf")
+    hf = read_tensors(tmp_path / "hf")
     assert "lm_head.weight" in hf and "model.language_model.layers.5.mlp.experts.0.gate_proj.weight_scale" in hf
 
 
@@ -459,7 +455,7 @@ def test_encoder_flag_records_itself_and_modelopt_hf_with_the_release_encoder(pa
     convert(src, tmp_path / "mo", Options(output_format="modelopt-hf", default_activation_amax=AMAX), quiet=True)
     rel, mo = (json.loads((tmp_path / d / "hf_quant_config.json").read_text()) for d in ("rel", "mo"))
     assert rel["converter"]["encoder"] == "release" and "converter" not in mo
-    ink, hf = tensors(out), tensors(tmp_path / "rel")
+    ink, hf = read_tensors(out), read_tensors(tmp_path / "rel")
     stacked = {k[len("model.llm.layers.0.mlp.experts."):]: v for k, v in ink.items()
                if k.startswith("model.llm.layers.0.mlp.experts.")}
     got = unstack_expert(FORMATS["nvfp4"], stacked, 1)  # the inkling output's expert 1, per module
@@ -502,7 +498,7 @@ def test_the_release_files_and_a_bit_identical_draft_file(pair, tmp_path):
     convert(src, tmp_path / "hf", Options(output_format="modelopt-hf", default_activation_amax=AMAX), quiet=True)
     hf = Checkpoint.open(tmp_path / "hf")
     assert all(s.startswith("model-") for s in hf.shards) and not (tmp_path / "hf" / "mtp.safetensors").exists()
-    s, h = tensors(src), tensors(tmp_path / "hf")
+    s, h = read_tensors(src), read_tensors(tmp_path / "hf")
     assert all(torch.equal(bits(h[n]), bits(s[n])) for n in s if n.startswith("mtp."))
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from modelopt_reference import read_tensors
 from inkling_quant import draft
 
 from inkling_quant.model import dspark
@@ -25,10 +25,6 @@ from inkling_quant.synth import write_checkpoint
 LAYERS = 6
 # vLLM 0.33.0's speculators config code, vendored unmodified (tests/vendor/README.md)
 VLLM_SPECULATORS = Path(__file__).parent / "vendor" / "vllm_speculators"
-
-
-def tensors(root: Path) -> dict[str, torch.Tensor]:
-    return {k: v for f in sorted(root.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -73,7 +69,7 @@ def test_synth_bundles_the_spec(src):
     assert cfg.draft is not None
     names = {s.name for s in checkpoint_tensors(cfg)}
     spec = [s for s in dspark.draft_tensors(cfg.draft, dspark.PREFIX)]
-    assert {s.name for s in spec} <= names and {n for n in tensors(src) if dspark.is_draft(n)} == {s.name for s in spec}
+    assert {s.name for s in spec} <= names and {n for n in read_tensors(src) if dspark.is_draft(n)} == {s.name for s in spec}
     d = cfg.draft  # target-derived dimensions
     t = cfg.text
     assert (d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.vocab_size) == \
@@ -103,7 +99,7 @@ def test_classify_and_default_layer_ids():
 
 # --------------------------------------------------------------------------- extract
 def test_extract_is_the_spec_with_the_source_bytes(src, extracted):
-    s, o = tensors(src), tensors(extracted)
+    s, o = read_tensors(src), read_tensors(extracted)
     cfg = Inkling2Config.load(src)
     spec = {x.name: x for x in dspark.draft_tensors(cfg.draft)}
     assert set(o) == set(spec)
@@ -170,12 +166,12 @@ def test_extracted_config_is_what_vllms_speculators_config_accepts(extracted, mo
                  p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
                  p + "mlp.down_proj.weight": (H, inter), p + "input_layernorm.weight": (H,),
                  p + "post_attention_layernorm.weight": (H,)}
-    assert {n: tuple(t.shape) for n, t in tensors(extracted).items()} == want
+    assert {n: tuple(t.shape) for n, t in read_tensors(extracted).items()} == want
 
 
 # --------------------------------------------------------------------------- strip
 def test_strip_is_the_target_bit_exact(src, stripped):
-    s, o = tensors(src), tensors(stripped)
+    s, o = read_tensors(src), read_tensors(stripped)
     assert set(o) == {n for n in s if not dspark.is_draft(n)}
     assert all(same(o[n], s[n]) for n in o)
     config = json.loads((stripped / "config.json").read_text())
@@ -188,18 +184,18 @@ def test_strip_is_the_target_bit_exact(src, stripped):
 
 def test_convert_of_stripped_and_full(stripped, converted, src, tmp):
     convert(stripped, tmp / "stripped-converted", Options(default_activation_amax=4.0), quiet=True)
-    a, b = tensors(tmp / "stripped-converted"), tensors(converted)
-    assert set(b) - set(a) == {n for n in tensors(src) if dspark.is_draft(n)}
+    a, b = read_tensors(tmp / "stripped-converted"), read_tensors(converted)
+    assert set(b) - set(a) == {n for n in read_tensors(src) if dspark.is_draft(n)}
     assert all(same(a[n], b[n]) for n in a)  # the same target, with or without the draft beside it
     q = json.loads((converted / "config.json").read_text())["quantization_config"]
     assert "mtp*" in q["exclude_modules"] and not any(k.startswith("mtp") for k in q["quantized_layers"])
 
 
 def test_converted_draft_is_the_source_draft(src, converted, extracted, tmp):
-    s, c = tensors(src), tensors(converted)
+    s, c = read_tensors(src), read_tensors(converted)
     assert all(same(c[n], s[n]) for n in s if dspark.is_draft(n))
     draft.extract(converted, tmp / "extracted-converted")
-    e1, e2 = tensors(extracted), tensors(tmp / "extracted-converted")
+    e1, e2 = read_tensors(extracted), read_tensors(tmp / "extracted-converted")
     assert set(e1) == set(e2) and all(same(e1[n], e2[n]) for n in e1)
     assert json.loads((tmp / "extracted-converted" / "config.json").read_text()) == \
         json.loads((extracted / "config.json").read_text())  # no quantization_config travels

@@ -10,6 +10,7 @@ from inkling_quant.errors import ConfigError, UnknownTensorError
 from inkling_quant.model import dspark
 from inkling_quant.model.inkling2 import Inkling2Config, checkpoint_tensors, param_counts
 from inkling_quant.io.checkpoint import Checkpoint
+from modelopt_reference import read_tensors
 
 ref = pytest.importorskip("inkling2_reference")
 
@@ -36,12 +37,10 @@ def test_layout_equals_what_save_pretrained_writes(saved):
 def test_w13_rows_interleave_gate_and_up(saved):
     """Row 2j of w13_weight is expert gate row j, row 2j+1 up row j: transformers' Interleave op
     loads it into gate_up_proj with gate as the first half."""
-    from safetensors.torch import load_file
     from transformers.models.inkling2 import Inkling2ForConditionalGeneration
 
     model = Inkling2ForConditionalGeneration.from_pretrained(saved, dtype=torch.bfloat16)
-    w13 = {k: v for f in saved.glob("*.safetensors") for k, v in load_file(f).items()}[
-        "model.llm.layers.1.mlp.experts.w13_weight"]
+    w13 = read_tensors(saved)["model.llm.layers.1.mlp.experts.w13_weight"]
     gate_up = model.model.language_model.layers[1].mlp.experts.gate_up_proj.detach()
     inter = gate_up.shape[1] // 2
     assert torch.equal(w13[:, 0::2], gate_up[:, :inter]) and torch.equal(w13[:, 1::2], gate_up[:, inter:])

@@ -35,6 +35,7 @@ from inkling_quant.io.checkpoint import INDEX_NAME, Checkpoint
 from inkling_quant.io.safetensors import ShardReader, sha256_file
 
 from legacy_checkpoint import write_legacy_checkpoint
+from modelopt_reference import read_tensors
 
 # PEFT module under self_attn (transformers' name) -> the checkpoint's projection under attn
 # (docs/lora.md's table): the seven attention nn.Linears of Inkling 2
@@ -66,11 +67,6 @@ def load_all(root: Path) -> dict[str, torch.Tensor]:
             for name in h.tensors:
                 out[name] = r.get(name).clone()
     return out
-
-
-def tensors(root: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a directory's safetensors files (what transformers' save_pretrained wrote)."""
-    return {k: v for f in sorted(root.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -217,7 +213,7 @@ def _peft_adapter(src: Path, d: Path, *, autocast: bool):
                 p.mul_(0.05)
     model.save_pretrained(d)
     model.merge_and_unload().save_pretrained(d.parent / f"{d.name}-merged")
-    return d, tensors(d.parent / f"{d.name}-merged")
+    return d, read_tensors(d.parent / f"{d.name}-merged")
 
 
 # --------------------------------------------------------------------------- check

@@ -32,7 +32,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def test_modelopt_hf_output_equals_modelopt_export(exported, tmp_path):
     src, ref = exported
     convert(src, tmp_path / "ours", Options(output_format="modelopt-hf", activation_scales=str(ref)), quiet=True)
-    theirs, ours = mo.load_export(ref), mo.load_export(tmp_path / "ours")
+    theirs, ours = mo.read_tensors(ref), mo.read_tensors(tmp_path / "ours")
     assert sorted(set(theirs) ^ set(ours)) == []
     differ = [n for n in theirs if theirs[n].dtype != ours[n].dtype or theirs[n].shape != ours[n].shape
               or not torch.equal(bits(theirs[n]), bits(ours[n]))]
@@ -52,7 +52,7 @@ def test_one_format_equals_modelopt_export(tmp_path):
     ref = mo.export_tiny(tmp_path / "modelopt", source=tmp_path / "src", mxfp8_last=False)
     convert(tmp_path / "src", tmp_path / "ours", Options(scheme="nvfp4", output_format="modelopt-hf",
                                                          activation_scales=str(ref)), quiet=True)
-    theirs, ours = mo.load_export(ref), mo.load_export(tmp_path / "ours")
+    theirs, ours = mo.read_tensors(ref), mo.read_tensors(tmp_path / "ours")
     assert set(theirs) == set(ours) and all(torch.equal(bits(theirs[n]), bits(ours[n])) for n in theirs)
     for f in ("hf_quant_config.json", "config.json"):
         assert json.loads((tmp_path / "ours" / f).read_text()).get("quantization_config") == \
@@ -71,7 +71,7 @@ def test_inkling_output_carries_the_same_quantized_experts(exported, tmp_path):
     ModelOpt's per-expert tensors bit for bit (the form changes the layout, not the bits)."""
     src, ref = exported
     convert(src, tmp_path / "ink", Options(activation_scales=str(ref), encoder="modelopt"), quiet=True)
-    theirs, ours = mo.load_export(ref), mo.load_export(tmp_path / "ink")
+    theirs, ours = mo.read_tensors(ref), mo.read_tensors(tmp_path / "ink")
     layers = 1 + max(int(n.split(".")[3]) for n in ours if n.startswith("model.llm.layers."))
     for layer in range(layers):
         p = f"model.llm.layers.{layer}.mlp.experts."

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import sources_reference as ref
-from modelopt_reference import load_export as _out  # every shard's tensors, by name
+from modelopt_reference import read_tensors
 from inkling_quant.convert import Options, convert
 from inkling_quant.errors import CheckpointError, ConfigError, FormatError, UsageError
 from inkling_quant.verify import verify
@@ -86,7 +86,7 @@ def test_deepseek_fp8_experts_bit_exact_to_modelopt_and_the_rest_kept(sources, t
     (scale viewed [gm, 1, gn, 1]: ModelOpt's FP8_PB_WO) and declared; everything else as it is."""
     src = load_file(sources["ds"] / "model.safetensors")
     report = _convert(sources["ds"], tmp_path / "o")
-    out = _out(tmp_path / "o")
+    out = read_tensors(tmp_path / "o")
     for e in range(4):
         p = f"model.layers.1.mlp.experts.{e}."
         _check_nvfp4(out, p, {k: ref.fp8_dequantize(src[f"{p}{k}.weight"], src[f"{p}{k}.weight_scale_inv"])
@@ -124,7 +124,7 @@ def test_deepseek_fp8_dequantized_modules_equal_transformers_reading(sources, tm
 
     src = load_file(sources["ds"] / "model.safetensors")
     _convert(sources["ds"], tmp_path / "o", dequantize_fp8=True, scheme="nvfp4")
-    out = _out(tmp_path / "o")
+    out = read_tensors(tmp_path / "o")
     for k, v in src.items():
         if k.endswith(".weight_scale_inv") and ".mlp.experts." not in k:
             w = k[: -len("_scale_inv")]
@@ -149,7 +149,7 @@ def test_qwen3_fp8_bf16_scales(sources, tmp_path):
     src = load_file(sources["qw"] / "model.safetensors")
     assert src["model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv"].dtype == torch.bfloat16
     _convert(sources["qw"], tmp_path / "o", scheme="nvfp4")
-    out = _out(tmp_path / "o")
+    out = read_tensors(tmp_path / "o")
     p = "model.layers.1.mlp.experts.3."
     _check_nvfp4(out, p, {k: ref.fp8_dequantize(src[f"{p}{k}.weight"], src[f"{p}{k}.weight_scale_inv"])
                           for k in ("gate_proj", "up_proj", "down_proj")}, ("gate_proj", "up_proj"))
@@ -160,7 +160,7 @@ def test_qwen3_fp8_bf16_scales(sources, tmp_path):
 
 def test_scheme_none_copies_a_quantized_source(sources, tmp_path):
     _convert(sources["qw"], tmp_path / "o", scheme="none")
-    src, out = load_file(sources["qw"] / "model.safetensors"), _out(tmp_path / "o")
+    src, out = load_file(sources["qw"] / "model.safetensors"), read_tensors(tmp_path / "o")
     assert src.keys() == out.keys() and all(torch.equal(_bits(src[k]), _bits(out[k])) for k in src)
     cfg = json.loads((tmp_path / "o" / "config.json").read_text())
     assert cfg["quantization_config"] == json.loads((sources["qw"] / "config.json").read_text())["quantization_config"]
@@ -288,7 +288,7 @@ def test_gpt_oss_mxfp4_to_nvfp4_is_modelopts_lossless_cast(sources, tmp_path):
         from modelopt.torch.export.shard_cast_utils import mxfp4_kmax, quantize_mxfp4_to_nvfp4_lossless
     src = load_file(sources["go"] / "model.safetensors")
     report = _convert(sources["go"], tmp_path / "o")
-    out = _out(tmp_path / "o")
+    out = read_tensors(tmp_path / "o")
     counts = {}
     for layer in (0, 1):
         m = f"model.layers.{layer}.mlp.experts."
@@ -323,7 +323,7 @@ def test_gpt_oss_mxfp4_to_mxfp8_exact(sources, tmp_path):
         from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     src = load_file(sources["go"] / "model.safetensors")
     _convert(sources["go"], tmp_path / "o", scheme="mxfp8")
-    out = _out(tmp_path / "o")
+    out = read_tensors(tmp_path / "o")
     m = "model.layers.1.mlp.experts."
     gu = convert_moe_packed_tensors(src[m + "gate_up_proj_blocks"], src[m + "gate_up_proj_scales"],
                                     dtype=torch.float32).transpose(1, 2)       # [E, 2I, H]
@@ -350,7 +350,7 @@ def test_gpt_oss_layout_bf16_and_mxfp4(sources, tmp_path):
         assert lay.classify("model.layers.0.mlp.router.weight").part == "router"
     d = sources["root"] / "go-bf16"
     _convert(d, tmp_path / "o", scheme="mxfp8")
-    src, out = load_file(d / "model.safetensors"), _out(tmp_path / "o")
+    src, out = load_file(d / "model.safetensors"), read_tensors(tmp_path / "o")
     gu = src["model.layers.0.mlp.experts.gate_up_proj"][2].T.float()                # [2I, H]
     dn = src["model.layers.0.mlp.experts.down_proj"][2].T.float()
     _check_mxfp8(out, "model.layers.0.mlp.experts.2.", {"gate_proj": gu[0::2], "up_proj": gu[1::2], "down_proj": dn})

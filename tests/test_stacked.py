@@ -293,10 +293,10 @@ def test_transformers_loads_a_stacked_inkling2_loop_checkpoint(tmp_path):
 @pytest.fixture(scope="module")
 def modelopt_export(tmp_path_factory):
     pytest.importorskip("modelopt.torch.quantization")
-    from modelopt_reference import export_tiny, load_export, tiny_modelopt_config
+    from modelopt_reference import export_tiny, read_tensors, tiny_modelopt_config
 
     out = export_tiny(tmp_path_factory.mktemp("modelopt") / "tiny")
-    return tiny_modelopt_config().text_config, load_export(out)
+    return tiny_modelopt_config().text_config, read_tensors(out)
 
 
 def test_modelopt_experts_stacked_read_back_by_transformers(modelopt_export):
