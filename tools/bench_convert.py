@@ -10,7 +10,9 @@ stacked ``w13_weight`` [E, 2 x 2304, 4608] and ``w2_weight`` [E, 4608, 2304] bf1
                     what pass-through tensors cost;
   (b) ``ours``      ``inkling_quant.convert.convert()`` as ``inkling-quant convert`` calls it, with scheme
                     nvfp4 --weight-only (W4A16, the counterpart of llm-compressor's NVFP4A16), mxfp8,
-                    and default (W4A4 NVFP4 + MXFP8, constant activation amax), at 1 and 2 workers;
+                    and default (W4A4 NVFP4 + MXFP8, constant activation amax), at 1 and 2 workers, with
+                    ModelOpt's encoder (``--encoder modelopt``; the inkling form's own is the release's)
+                    so that (d) checks the bits;
   (c) ``lc``        llm-compressor 0.14.0.1 ``model_free_ptq`` with NVFP4A16 and MXFP8, max_workers 1 and 2
                     (threads), ignoring every module but the routed experts so the weight work is the same.
                     model_free_ptq quantizes 2-D ``<module>.weight`` matrices only, so it reads a copy of
@@ -108,7 +110,7 @@ def _child_ours(spec: dict) -> dict:
     from inkling_quant.convert import Options, convert
 
     opts = Options(scheme=spec["scheme"], weight_only=spec["weight_only"],
-                   default_activation_amax=spec.get("activation_amax"),
+                   default_activation_amax=spec.get("activation_amax"), encoder="modelopt",
                    max_shard_bytes=parse_size(spec["max_shard_size"]), workers=spec["workers"])
     setup = _cpu_s() - c0
     t0 = time.perf_counter()
@@ -162,7 +164,7 @@ def _child_modelopt(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     sys.path.insert(0, str(ROOT))
     from inkling_quant.formats import FORMATS
-    from inkling_quant.export.inkling import projection_specs, slab_slices
+    from inkling_quant.export.inkling import projection_specs, slab_slices, write_expert
     from inkling_quant.model.inkling2 import Inkling2Config, classify
     from inkling_quant.io.safetensors import ShardReader, ShardWriter, TensorBuffer
     from inkling_quant.schemes import get_scheme
@@ -196,17 +198,16 @@ def _child_modelopt(spec: dict) -> dict:
                     n_in += t.numel() * t.element_size()
                     w.write(name, t)
                     continue
-                scales = {n: torch.empty(shape, dtype=dtype) for n, dtype, shape in specs[1:]}
+                scales = {n[len(prefix):]: torch.empty(shape, dtype=dtype) for n, dtype, shape in specs[1:]}
                 for e in range(r.header.tensors[name].shape[0]):  # as ours: the weight in pieces, scales after
                     slab = r.get_slice(name, e, buf)
                     n_in += slab.numel() * slab.element_size()
                     slices = slab_slices(FORMATS[fmt], proj, _modelopt_slab(slab, proj, fmt))
-                    for n, t in scales.items():
-                        t[e] = slices[n[len(prefix):]]
-                    w.write_part(specs[0][0], slices[f"{proj}_weight"])
+                    w.write_part(specs[0][0], slices.pop(f"{proj}_weight"))
+                    write_expert(scales, e, slices)  # a per-tensor scalar (the denominator) whole
                     n_q += 2 if proj == "w13" else 1
-                for n, t in scales.items():
-                    w.write(n, t)
+                for k, t in scales.items():
+                    w.write(prefix + k, t)
             w.commit()
     for r in readers.values():
         r.close()
