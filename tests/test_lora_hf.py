@@ -30,7 +30,8 @@ from inkling_quant import cli, lora
 from inkling_quant.convert import Options, convert
 from inkling_quant.errors import CheckpointError, ConfigError
 
-from test_lora import bits_equal, one_ulp_apart, tensors, write_adapter
+from modelopt_reference import read_tensors
+from test_lora import bits_equal, one_ulp_apart, write_adapter
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -121,7 +122,7 @@ def test_merge_equals_peft_merge_and_unload(cases, family):
     (PEFT's save keeps DeepSeek's router in FP32: transformers loads it so); the routed experts
     held to PEFT's formula in the next test."""
     src, _, theirs, ours = cases[family]
-    b, want, got = tensors(src), tensors(theirs), tensors(ours)
+    b, want, got = read_tensors(src), read_tensors(theirs), read_tensors(ours)
     assert set(got) == set(want) == set(b)
     changed = {k for k in b if not bits_equal(got[k], b[k])}
     attention = {k for k in b if any(f".self_attn.{p}.weight" in k for p in ATTN[family])}
@@ -139,7 +140,7 @@ def test_expert_merge_is_peft_delta_rounded_once(cases, family):
     expert: its gate and up halves, w1/w3 for Mixtral; stacked: as is), ours is bf16(W + d) and
     PEFT's bf16(W + bf16(d)), both bit for bit, and the two within one ulp."""
     src, adapter, theirs, ours = cases[family]
-    b, want, got = tensors(src), tensors(theirs), tensors(ours)
+    b, want, got = read_tensors(src), read_tensors(theirs), read_tensors(ours)
     ad = load_file(adapter / "adapter_model.safetensors")
     s = scalings(family)
     for layer in EXPERT_LAYERS[family]:
@@ -216,7 +217,7 @@ def test_transformers4_per_expert_adapter(sources, tmp_path):
             peft.PeftModel.from_pretrained(model, d).merge_and_unload().save_pretrained(tmp_path / family / "peft")
         report = lora.merge(sources[family], d, tmp_path / family / "ours")
         assert report["by_part"]["expert"] == 2 * E * 3 and report["by_part"]["attention"] == 2 * attention
-        b, want, got = tensors(sources[family]), tensors(tmp_path / family / "peft"), tensors(tmp_path / family / "ours")
+        b, want, got = read_tensors(sources[family]), read_tensors(tmp_path / family / "peft"), read_tensors(tmp_path / family / "ours")
         for name in b:
             if name.endswith(".weight") and name[:-len(".weight")] in modules:
                 a_, b_ = modules[name[:-len(".weight")]]
@@ -238,7 +239,7 @@ def test_llama4_prefix_and_shared_experts(sources, tmp_path):
     adapter, theirs = peft_adapter(src, "llama4", tmp_path, target_modules=regex)
     report = lora.merge(src, adapter, tmp_path / "ours")
     assert report["by_part"] == {"attention": 8, "dense_mlp": 0, "shared_expert": 6, "expert": 0}
-    b, want, got = tensors(src), tensors(theirs), tensors(tmp_path / "ours")
+    b, want, got = read_tensors(src), read_tensors(theirs), read_tensors(tmp_path / "ours")
     assert set(b) == set(want) == set(got)
     assert all(bits_equal(got[k], want[k]) for k in b)
     assert sum(not bits_equal(got[k], b[k]) for k in b) == 14
@@ -259,7 +260,7 @@ def test_stacked_in_out_experts(sources, tmp_path):
             (hub / f.name).write_bytes(f.read_bytes())
     adapter, theirs = peft_adapter(src, "qwen3_vl_moe", tmp_path / "attn")
     lora.merge(hub, adapter, tmp_path / "ours")
-    got, want, before = tensors(tmp_path / "ours"), tensors(theirs), tensors(hub)
+    got, want, before = read_tensors(tmp_path / "ours"), read_tensors(theirs), read_tensors(hub)
     for k, v in got.items():
         assert bits_equal(v, want[k] if ".self_attn." in k else before[k]), k
     experts, _ = peft_adapter(src, "qwen3_vl_moe", tmp_path / "experts", target_parameters=EXPERT_PARAMS)
@@ -279,7 +280,7 @@ def test_text_only_module_names(cases, tmp_path):
     (text / "adapter_config.json").write_bytes((adapter / "adapter_config.json").read_bytes())
     assert any(m.startswith("model.layers.") for m in lora.check(src, text).adapter.modules)
     lora.merge(src, text, tmp_path / "out")
-    got, want = tensors(tmp_path / "out"), tensors(ours)
+    got, want = read_tensors(tmp_path / "out"), read_tensors(ours)
     assert all(bits_equal(got[k], want[k]) for k in want)
 
 
@@ -302,7 +303,7 @@ def test_attention_merge_into_modelopt_export(exported, tmp_path, family):
     adapter, theirs = peft_adapter(src, family, tmp_path, **CONFIGS[family])
     report = lora.merge(modelopt, adapter, tmp_path / "ours")
     assert report["by_part"]["attention"] == 3 * len(ATTN[family]) and not report["checksums"]
-    got, want, exp = tensors(tmp_path / "ours"), tensors(theirs), tensors(modelopt)
+    got, want, exp = read_tensors(tmp_path / "ours"), read_tensors(theirs), read_tensors(modelopt)
     assert set(got) == set(exp)
     for k, v in got.items():
         attention = any(f".self_attn.{p}.weight" in k for p in ATTN[family])
@@ -321,7 +322,7 @@ def test_merge_then_convert_equals_merge_into_export(exported, tmp_path):
     convert(str(tmp_path / "src-merged"), tmp_path / "a", Options(scheme="default", activation_scales=str(modelopt)),
             quiet=True)
     lora.merge(modelopt, adapter, tmp_path / "b")
-    a, b = tensors(tmp_path / "a"), tensors(tmp_path / "b")
+    a, b = read_tensors(tmp_path / "a"), read_tensors(tmp_path / "b")
     assert set(a) == set(b) and all(bits_equal(a[k], b[k]) for k in a)
 
 

@@ -31,7 +31,8 @@ from inkling_quant.errors import ConfigError
 from inkling_quant.model.inkling2 import Inkling2Config, checkpoint_tensors, transformers_name
 from inkling_quant.synth import write_checkpoint
 
-from test_lora import ATTN, bits_equal, one_ulp_apart, tensors, write_adapter
+from modelopt_reference import read_tensors
+from test_lora import ATTN, bits_equal, one_ulp_apart, write_adapter
 
 ref = pytest.importorskip("inkling2_reference")  # transformers >= 5.24 (models/inkling2)
 peft = pytest.importorskip("peft")
@@ -98,7 +99,7 @@ def test_merge_equals_peft_merge_and_unload(case):
     """Every tensor of our merge equals PEFT's merged save: attention and all the rest bit for
     bit; the stacked experts are held to PEFT in the next test (PEFT rounds them twice)."""
     base, _, peft_dir, ours_dir = case
-    b, want, got = tensors(base), tensors(peft_dir), tensors(ours_dir)
+    b, want, got = read_tensors(base), read_tensors(peft_dir), read_tensors(ours_dir)
     assert set(got) == set(want) == set(b)
     changed = 0
     for name, w in want.items():
@@ -125,8 +126,8 @@ def test_expert_merge_is_peft_delta_rounded_once_with_w13_interleaved(case):
     both bit for bit. (With this test's large random factors, |d| ~ 2|W|, about 30% of the
     elements differ by that one ulp; for a trained adapter's small delta, far fewer.)"""
     base, adapter, peft_dir, ours_dir = case
-    b, got, ad = tensors(base), tensors(ours_dir), load_file(adapter / "adapter_model.safetensors")
-    theirs = tensors(peft_dir)
+    b, got, ad = read_tensors(base), read_tensors(ours_dir), load_file(adapter / "adapter_model.safetensors")
+    theirs = read_tensors(peft_dir)
     for layer in range(4):
         p = f"{PREFIX}model.language_model.layers.{layer}.mlp.experts."
         for proj, key, scaling in (("w13", "base_layer.", 6 / 4), ("w2", "", 8 / 3)):
@@ -151,7 +152,7 @@ def test_text_only_adapter_names(case, tmp_path):
               d / "adapter_model.safetensors")
     (d / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
     lora.merge(base, d, tmp_path / "out")
-    got, want = tensors(tmp_path / "out"), tensors(ours_dir)
+    got, want = read_tensors(tmp_path / "out"), read_tensors(ours_dir)
     assert all(bits_equal(got[k], want[k]) for k in want)
 
 
@@ -162,7 +163,7 @@ def test_attention_only_merge_is_bit_identical_to_peft(tmp_path):
     pm.merge_and_unload().save_pretrained(tmp_path / "peft")
     report = lora.merge(base, tmp_path / "adapter", tmp_path / "ours")
     assert report["by_part"] == {"attention": 8, "expert": 0}
-    want, got = tensors(tmp_path / "peft"), tensors(tmp_path / "ours")
+    want, got = read_tensors(tmp_path / "peft"), read_tensors(tmp_path / "ours")
     assert set(got) == set(want) and all(bits_equal(got[k], want[k]) for k in want)
 
 
@@ -210,7 +211,7 @@ def test_merge_into_converted_keeps_quantized_experts(converted, tmp_path):
     report = lora.merge(conv, d, tmp_path / "out")
     assert report["by_part"] == {"attention": 6 * 7, "expert": 0}
     assert 0 < report["rewritten"] < report["rewritten"] + report["linked"]
-    before, after, ad = tensors(conv), tensors(tmp_path / "out"), load_file(d / "adapter_model.safetensors")
+    before, after, ad = read_tensors(conv), read_tensors(tmp_path / "out"), load_file(d / "adapter_model.safetensors")
     assert set(before) == set(after)
     for name, t in before.items():
         if ".attn." in name and name.endswith(".weight") and "sconv" not in name:
@@ -231,7 +232,7 @@ def test_merge_into_source_then_convert_equals_convert_then_merge(converted, tmp
     convert(tmp_path / "src-merged", tmp_path / "a-then-c", Options(default_activation_amax=4.0,
                                                                     max_shard_bytes=1 << 17), quiet=True)
     lora.merge(conv, d, tmp_path / "c-then-a")
-    x, y = tensors(tmp_path / "a-then-c"), tensors(tmp_path / "c-then-a")
+    x, y = read_tensors(tmp_path / "a-then-c"), read_tensors(tmp_path / "c-then-a")
     assert set(x) == set(y) and all(bits_equal(x[k], y[k]) for k in x)
 
 
@@ -292,11 +293,11 @@ def test_attention_merge_into_transformers_names_and_modelopt_form(tmp_path):
     convert(str(base), tmp_path / "hf", Options(output_format="modelopt-hf", scheme="nvfp4", default_activation_amax=4.0),
             quiet=True)
     lora.merge(base, tmp_path / "adapter", tmp_path / "ours")
-    want = tensors(tmp_path / "ours")
+    want = read_tensors(tmp_path / "ours")
     merged = {k for k in want if ".attn.wq_du." in k or ".attn.wo_ud." in k}
     assert merged
     for other in ("names", "hf"):
         report = lora.merge(tmp_path / other, tmp_path / "adapter", tmp_path / f"{other}-merged")
         assert report["by_part"] == {"attention": 8, "expert": 0}
-        got = tensors(tmp_path / f"{other}-merged")
+        got = read_tensors(tmp_path / f"{other}-merged")
         assert all(bits_equal(got[transformers_name(k)], want[k]) for k in merged), other
