@@ -190,12 +190,17 @@ def _fp8_bytes(tensors, source: Format, per: int, name: str):
     return w.contiguous().view(torch.uint8).reshape(-1).numpy(), s.contiguous(), tuple(w.shape)
 
 
+def _band_pairs(n: int) -> int:
+    """The (tile column, block maximum byte) pairs a band of a weight of `n` columns can hold: the
+    by-table kernels' slots."""
+    return -(-n // FP8_TILE) * 128
+
+
 def _slot_scratch(n: int) -> tuple[np.ndarray, ...]:
-    """Per-thread scratch of _jit._band_slots (the by-table kernels' slots) for a weight of `n`
-    columns: top8 and block_slot (one per block of a band), slot (tile columns x 128: the (column,
-    block maximum byte) pairs a band can hold), slot_tile and slot_top (one per pair), a row's
-    bytes."""
-    slots, blocks = -(-n // FP8_TILE) * 128, FP8_TILE * n // 16
+    """Per-thread scratch of _jit._band_slots for a weight of `n` columns: top8 and block_slot
+    (one per block of a band), slot (one per pair a band can hold: _band_pairs), slot_tile and
+    slot_top (one per pair), a row's bytes."""
+    slots, blocks = _band_pairs(n), FP8_TILE * n // 16
     return (_buf("fp8:top8", (blocks,), np.uint8), _buf("fp8:block_slot", (blocks,), np.int32),
             _buf("fp8:slot", (slots,), np.int32), _buf("fp8:slot_tile", (slots,), np.int32),
             _buf("fp8:slot_top", (slots,), np.uint8), _buf("fp8:row", (n,), np.uint8))
@@ -203,7 +208,7 @@ def _slot_scratch(n: int) -> tuple[np.ndarray, ...]:
 
 def _tables(n: int) -> np.ndarray:
     """Per-thread scratch of the by-table kernels' tables: 256 bytes for each pair a band can hold."""
-    return _buf("fp8:table", (-(-n // FP8_TILE) * 128 * 256,), np.uint8)
+    return _buf("fp8:table", (_band_pairs(n) * 256,), np.uint8)
 
 
 @transcoder("fp8_block", "nvfp4")
@@ -236,7 +241,7 @@ def nvfp4_from_fp8_block(tensors: Mapping[str, torch.Tensor], source: Format, ta
     def bands(b0: int, b1: int, s2f, out, scratch) -> int:   # b0: a band's first block
         return _jit.nvfp4_from_fp8_bands(q[b0 * 16: b1 * 16], n, factor[b0 // band * gn: -(-b1 // band) * gn], s2f,
                                          rel, _E4M3_TO_F32, *out, *_slot_scratch(n), _tables(n),
-                                         _buf("fp8:slot_scale", (-(-n // FP8_TILE) * 128,), np.uint8), *scratch,
+                                         _buf("fp8:slot_scale", (_band_pairs(n),), np.uint8), *scratch,
                                          _buf("nv:x", (_NV_CHUNK_BLOCKS * 16,), np.float32),
                                          _buf("nv:scale", (_NV_CHUNK_BLOCKS,), np.uint8),
                                          _buf("nv:tmp8", (_NV_CHUNK_BLOCKS * 16,), np.uint8)[: _NV_CHUNK_BLOCKS * 8])
@@ -262,7 +267,7 @@ def mxfp8_from_fp8_block(tensors: Mapping[str, torch.Tensor], source: Format, ta
     if got is None or target.encoder_rule(encoder) != "modelopt":
         return None
     q, s, (m, n) = got
-    factor, (gm, gn), slots = s.numpy().reshape(-1), s.shape, -(-n // FP8_TILE) * 128
+    factor, (gm, gn), slots = s.numpy().reshape(-1), s.shape, _band_pairs(n)
     amax, counts = np.empty((gm, slots), np.float32), np.zeros(gm, np.int64)
 
     def maxima(g0: int, g1: int) -> None:
@@ -271,11 +276,9 @@ def mxfp8_from_fp8_block(tensors: Mapping[str, torch.Tensor], source: Format, ta
             raise _nonfinite(name)
 
     _run_chunks(maxima, gm, 1, 1)
-    ends = np.cumsum(counts)
-    exps = e8m0_exponent(torch.from_numpy(np.concatenate([amax[g, :k] for g, k in enumerate(counts)]))).numpy()
+    found = np.arange(slots) < counts[:, None]   # each band's first counts[band] slots
     slot_e8 = np.empty((gm, slots), np.uint8)
-    for g, k in enumerate(counts):
-        slot_e8[g, :k] = exps[ends[g] - k: ends[g]]
+    slot_e8[found] = e8m0_exponent(torch.from_numpy(amax[found])).numpy()
     out, e8 = np.empty(q.size, np.uint8), np.empty(q.size // MX_BLOCK, np.uint8)
 
     def bands(g0: int, g1: int) -> None:
