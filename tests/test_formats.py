@@ -791,7 +791,7 @@ def test_fp8_block_is_a_source_format_only():
     quant_algo lookups) sees it."""
     from inkling_quant.export import value_rules
     from inkling_quant.formats import SCALE_SUFFIXES, detect, format_for_quant_algo
-    assert set(FORMATS) == {"nvfp4", "mxfp8", "passthrough"} and set(SOURCE_FORMATS) == {"fp8_block", "mxfp4"}
+    assert set(FORMATS) == {"nvfp4", "mxfp8", "passthrough"} and set(SOURCE_FORMATS) == {"fp8_block", "mxfp4", "mxfp4_rows"}
     assert isinstance(SOURCE_FORMATS["fp8_block"], FP8Block)
     assert get_format("fp8_block", source=True) is SOURCE_FORMATS["fp8_block"]
     assert get_format("nvfp4", source=True) is FORMATS["nvfp4"]
@@ -832,6 +832,8 @@ def test_transcode_registry_lookup():
     assert TRANSCODERS[("mxfp8", "nvfp4")] is transcode.nvfp4_from_mxfp8
     assert transcode.find(MXFP8(), NVFP4()) is transcode.find("mxfp8", "nvfp4") is transcode.nvfp4_from_mxfp8
     assert transcode.find("mxfp4", "mxfp8") is None and transcode.find("nvfp4", "mxfp8") is None
+    # DeepSeek-V4's per-expert MXFP4 holds gpt-oss's bits: one cast for both
+    assert transcode.find("mxfp4_rows", "nvfp4") is transcode.find("mxfp4", "nvfp4") is transcode.nvfp4_from_mxfp4
     tree = ast.parse(Path(nv_module.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert "mxfp8" not in imported and "requantize" not in NVFP4.__dict__

@@ -5,7 +5,7 @@ from __future__ import annotations
 from . import transcode
 from .base import MIN_INVERTIBLE_SCALE, TRANSCODERS, Format, OutSpec, Passthrough, invertible
 from .fp8_block import FP8Block
-from .mxfp4 import MXFP4
+from .mxfp4 import MXFP4, MXFP4Rows
 from .mxfp8 import MXFP8
 from .nvfp4 import NVFP4
 
@@ -13,7 +13,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (NVFP4(), MXFP8(), Passthrough(
 #: formats only ever read from a source (`Format.source_only`), kept out of FORMATS: everything
 #: that iterates FORMATS (schemes, detect, value_rules, SCALE_SUFFIXES, quant_algo lookups, verify)
 #: is about what we write
-SOURCE_FORMATS: dict[str, Format] = {f.name: f for f in (FP8Block(), MXFP4())}
+SOURCE_FORMATS: dict[str, Format] = {f.name: f for f in (FP8Block(), MXFP4(), MXFP4Rows())}
 
 #: every suffix a quantized module adds beside `weight` (the tensor-name vocabulary of the formats)
 SCALE_SUFFIXES: tuple[str, ...] = tuple(dict.fromkeys(s for f in FORMATS.values() for s in f.suffixes
@@ -47,5 +47,5 @@ def get_format(name: str, *, source: bool = False) -> Format:
 
 
 __all__ = ["FORMATS", "Format", "MIN_INVERTIBLE_SCALE", "OutSpec", "Passthrough", "NVFP4", "MXFP8", "SCALE_SUFFIXES",
-           "VALUE_RULES", "invertible", "SOURCE_FORMATS", "FP8Block", "MXFP4", "TRANSCODERS", "transcode",
+           "VALUE_RULES", "invertible", "SOURCE_FORMATS", "FP8Block", "MXFP4", "MXFP4Rows", "TRANSCODERS", "transcode",
            "detect", "format_for_quant_algo", "get_format"]

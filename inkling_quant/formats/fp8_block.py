@@ -30,10 +30,12 @@ finite fp32 reciprocal. There is no floor of 1e-4 on the amax: that floor belong
 *activation* quantizer of later DeepSeek code (deepseek-ai/DeepSeek-V3.2-Exp inference/kernel.py
 `act_quant_kernel`), and on weights it would move every small tile's scale off weight_quant's rule.
 
-Scales may be stored as float32 (DeepSeek-V3) or bfloat16 / float16 (Qwen3's FP8 releases
-store ``weight_scale_inv`` in bf16): every one widens to fp32 exactly, and the fp32 value is the
-multiplier (transformers 5.25 integrations/finegrained_fp8.py ``Fp8Dequantize``: ``scales.to(
-torch.float32)``, then ``q * s``).
+Scales may be stored as float32 (DeepSeek-V3), bfloat16 / float16 (Qwen3's FP8 releases
+store ``weight_scale_inv`` in bf16) or UE8M0 (``F8_E8M0``, a power of two ``2^(E - 127)``:
+DeepSeek-V4's, transformers 5.25 utils/quantization_config.py ``FineGrainedFP8Config.scale_fmt``
+"ue8m0"): every one widens to fp32 exactly (e8m0's 255 to NaN, which the checks refuse), and the
+fp32 value is the multiplier (transformers 5.25 integrations/finegrained_fp8.py ``Fp8Dequantize``:
+``scales.to(torch.float32)``, then ``q * s``).
 
 **Written as ModelOpt's FP8_PB_WO.** The same numbers are what nvidia-modelopt 0.47.0's HF
 exporter writes for a 128x128 block-FP8 weight-only module (`quant_utils.py`
@@ -70,8 +72,9 @@ E4M3_MAX = 448.0           # largest float8_e4m3fn magnitude
 SCALE_SUFFIX = "weight_scale_inv"
 MODELOPT_SCALE = "weight_scale"   # the scale's suffix in ModelOpt's FP8_PB_WO form
 QUANT_ALGO = "fp8_pb_wo"          # nvidia-modelopt 0.47.0 export/model_config.py QUANTIZATION_FP8_PB_WO
-#: the dtypes a stored scale may have: each widens to fp32 exactly (Qwen3's FP8 releases: bf16)
-SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: the dtypes a stored scale may have: each widens to fp32 exactly (Qwen3's FP8 releases: bf16;
+#: DeepSeek-V4's: UE8M0)
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e8m0fnu)
 _E4M3_VALUES = torch.from_numpy(_E4M3_TO_F32)  # byte -> fp32 value; 0x7F and 0xFF are NaN
 
 
@@ -186,7 +189,7 @@ class FP8Block(Format):
         if s.dtype not in SCALE_DTYPES or tuple(s.shape) != want:
             raise FormatError(f"{_where(sname)}{SCALE_SUFFIX} is {s.dtype} {tuple(s.shape)}; a weight of shape "
                               f"{tuple(w.shape)} needs float32 {want} (one scale per {TILE}x{TILE} tile, "
-                              f"edge tiles partial; bfloat16 or float16 also read)", tensor=sname or None)
+                              f"edge tiles partial; bfloat16, float16 or float8_e8m0fnu also read)", tensor=sname or None)
         return w, s.to(torch.float32)  # exact widening
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:

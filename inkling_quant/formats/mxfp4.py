@@ -40,7 +40,7 @@ from ..errors import FormatError
 from ._cpu import _check_dtype, _check_shape, _nonfinite, _where
 from .base import Format, OutSpec
 
-__all__ = ["MXFP4", "BLOCK_SIZE", "E2M1_MAGNITUDES", "E2M1_SIGNED", "e8m0_factor", "blocks_of", "SCALE_NAN"]
+__all__ = ["MXFP4", "MXFP4Rows", "BLOCK_SIZE", "E2M1_MAGNITUDES", "E2M1_SIGNED", "e8m0_factor", "blocks_of", "SCALE_NAN"]
 
 BLOCK_SIZE = 32
 BYTES_PER_BLOCK = BLOCK_SIZE // 2
@@ -172,3 +172,38 @@ class MXFP4(Format):
 
     def value_rule(self, suffix, encoder="modelopt"):
         return "e8m0" if suffix == "weight_scale" else None
+
+
+class MXFP4Rows(MXFP4):
+    """MXFP4 as DeepSeek-V4 stores its routed experts, one 2-D weight per expert projection: the
+    same bits as `MXFP4`, in other shapes and dtypes.
+
+    ================  ================  =====================  ===============================
+    suffix            dtype             shape                  stored as
+    ================  ================  =====================  ===============================
+    ``weight``        int8              ``[..., out, in/2]``   ``<module>.weight``
+    ``weight_scale``  float8_e8m0fnu    ``[..., out, in/32]``  ``<module>.scale``
+    ================  ================  =====================  ===============================
+
+    transformers 5.25 integrations/finegrained_fp8.py ``FP8Experts`` with ``expert_dtype`` "fp4"
+    (weight int8 with the input dim halved, one scale per 32 inputs of a row) and ``Fp8Dequantize``
+    (``_unpack_fp4``: the low nibble first); NVIDIA Model-Optimizer examples/deepseek/
+    cast_mxfp4_to_nvfp4.py reads DeepSeek-V4-Flash's experts so (``F8_E8M0`` scales, uint8 also
+    read)."""
+
+    name = "mxfp4_rows"
+    stored_dtypes = {"weight": (torch.int8, torch.uint8),
+                     "weight_scale": (torch.float8_e8m0fnu, torch.uint8)}
+
+    def out_specs(self, shape, dtype=torch.bfloat16, activation_scale=True):
+        shape = tuple(shape)
+        _check_shape(shape, BLOCK_SIZE, self.name, "")
+        return {"weight": OutSpec((*shape[:-1], shape[-1] // 2), torch.int8),
+                "weight_scale": OutSpec((*shape[:-1], shape[-1] // BLOCK_SIZE), torch.float8_e8m0fnu)}
+
+    def quantize(self, weight, *, global_amax=None, input_amax=None, name: str = "", encoder: str = "modelopt"):
+        """`MXFP4.quantize`'s bits in this form's shapes and dtypes."""
+        q = super().quantize(weight, name=name)
+        shape = tuple(weight.shape)
+        return {"weight": q["weight"].reshape(*shape[:-1], shape[-1] // 2).view(torch.int8),
+                "weight_scale": q["weight_scale"].view(torch.float8_e8m0fnu)}

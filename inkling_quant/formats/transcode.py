@@ -110,6 +110,7 @@ def _pow2_e4m3(k: torch.Tensor) -> torch.Tensor:
     return torch.where(k < -6, torch.bitwise_left_shift(torch.ones_like(k), k + 9), (k + 7) << 3).to(torch.uint8)
 
 
+@transcoder("mxfp4_rows", "nvfp4")   # DeepSeek-V4's experts: the same bits, stored per expert
 @transcoder("mxfp4", "nvfp4")
 def nvfp4_from_mxfp4(tensors: Mapping[str, torch.Tensor], source: Format, target: Format, *, global_amax=None,
                      input_amax: float | None = None, name: str = "",
