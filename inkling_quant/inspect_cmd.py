@@ -36,8 +36,9 @@ from .formats import FORMATS, SCALE_SUFFIXES, format_for_quant_algo, get_format
 from .formats import detect as detect_format
 from .export.inkling import projection_specs
 from .model.inkling2 import Inkling2Config, checkpoint_tensors, classify, experts_module
-from .model.layout import Layout, MoEConfig, detect, max_tensors, model_config, oriented, text_prefix
+from .model.layout import INDEX_DTYPES, Layout, MoEConfig, detect, max_tensors, model_config, oriented, text_prefix
 from .model.naming import ORIGINAL, original_names
+from .model.sources import FP8_BLOCK, scale_beside
 from .io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child
 from .io.safetensors import TensorEntry
 
@@ -200,7 +201,7 @@ def _summarize_moe(root: Path, ckpt: Checkpoint, config: MoEConfig | Inkling2Con
     names = {e.name for e in entries}
     for e in entries:
         t = lay.classify(e.name)
-        own = lay.source.owner(e.name) if lay.source is not None else None  # a quantized source's stored tensor
+        own = lay.owner(e.name)  # a quantized source's stored tensor
         if t.part == "expert":
             modules[(t.layer, -1 if t.expert is None else t.expert, t.projection)][own[1] if own else t.suffix] = e
             continue
@@ -210,7 +211,8 @@ def _summarize_moe(root: Path, ckpt: Checkpoint, config: MoEConfig | Inkling2Con
         if (kept := _kept_module(q, t, e)) is not None:  # a converted FP8 source's FP8_PB_WO module
             _add(parts[t.part], 1, e.nbytes, math.prod(e.shape) if t.suffix == "weight" else 0, kept)
             continue
-        label = "passthrough" if e.dtype in SOURCE_DTYPES and t.suffix not in SCALE_SUFFIXES else UNRECOGNIZED
+        label = "passthrough" if (e.dtype in SOURCE_DTYPES and t.suffix not in SCALE_SUFFIXES) \
+            or e.dtype in INDEX_DTYPES else UNRECOGNIZED
         if label == UNRECOGNIZED:
             s.unrecognized.append(f"{e.name} ({e.dtype} {list(e.shape)})")
         _add(parts[t.part], 1, e.nbytes, math.prod(e.shape), label)
@@ -224,7 +226,7 @@ def _summarize_moe(root: Path, ckpt: Checkpoint, config: MoEConfig | Inkling2Con
             found = ", ".join(f"{k} {e.dtype} {list(e.shape)}" for k, e in sorted(observed.items()))
             s.unrecognized.append(f"{experts}.{'' if expert < 0 else f'{expert}.'}{proj} ({found})")
         else:
-            declared = lay.source.format if lay.source is not None else \
+            declared = lay.source.expert_format if lay.source is not None else \
                 getattr(format_of(q, experts), "name", "none (unquantized)")
             note = f"{experts}: tensors are {fmt}, the quantization config declares {declared}"
             if declared.replace("none (unquantized)", "passthrough") != fmt and note not in s.mismatched:
@@ -279,10 +281,21 @@ def _source_module(lay: Layout, e: TensorEntry, own: tuple[str, str] | None, nam
     """The source format of a quantized source's stored tensor outside the routed experts (an FP8
     weight, or its scale, with its pair present), else None."""
     q = lay.source
+    if q is None and lay.family.moe_quant_algo:  # ModelOpt's FP8-release form: kept as the source stores them
+        return _fp8_as_stored(e, names)
     if q is None or q.experts_only or (own is None and e.dtype in SOURCE_DTYPES):
         return None
     weight = own[0] if own is not None else e.name
-    return q.format if set(q.stored(weight).values()) <= names else None
+    return lay.source_format(weight) if set(lay.stored(weight).values()) <= names else None
+
+
+def _fp8_as_stored(e: TensorEntry, names: set[str]) -> str | None:
+    """fp8_block for an e4m3 `<module>.weight` with its scale beside it (`sources.scale_beside`),
+    and for that scale; else None."""
+    weight = f"{e.name.rpartition('.')[0]}.weight"
+    if e.name == weight and e.dtype == torch.float8_e4m3fn and scale_beside(weight, names) is not None:
+        return FP8_BLOCK
+    return FP8_BLOCK if e.name != weight and weight in names and scale_beside(weight, names) == e.name else None
 
 
 def _module_format(observed: dict[str, TensorEntry], shape: tuple[int, ...],
@@ -294,7 +307,7 @@ def _module_format(observed: dict[str, TensorEntry], shape: tuple[int, ...],
     got = {k: (tuple(e.shape), e.dtype) for k, e in observed.items()}
     fmt = detect_format(got, shape, dtype)
     if fmt is None and lay is not None and lay.source is not None:
-        src = get_format(lay.source.format, source=True)
+        src = get_format(lay.source.expert_format, source=True)
         return (src.name, None) if src.matches(got, shape, dtype) else (UNRECOGNIZED, None)
     if fmt is None:
         return UNRECOGNIZED, None
@@ -371,7 +384,8 @@ def render(s: Summary) -> str:
         out.append("routed experts: none")
     d = s.draft
     if d["present"] or not s.detected:  # other families: a draft is ours (Inkling's DSpark) only
-        out.append("DSpark draft: " + (f"present, {d['tensors']} tensors, {human_bytes(d['bytes'], 2)}" if d["present"]
+        label = "DSpark draft" if not s.detected else "draft / MTP tensors (past the decoder layers)"
+        out.append(f"{label}: " + (f"present, {d['tensors']} tensors, {human_bytes(d['bytes'], 2)}" if d["present"]
                                       else "absent" + (" (config.json has a dspark_config)" if d["expected_by_config"]
                                                        else "")))
     for what, items in (("tensor(s) outside the layout", s.unknown),

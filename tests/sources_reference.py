@@ -22,6 +22,18 @@ layouts by the published quantizers:
   `convert_gpt_oss_weights_to_hf.py` writes it. One expert block is made tiny before quantizing,
   so that ModelOpt's lossless MXFP4 -> NVFP4 cast must re-round it.
 
+- DeepSeek-V4 (FP8 Linears with UE8M0 scales, MXFP4 routed experts, an MTP block): transformers'
+  DeepseekV4ForCausalLM saved, its names then put back to the release's original ones (no
+  `model.` prefix, `embed.weight`, `hc_head_fn`: the anchored renames of conversion_mapping.py
+  "deepseek_v4", which save_pretrained does not reverse), an MTP block `mtp.0.*` added (names as
+  Model-Optimizer examples/deepseek/deepseek_v4/quantize_to_nvfp4.py lists them: its experts,
+  `e_proj`, `h_proj`, `enorm`, `hnorm`, `norm`); Linear weights by DeepGEMM's
+  `per_block_cast_to_fp8(use_ue8m0=True)` (the tile scale rounded up to a power of two), scale
+  `<module>.scale` float8_e8m0fnu; experts by ModelOpt's `MXFP4QTensor.quantize`, weight int8
+  [out, in/2] and `<module>.scale` float8_e8m0fnu [out, in/32] (transformers 5.25
+  integrations/finegrained_fp8.py `FP8Experts` with expert_dtype "fp4"); config `expert_dtype`
+  "fp4" at the top level, `scale_fmt` "ue8m0".
+
 References: `fp8_dequantize` (DeepSeek-V3 inference/kernel.py `weight_dequant`: fp32 value x
 its tile's scale, written apart from formats/), ModelOpt's `NVFP4QTensor` / `MXFP8QTensor` and
 `quantize_mxfp4_to_nvfp4_lossless`.
@@ -44,14 +56,17 @@ _NOT_FP8 = ("embed_tokens", "lm_head", "norm", "mlp.gate.")
 
 
 def per_block_cast_to_fp8(x: torch.Tensor, scale_dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepGEMM's per_block_cast_to_fp8 (use_ue8m0=False) on a 2-D weight, ceil grid; with a
-    bf16 `scale_dtype` the scale is rounded first and the values divided by the stored one."""
+    """DeepGEMM's per_block_cast_to_fp8 on a 2-D weight, ceil grid; with a bf16 `scale_dtype` the
+    scale is rounded first and the values divided by the stored one; with float8_e8m0fnu
+    (use_ue8m0=True) it is rounded up to a power of two (``ceil_to_ue8m0``)."""
     m, n = x.shape
     pm, pn = math.ceil(m / TILE) * TILE, math.ceil(n / TILE) * TILE
     xp = torch.zeros(pm, pn, dtype=torch.float32)
     xp[:m, :n] = x.float()
     v = xp.view(pm // TILE, TILE, pn // TILE, TILE)
     sf = v.abs().amax(dim=(1, 3), keepdim=True).clamp(1e-4) / 448.0
+    if scale_dtype == torch.float8_e8m0fnu:
+        sf = torch.exp2(torch.ceil(torch.log2(sf)))
     sf = sf.to(scale_dtype).float()
     q = (v * (1.0 / sf)).to(torch.float8_e4m3fn).view(pm, pn)[:m, :n].contiguous()
     return q, sf.view(pm // TILE, pn // TILE).to(scale_dtype).contiguous()
@@ -98,6 +113,65 @@ def gpt_oss(out: Path, seed: int = 0) -> Path:
                          head_dim=64, sliding_window=64, max_position_embeddings=256,
                          layer_types=["sliding_attention", "full_attention"])
     return _save(T.GptOssForCausalLM, cfg, out, seed)
+
+
+def deepseek_v4(out: Path, seed: int = 0) -> Path:
+    import transformers as T
+    cfg = T.DeepseekV4Config(vocab_size=96, hidden_size=256, moe_intermediate_size=160, num_hidden_layers=3,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=192, q_lora_rank=192,
+                             n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, o_groups=2, o_lora_rank=160,
+                             index_n_heads=2, index_head_dim=64, index_topk=4, sliding_window=16,
+                             max_position_embeddings=256, hc_mult=2, mlp_layer_types=["hash_moe", "moe", "moe"],
+                             layer_types=["sliding_attention", "compressed_sparse_attention",
+                                          "heavily_compressed_attention"], partial_rotary_factor=64 / 192)
+    return _save(T.DeepseekV4ForCausalLM, cfg, out, seed)
+
+
+_V4_ANCHORED = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
+                "hc_head.hc_scale": "hc_head_scale"}
+_V4_NOT_FP8 = ("embed", "head.weight", "norm", "ffn.gate.", "hc_", ".ape")
+
+
+def to_v4_release(bf16: Path, out: Path) -> Path:
+    """transformers' DeepSeek-V4 under the release's names and storage (module doc)."""
+    from modelopt.torch.quantization.qtensor import MXFP4QTensor
+
+    sd = {}
+    for k, t in load_file(bf16 / "model.safetensors").items():
+        k = k.removeprefix("model.")
+        sd[_V4_ANCHORED.get(k, k)] = t
+    g = torch.Generator().manual_seed(7)
+    for k in [k for k in sd if k.startswith("layers.2.") and not k.startswith("layers.2.hc_")]:
+        sd["mtp.0." + k[len("layers.2."):]] = sd[k].clone()
+    for name in ("e_proj", "h_proj"):
+        sd[f"mtp.0.{name}.weight"] = (torch.randn(256, 256, generator=g) * 0.02).to(torch.bfloat16)
+    for name in ("enorm", "hnorm", "norm"):
+        sd[f"mtp.0.{name}.weight"] = torch.ones(256, dtype=torch.bfloat16)
+    res = {}
+    for k, t in sd.items():
+        module = k[: -len(".weight")]
+        if ".ffn.experts." in k:
+            w = t.float()
+            if k == "layers.0.ffn.experts.1.w1.weight":
+                w[3, 32:64] *= 2.0 ** -40   # far below the expert's largest exponent: the cast re-rounds it
+            q, e8 = MXFP4QTensor.quantize(w, 32)
+            res[k] = q._quantized_data.view(torch.int8).contiguous()
+            res[module + ".scale"] = e8.reshape(w.shape[0], -1).view(torch.float8_e8m0fnu).contiguous()
+        elif t.dim() == 2 and k.endswith(".weight") and not any(s in k for s in _V4_NOT_FP8):
+            res[k], res[module + ".scale"] = per_block_cast_to_fp8(t, torch.float8_e8m0fnu)
+        else:
+            res[k] = t
+    _write(bf16, out, res, {**FP8_CONFIG, "scale_fmt": "ue8m0"})
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "expert_dtype": "fp4"}, indent=2))
+    return out
+
+
+def mxfp4_dequantize(packed: torch.Tensor, e8: torch.Tensor) -> torch.Tensor:
+    """transformers 5.25 integrations/finegrained_fp8.py `Fp8Dequantize._dequantize_one` on an
+    int8-packed FP4 weight and its e8m0 scale, in fp32 (its own code, not ours)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+    return Fp8Dequantize(None)._dequantize_one(packed, e8, torch.float32)
 
 
 def _save(cls, cfg, out: Path, seed: int) -> Path:

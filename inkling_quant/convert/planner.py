@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+
 from .. import hub
 from ..errors import CheckpointError, ConfigError, FormatError, UsageError, short_repr
 from ..export import INKLING, Copy, OutputForm, Writing
@@ -19,7 +20,8 @@ from ..io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child, shar
 from ..io.safetensors import DTYPE_NAMES, DTYPES
 from ..io.shards import plan_files, plan_shards
 from ..model.inkling2 import RELEASE_EXPERT_FORMAT, Inkling2Config, Spec
-from ..model.layout import Layout, MoEConfig, detect, expected_tensors, expert_tensor_count, model_config, oriented
+from ..model.layout import INDEX_DTYPES, Layout, MoEConfig, detect, expected_tensors, expert_tensor_count, model_config, oriented
+from ..model.sources import converted_experts
 from ..model.storage import ExpertStorage
 from ..model.tensors import TensorName
 from ..schemes import Scheme
@@ -163,6 +165,9 @@ def validate_source(cfg: Inkling2Config | MoEConfig, listing: Listing, root: str
     for Inkling 2 all of them, under the checkpoint's naming; otherwise the routed experts)
     present with its shape; float (Inkling's interleaved experts also as the MXFP8 release stores
     them); for Inkling 2, nothing else."""
+    if (algo := converted_experts(cfg.raw)) is not None:
+        raise ConfigError(f"quantization_config.moe_quant_algo is {algo!r}: its routed experts were converted already "
+                          f"(ModelOpt's DeepSeek-V4 form), not a source convert reads", path=f"{root}/{CONFIG_NAME}")
     entries = {name: (shard, dtype, tuple(shape)) for shard, e in listing.items() for name, (dtype, shape) in e.items()}
     layout = oriented(detect(list(entries), cfg, root), {n: e[2] for n, e in entries.items()}, cfg)
     implied = expert_tensor_count(layout, MoEConfig.of(cfg))
@@ -185,8 +190,11 @@ def validate_source(cfg: Inkling2Config | MoEConfig, listing: Listing, root: str
             tensors.append(SrcTensor(name, shard, dtype, shape))
             continue
         quantized = spec.dtype not in FLOAT_SOURCES if spec is not None else False
+        if spec is None and DTYPES[dtype] in INDEX_DTYPES and layout.part_of(name).part != "expert":
+            tensors.append(SrcTensor(name, shard, dtype, shape))  # a lookup table: as it is
+            continue
         if (DTYPES[dtype] != spec.dtype) if quantized else (DTYPES[dtype] not in FLOAT_SOURCES):
-            why = _source_dtype_problem(layout.source, name, dtype, shape, spec, entries)
+            why = _source_dtype_problem(layout, name, dtype, shape, spec, entries)
             if why is not None:
                 raise CheckpointError(f"tensor {name!r}: {why}", path=path, tensor=name)
             why = "the source is already quantized, in a form convert does not take" \
@@ -227,12 +235,13 @@ def _source_experts(layout: Layout, expected: dict[str, Spec], entries: dict) ->
     q = layout.source
     if q is None:
         return
-    fmt = get_format(q.format, source=True)
+    fmt = get_format(q.expert_format, source=True)
     for name, spec in list(expected.items()):
         rec = layout.part_of(name)
-        stored = q.stored(name)
-        if rec is None or rec.part != "expert" or not (q.experts_only or stored.keys() - {"weight"} <= {
-                k for k, n in stored.items() if n in entries}):
+        if rec is None or rec.part != "expert":
+            continue
+        stored = layout.stored(name)
+        if not (q.experts_only or stored.keys() - {"weight"} <= {k for k, n in stored.items() if n in entries}):
             continue
         del expected[name]
         for suffix, o in fmt.out_specs(spec.shape).items():
@@ -241,27 +250,30 @@ def _source_experts(layout: Layout, expected: dict[str, Spec], entries: dict) ->
             expected[stored[suffix]] = Spec(stored[suffix], tuple(o.shape), DTYPES[got[1]] if ok else o.dtype)
 
 
-def _source_dtype_problem(q, name: str, dtype: str, shape: tuple, spec: Spec | None, entries: dict) -> str | None:
+def _source_dtype_problem(layout: Layout, name: str, dtype: str, shape: tuple, spec: Spec | None,
+                          entries: dict) -> str | None:
     """Why a quantized source's routed-expert tensor `name` of `dtype` is not read, in the source's
     terms (None where `name` is not one of its stored tensors): a companion missing beside a
     1-byte weight, or the dtypes its format stores that tensor in."""
+    q = layout.source
     if q is None:
         return None
-    own = q.owner(name)
+    own = layout.owner(name)
     weight, suffix = own if own is not None else (name, "weight")
-    stored = q.stored(weight)
+    stored = layout.stored(weight)
     if stored.get(suffix) != name:
         return None
-    fmt = get_format(q.format, source=True)
+    src = layout.source_format(weight)
+    fmt = get_format(src, source=True)
     missing = [n for n in stored.values() if n not in entries]
     if missing and own is None and DTYPES[dtype].itemsize == 1:
-        return f"{dtype} {list(shape)}, but its {q.format} companion {missing[0]!r} is missing ({q.describe()})"
+        return f"{dtype} {list(shape)}, but its {src} companion {missing[0]!r} is missing ({q.describe()})"
     if spec is None and q.experts_only:
-        return f"{dtype} {list(shape)}: stored {q.format} outside the routed experts, where only they are ({q.describe()})"
+        return f"{dtype} {list(shape)}: stored {src} outside the routed experts, where only they are ({q.describe()})"
     if spec is None or (own is None and spec.dtype in FLOAT_SOURCES):
         return None
     wants = "/".join(DTYPE_NAMES[d] for d in fmt.stored_dtypes.get(suffix) or (spec.dtype,))
-    return f"{dtype} {list(shape)}; the {q.format} {suffix} of {weight!r} is stored {wants} ({q.describe()})"
+    return f"{dtype} {list(shape)}; the {src} {suffix} of {weight!r} is stored {wants} ({q.describe()})"
 
 
 def _source_modules(layout: Layout, entries: dict, root: str) -> set[str]:
@@ -274,12 +286,12 @@ def _source_modules(layout: Layout, entries: dict, root: str) -> set[str]:
         return set()
     fmt, out = get_format(q.format, source=True), set()
     for name, (shard, dtype, shape) in entries.items():
-        own = q.owner(name)
+        own = layout.owner(name)
         weight = own[0] if own is not None else name
         rec = layout.part_of(weight)
-        if rec is None or rec.part == "expert" or (own is None and DTYPES[dtype] in FLOAT_SOURCES):
-            continue
-        stored = q.stored(weight)
+        if rec is None or rec.part == "expert" or (own is None and DTYPES[dtype].itemsize != 1):
+            continue  # a float or an index table (DeepSeek-V4's tid2eid): passes through
+        stored = layout.stored(weight)
         missing = [n for n in stored.values() if n not in entries]
         if missing:
             raise CheckpointError(f"tensor {name!r}: its {q.format} {'scale' if own is None else 'weight'} "
@@ -356,7 +368,9 @@ def plan(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTenso
     activation amax comes from `calibrated` (--activation-scales), else --default-activation-amax.
     Every tensor is checked against its format (block divisibility) here, before any byte is
     written."""
-    return _pack(_units(cfg, layout, tensors, scheme, form, opts, calibrated, root), opts, form.file_of(cfg, layout))
+    units = _units(cfg, layout, tensors, scheme, form, opts, calibrated, root)
+    form.check_units(layout, units)
+    return _pack(units, opts, form.file_of(cfg, layout))
 
 
 def _units(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTensor], scheme: Scheme, form: OutputForm,
@@ -415,14 +429,12 @@ def _stored_of(layout: Layout, t: SrcTensor, by_name: dict[str, SrcTensor]) -> l
     """The stored tensors of the weight `t` holds, the weight first (a float weight: itself alone;
     an FP8 weight and its scale; MXFP4's blocks and scales; the MXFP8 release's weight and
     `_scale`), or None when `t` is a companion (a scale, taken with its weight)."""
-    q = layout.source
-    if q is not None:
-        own = q.owner(t.name)
+    if layout.source is not None:
+        own = layout.owner(t.name)
         if own is not None and own[1] != "weight":
             return None
-        names = q.stored(own[0] if own is not None else t.name)
-        if own is not None or DTYPES[t.dtype] not in FLOAT_SOURCES:
-            return [by_name[n] for n in names.values()]
+        if own is not None or DTYPES[t.dtype].itemsize == 1:  # a quantized weight (floats, lookup tables: alone)
+            return [by_name[n] for n in layout.stored(own[0] if own is not None else t.name).values()]
         return [t]
     rec = layout.classify(t.name)
     if rec.part == "expert" and layout.experts.stacked and rec.suffix != "weight":
@@ -435,7 +447,10 @@ def _source_format(layout: Layout, stored: list[SrcTensor]) -> str | None:
     """The format a weight's stored tensors are in (None: a float weight)."""
     if len(stored) == 1:
         return None
-    return layout.source.format if layout.source is not None else RELEASE_EXPERT_FORMAT
+    if layout.source is None:
+        return RELEASE_EXPERT_FORMAT
+    own = layout.owner(stored[0].name)
+    return layout.source_format(own[0] if own is not None else stored[0].name)
 
 
 def _kept_unit(layout: Layout, form: OutputForm, stored: list[SrcTensor], opts: Options) -> Unit:
@@ -447,7 +462,7 @@ def _kept_unit(layout: Layout, form: OutputForm, stored: list[SrcTensor], opts: 
     weight = stored[0]
     writing = form.kept(layout, weight.name, src, opts.dequantize_fp8)
     return Unit(tuple(stored), "passthrough" if opts.dequantize_fp8 else src, (None,), (None,), source_format=src,
-                writing=writing, stored_suffixes=tuple(fmt.out_specs(weight.shape)))
+                writing=writing, stored_suffixes=tuple(fmt.suffixes))
 
 
 def _group(layout: Layout, t: SrcTensor, rec: TensorName, fmt: str, by_name: dict[str, SrcTensor]) -> list[SrcTensor]:
@@ -481,12 +496,15 @@ def _expert_unit(layout: Layout, form: OutputForm, group: list[SrcTensor], fmt: 
         amax = [max(amax)] * 2
     stored = [_stored_of(layout, g, by_name) for g in group]
     src = _source_format(layout, stored[0])
+    src_fmt = get_format(src, source=True) if src else None
+    shapes = tuple(src_fmt.weight_shape({k: x.shape for k, x in zip(src_fmt.suffixes, st)}) for st in stored) \
+        if src_fmt else ()
     u = Unit(tuple(x for st in stored for x in st), fmt, tuple(amax), tuple(origin), source_format=src,
              storage=layout.experts, writing=form.per_expert(layout), encoder=opts.encoder or form.encoder,
-             stored_suffixes=tuple(get_format(src, source=True).out_specs(group[0].shape)) if src else ())
-    for g in group:  # the weight's own checks (block divisibility), naming it
+             stored_suffixes=tuple(src_fmt.suffixes) if src_fmt else (), shapes=shapes)
+    for i, g in enumerate(group):  # the weight's own checks (block divisibility), naming it
         try:
-            Unit((g,), fmt, (None,), writing=u.writing).specs()
+            Unit((g,), fmt, (None,), writing=u.writing, shapes=shapes[i:i + 1]).specs()
         except FormatError as e:
             raise FormatError(f"tensor {g.name!r}: {e}", path=f"{root}/{g.shard}", tensor=g.name) from None
     return u
@@ -503,7 +521,7 @@ def _stacked_unit(cfg, layout: Layout, form: OutputForm, stored: list[SrcTensor]
     t, source_format = stored[0], _source_format(layout, stored)
     if source_format is not None and fmt == "passthrough":
         fmt = source_format  # nothing to quantize: the stored experts pass through
-    own = layout.source.owner(t.name) if layout.source is not None else None
+    own = layout.owner(t.name)
     weight = own[0] if own is not None else t.name  # the stacked weight (MXFP4: what `_blocks` holds)
     writing = form.stacked(cfg, layout, weight, projection, fmt)
     if isinstance(writing, Copy):

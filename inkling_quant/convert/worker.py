@@ -201,7 +201,7 @@ def _job_steps(job: ShardJob, sources: ShardReaders, device: str, tallies: tuple
         elif u.stacked:
             yield from _stacked_steps(u, sources, device, tallies, progress, out_dir)
         else:
-            yield _per_expert_unit(u, sources, device, counts, progress)
+            yield _per_expert_unit(u, sources, device, tallies, progress)
 
 
 def _count(counts: dict[str, int], fmt: str) -> None:
@@ -247,7 +247,7 @@ def _kept_step(u: Unit, sources: ShardReaders, counts: dict[str, int], progress)
     def compute(ts: list[torch.Tensor]) -> Outputs:
         stored = u.stored(ts)[0]
         try:
-            src.check_stored(stored, w.name)
+            src.check_stored(stored, w.name, _stored_names(u)[0])
         except FormatError as e:
             raise FormatError(e.message, path=sources.get(_blamed(u, e).shard).path, tensor=e.tensor or w.name) from None
         _count(counts, u.format)
@@ -341,18 +341,19 @@ def _tally(blocks: dict[str, list[int]], name: str, q: dict[str, torch.Tensor]) 
             got[i] += int(q.pop(k))
 
 
-def _per_expert_unit(u: Unit, sources: ShardReaders, device: str, counts: dict[str, int], progress) -> _Step:
+def _per_expert_unit(u: Unit, sources: ShardReaders, device: str, tallies: tuple[dict, dict], progress) -> _Step:
     """One unit of a per-expert source (an expert's gate and up sharing one global scale, or one
     projection): read, quantize, written under the source's names. A quantized source's weights
     (FP8: weight and scale) are checked, their shared amax taken from the stored bytes (exact), and
     each requantized alone: one expert's projection in fp32 at a time."""
     fmt = FORMATS[u.format]
     paths = [sources.get(s.shard).path for s in u.weights]
+    counts = tallies[0]
 
     def compute(ts: list[torch.Tensor]) -> Outputs:
         if u.source_format is not None:
             return _requantize_expert(u, fmt, ts, {x.name: sources.get(x.shard).path for x in u.sources}, device,
-                                      counts, progress)
+                                      tallies, progress)
         ws = []
         for src, w, path in zip(u.sources, ts, paths):
             if u.format == "passthrough":  # the quantizers check their own input
@@ -378,22 +379,30 @@ def _per_expert_unit(u: Unit, sources: ShardReaders, device: str, counts: dict[s
     return _Step([lambda b, s=s: sources.get(s.shard).get(s.name, b) for s in u.sources], compute)
 
 
-def _requantize_expert(u: Unit, fmt, ts: list[torch.Tensor], path_of: dict, device: str, counts: dict[str, int],
-                       progress) -> Outputs:
+def _requantize_expert(u: Unit, fmt, ts: list[torch.Tensor], path_of: dict, device: str,
+                       tallies: tuple[dict, dict], progress) -> Outputs:
     """A per-expert unit of a quantized source (an FP8 expert's gate and up, or its down): each
     weight's stored tensors checked (errors name the weight or its scale and its file), the
     amax gate and up share taken from the bytes (`Format.amax`: exact, no dequantized copy), then
     each weight requantized alone (`Format.requantize`: bit for bit the format of its exact fp32
     dequantization). The checks' amax (one pass over the bytes) is the global amax passed on: the
-    weight's own, or gate and up's larger, so no pass is made twice."""
+    weight's own, or gate and up's larger, so no pass is made twice. A source whose blocks lie
+    along rows (MXFP4) is requantized as a stacked source's slab is instead (`_requantize_rows`)."""
+    counts, blocks = tallies
     src = get_format(u.source_format, source=True)
     stored = [{k: v if device == "cpu" else v.to(device) for k, v in st.items()} for st in u.stored(ts)]
     amax = []
-    for w, st in zip(u.weights, stored):
+    for w, st, names in zip(u.weights, stored, _stored_names(u)):
         try:
-            amax.append(src.check_stored(st, w.name))  # exact: what quantize(dequantize(...)) takes anyway
+            amax.append(src.check_stored(st, w.name, names))  # exact: what quantize(dequantize(...)) takes anyway
         except FormatError as e:
             raise FormatError(e.message, path=path_of.get(e.tensor, path_of[w.name]), tensor=e.tensor) from None
+    if src.row_blocked:
+        outputs = _requantize_rows(u, fmt, src, stored, path_of, blocks)
+        counts[u.format] = counts.get(u.format, 0) + len(u.weights)
+        if progress is not None:
+            progress(sum(t.numel() * t.element_size() for t in ts))
+        return outputs
     shared = torch.maximum(*amax) if fmt.fuses_gate_up and len(amax) > 1 else None
     outputs: Outputs = []
     for w, st, ia, a in zip(u.weights, stored, u.input_amax, amax):
@@ -408,6 +417,37 @@ def _requantize_expert(u: Unit, fmt, ts: list[torch.Tensor], path_of: dict, devi
     if progress is not None:
         progress(sum(t.numel() * t.element_size() for t in ts))
     return outputs
+
+
+def _requantize_rows(u: Unit, fmt, src, stored: list[dict], path_of: dict, blocks: dict) -> Outputs:
+    """A per-expert unit of a row-blocked source (DeepSeek-V4's MXFP4) requantized as a stacked
+    source's slab is (gpt-oss): one call, gate and up's rows stacked, no global amax given, so the
+    target's encoder takes its own rule over the unit (ModelOpt's MXFP4 cast: one k_max for w1
+    and w3, examples/deepseek/cast_mxfp4_to_nvfp4.py `prepass`; the plain path: the larger amax).
+    Row tensors are split back per weight, scalars shared; the cast's block counts
+    (transcode.STATS) are tallied under the first weight."""
+    gate = u.weights[0]
+    slab = {k: torch.cat([st[k] for st in stored]) for k in stored[0]}
+    try:
+        q = fmt.requantize(slab, src, input_amax=u.input_amax[0], encoder=u.encoder, name=gate.name)
+    except FormatError as e:
+        raise FormatError(f"tensor {gate.name!r}: {e.message}", path=path_of[gate.name], tensor=gate.name) from None
+    _tally(blocks, gate.name, q)
+    _refuse_too_small(fmt, q, None, path_of[gate.name], gate.name)
+    rows = [st["weight"].shape[0] for st in stored]
+    outputs: Outputs = []
+    for i, w in enumerate(u.weights):
+        for k, t in q.items():
+            if k in fmt.suffixes:
+                part = t.split(rows)[i] if t.dim() >= 2 else t.clone()
+                outputs.append((fmt.tensor_name(w.name, k), part.cpu().contiguous(), True))
+    return outputs
+
+
+def _stored_names(u: Unit) -> list[dict[str, str]]:
+    """Per weight of a quantized source's unit: format suffix -> the checkpoint name of each stored
+    tensor (what a format's error names: DeepSeek-V4's `<module>.scale`, not `weight_scale_inv`)."""
+    return [{k: x.name for k, x in st.items()} for st in u.stored(list(u.sources))]
 
 
 def _check_magnitude(u: Unit, fmt, q: dict[str, torch.Tensor], slab: torch.Tensor | None, path, where: str) -> None:

@@ -45,6 +45,12 @@ class Writing:
         """The module the quantization config lists for a quantized unit (None: pass-through)."""
         return None
 
+    def quantized_modules(self, u, layout: "Layout") -> tuple[str, ...]:
+        """Every module the quantization config lists for a quantized unit: `quantized_module`'s,
+        unless the form lists each weight's module apart (ModelOpt's DeepSeek-V4 export)."""
+        m = self.quantized_module(u, layout)
+        return () if m is None else (m,)
+
     def open(self, u, out_dir) -> ExpertWriter:
         """The writer of a stacked unit (converted expert by expert)."""
         raise NotImplementedError(f"{type(self).__name__} writes no stacked unit")
@@ -91,6 +97,10 @@ class OutputForm:
 
     def check_source(self, cfg, layout: "Layout") -> None:
         """UsageError when this form cannot be written from a source of `layout`."""
+
+    def check_units(self, layout: "Layout", units: list) -> None:
+        """UsageError, before anything is written, when the planned units (convert.planner.Unit)
+        make a checkpoint this form's readers would load wrongly."""
 
     def copy(self, cfg, layout: "Layout", name: str) -> Copy:
         """A pass-through tensor's writing (renamed where the form names tensors otherwise)."""

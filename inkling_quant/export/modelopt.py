@@ -30,7 +30,9 @@ from ..io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG, read_json, safe_child
 from ..io.safetensors import DTYPE_NAMES, DTYPES
 from ..model.inkling2 import MODELOPT_UNWRAPPED, Inkling2Config, modelopt_tensor, transformers_name
 from ..model.layout import Layout, natural_key
+from ..model.sources import converted_experts
 from ..model.storage import ExpertStorage
+from . import fp8_release
 from .form import Copy, ExpertWriter, OutputForm, Outputs, Spec, Writing, out_specs, row_suffixes
 
 MIXED_PRECISION = "MIXED_PRECISION"
@@ -178,6 +180,8 @@ def read_quantization(root: Path, config: dict) -> dict | None:
     `hf_quant_config.json`'s `quantization`; None when it declares none. Types are checked."""
     q = config.get("quantization_config")
     file, where = root / "config.json", "quantization_config"
+    if converted_experts(config) is not None:  # ModelOpt's FP8-release form: its experts are listed there
+        q = None
     if q is None:
         path = root / HF_QUANT_CONFIG
         if not path.is_file():
@@ -223,6 +227,10 @@ def format_of(q: dict | None, module: str) -> Format | None:
     layers = q.get("quantized_layers")
     if isinstance(layers, dict) and isinstance(layers.get(module), dict):
         return format_for_quant_algo(layers[module].get("quant_algo"))
+    if isinstance(layers, dict):  # a module whose sub-modules are listed each (ModelOpt's DeepSeek-V4 export)
+        algos = {e.get("quant_algo") for m, e in layers.items() if m.startswith(module + ".") and isinstance(e, dict)}
+        if len(algos) == 1:
+            return format_for_quant_algo(algos.pop())
     return None if q.get("quant_algo") == MIXED_PRECISION else format_for_quant_algo(q.get("quant_algo"))
 
 
@@ -399,11 +407,19 @@ def exclusion_matcher(patterns: list[str]) -> Callable[[str], str | None]:
 @dataclass(frozen=True)
 class Modules(Writing):
     """A per-expert source's unit (an expert's gate and up, or one projection): each weight's
-    format tensors under its own module (`Format.tensor_name`)."""
+    format tensors under its own module (`Format.tensor_name`); the config lists the layer's
+    experts module, or (`each`) each weight's module, as ModelOpt's DeepSeek-V4 export does."""
+
+    each: bool = False
+
+    def quantized_modules(self, u, layout: Layout) -> tuple[str, ...]:
+        if self.each:
+            return tuple(w.name[: -len(".weight")] for w in u.weights)
+        return super().quantized_modules(u, layout)
 
     def specs(self, u) -> list[Spec]:
-        return [s for src in u.weights for s in out_specs(FORMATS[u.format], src.name, src.shape, _float(src.dtype),
-                                                          u.activation_scale)]
+        return [s for i, src in enumerate(u.weights)
+                for s in out_specs(FORMATS[u.format], src.name, u.weight_shape(i), _float(src.dtype), u.activation_scale)]
 
     def quantized_module(self, u, layout: Layout) -> str | None:
         return layout.experts_modules[layout.classify(u.sources[0].name).layer]
@@ -508,15 +524,21 @@ class Dequantized(Writing):
 class ModelOptForm(OutputForm):
     name = "modelopt-hf"
 
+    def check_units(self, layout: Layout, units: list) -> None:
+        if layout.family.moe_quant_algo:
+            fp8_release.check_units(layout, units)
+
     def kept(self, layout: Layout, weight: str, source_format: str, dequantize: bool) -> Writing:
-        return Dequantized() if dequantize else KeptModule()
+        if dequantize:
+            return Dequantized()
+        return fp8_release.AsStored() if layout.family.moe_quant_algo else KeptModule()
 
     def copy(self, cfg, layout: Layout, name: str) -> Copy:
         # Inkling 2 under its original names: transformers' names, lm_head cut to the unpadded rows
         return Copy(*modelopt_tensor(cfg, name)) if layout.original_names else Copy()
 
     def per_expert(self, layout: Layout) -> Writing:
-        return Modules()
+        return Modules(each=layout.family.moe_quant_algo)
 
     def stacked(self, cfg, layout: Layout, name: str, projection: str, fmt: str) -> Writing:
         if fmt not in FORMATS:  # a source-only format the scheme leaves alone (MXFP4)
@@ -535,10 +557,14 @@ class ModelOptForm(OutputForm):
                      unquantized: list[str]) -> dict[str, dict]:
         """Exactly ModelOpt's two files, nothing of ours; where another encoder than ModelOpt's
         wrote the bits (--encoder release), hf_quant_config.json says so in a `converter` entry.
-        One format: ModelOpt's one-format form, its exclusions summarized from `unquantized`."""
+        One format: ModelOpt's one-format form, its exclusions summarized from `unquantized`. A
+        family ModelOpt writes as its FP8 release: `fp8_release.configs`."""
         q = quantization(layers.items(), weight_only)
         if not q["quantized_layers"]:
             return {}
+        if getattr(cfg, "family", None) is not None and cfg.family.moe_quant_algo:
+            return fp8_release.configs(cfg, q, converter, self.encoder,
+                                       {"name": QUANT_METHOD, "version": PRODUCER_VERSION})
         # the modules ModelOpt put a quantizer on and left off: lm_head's Linear even when tied to
         # the embedding (no lm_head.weight written; export/quant_utils.py:1635-1715)
         wrapped = [m for m in unquantized if not (isinstance(cfg, Inkling2Config) and m in MODELOPT_UNWRAPPED)]

@@ -80,8 +80,9 @@ def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0,
     if quantized is not None:  # the projections a LoRA targets are stored quantized (FP8), or the experts (MXFP4)
         raise UsageError(f"the base checkpoint is a quantized source ({quantized.describe()}): lora merge adds a "
                          f"BF16 delta to BF16 weights and does not merge into {quantized.format} weights. Convert it "
-                         f"first (`inkling-quant convert --dequantize-fp8` writes its attention BF16) and merge into "
-                         f"the converted checkpoint", path=config_path)
+                         f"first (`inkling-quant convert --dequantize-fp8` writes its attention BF16, where the output "
+                         f"form allows it: not DeepSeek-V4's) and merge into the converted checkpoint",
+                         path=config_path)
     cfg = model_config(config, str(config_path))
     headers = ckpt.headers(max_tensors(cfg))  # the config's bound, before any header's entries are built
     naming = NAMINGS[cfg.family](cfg, ckpt.weight_map) if cfg.family in NAMINGS else \

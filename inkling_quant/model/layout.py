@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 
 from . import dspark, inkling2
-from .families import Family, family_of
+from .families import GENERIC, Family, family_of
 from .fields import MAX_LAYERS, ConfigFields
 from ..errors import CheckpointError, ConfigError
 from ..errors import short_repr as _short
@@ -44,13 +44,18 @@ def model_config(d: dict, source: str) -> "Inkling2Config | MoEConfig":
     decides which."""
     return Inkling2Config.from_dict(d, source) if Inkling2Config.describes(d) else MoEConfig.from_dict(d, source)
 
-# The text model's prefix, longest first (a `model.language_model.` name also starts `model.`).
-TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.llm.", "model.")
+# The text model's prefix, longest first (a `model.language_model.` name also starts `model.`);
+# "" last: DeepSeek-V4's original names (`layers.N.`, `embed.weight`, `head.weight`: transformers
+# 5.25 conversion_mapping.py "deepseek_v4").
+TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.llm.", "model.", "")
 # Where a multimodal model keeps its vision tower and projector (ModelOpt excludes them).
 VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "vision_model.", "vision_tower.", "visual.")
 PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 DRAFT_PREFIXES = (dspark.PREFIX,)  # a bundled speculator (`mtp.*`: Inkling's, dspark.py), passed through
-LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight", "model.llm.unembed.weight")
+# integer tensors that pass through outside the routed experts: lookup tables (DeepSeek-V4's
+# hash-routed layers' `ffn.gate.tid2eid`, token -> experts, int64), never weights
+INDEX_DTYPES = (torch.int64, torch.int32, torch.int16)
+LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight", "model.llm.unembed.weight", "head.weight")
 
 
 _LIMITS = {"num_hidden_layers": MAX_LAYERS, "num_experts": 1 << 16}
@@ -141,9 +146,12 @@ def _dense_layers(t: ConfigFields, n: int) -> frozenset[int] | None:
 
 
 _LAYER = re.compile(r"(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?P<rest>.+)")
-_SHARED = re.compile(r"(?:mlp|feed_forward)\.(?:shared_experts?|shared_expert_gate)\..+")
-_ROUTER = re.compile(r"(?:mlp|block_sparse_moe)\.gate\.(?:weight|bias|e_score_correction_bias)|(?:feed_forward|mlp)\.router\..+")
+_SHARED = re.compile(r"(?:mlp|feed_forward|ffn)\.(?:shared_experts?|shared_expert_gate)\..+")
+# DeepSeek-V4's hash-routed layers hold a token -> experts table (`ffn.gate.tid2eid`) in the router
+_ROUTER = re.compile(r"(?:mlp|block_sparse_moe|ffn)\.gate\.(?:weight|bias|e_score_correction_bias|tid2eid)"
+                     r"|(?:feed_forward|mlp)\.router\..+")
 _DENSE = re.compile(r"(?:mlp|feed_forward)\.(?:gate_proj|up_proj|down_proj)\..+")
+_MTP = re.compile(r"mtp\.(?P<block>\d{1,3})\.(?P<rest>.+)")  # DeepSeek-V4's MTP blocks (Family.mtp_experts)
 _ATTENTION = re.compile(r"(?:self_attn|attn)\..+")
 _PER_EXPERT_MODULE = re.compile(r"(?P<experts>.+\.experts)\.(?P<expert>\d{1,9})\.(?P<proj>"
                                 + "|".join(n for names in PER_EXPERT_NAMES for n in names) + ")")
@@ -162,6 +170,8 @@ class Layout:
     num_layers: int | None = None  # the config's decoder layers: layers past them are MTP/draft layers
     naming: Naming | None = None   # an Inkling 2 checkpoint's naming (model.naming); None for other families
     source: SourceQuant | None = None  # a quantized source's storage (model/sources.py); None: float weights
+    family: Family = GENERIC           # the config's family record (model/families.py)
+    mtp_blocks: tuple[int, ...] = ()   # `mtp.K.` blocks with routed experts (Family.mtp_experts): layer num_layers + K
 
     def classify(self, name: str) -> TensorName:
         """What `name` is (part, layer, expert, canonical projection gate/up/down, suffix)."""
@@ -178,8 +188,33 @@ class Layout:
 
     @property
     def experts_modules(self) -> dict[int, str]:
-        """layer -> the module that holds its routed experts, as ModelOpt keys `quantized_layers`."""
-        return {i: f"{self.text_prefix}layers.{i}.{self.experts.block}.experts" for i in self.expert_layers}
+        """layer -> the module that holds its routed experts, as ModelOpt keys `quantized_layers`
+        (an MTP block's after the decoder layers, as layer num_layers + K)."""
+        mtp = {self.num_layers + k: f"mtp.{k}.{self.experts.block}.experts" for k in self.mtp_blocks}
+        return {i: mtp.get(i) or f"{self.text_prefix}layers.{i}.{self.experts.block}.experts"
+                for i in self.expert_layers}
+
+    # --- a quantized source's stored tensors (model/sources.py), per weight ---------------
+    def source_format(self, weight: str) -> str:
+        """The format a quantized source stores the weight `weight` in (its routed experts' or its
+        other Linears'; DeepSeek-V4 has one of each)."""
+        return self.source.format_of(self._is_expert(weight))
+
+    def stored(self, weight: str) -> dict[str, str]:
+        """format suffix -> checkpoint name of the tensors a quantized source stores `weight` in."""
+        return self.source.stored(weight, self._is_expert(weight))
+
+    def owner(self, name: str) -> tuple[str, str] | None:
+        """(the weight a BF16 checkpoint would name, format suffix) of a quantized source's stored
+        tensor `name` when its name is a companion's (a scale, MXFP4's blocks); None otherwise."""
+        weight = self.source.owner(name) if self.source is not None else None
+        if weight is None:
+            return None
+        return weight, next((k for k, n in self.stored(weight).items() if n == name), "weight")
+
+    def _is_expert(self, weight: str) -> bool:
+        rec = self.part_of(weight)
+        return rec is not None and rec.part == "expert"
 
     @property
     def original_names(self) -> bool:
@@ -214,7 +249,7 @@ class Layout:
         source's stored tensor holds (an MXFP4 source's `..._blocks`: its stacked weight)."""
         if rec.part != "expert":
             return None
-        own = self.source.owner(rec.name) if self.source is not None else None
+        own = self.owner(rec.name)
         if own is not None:
             return self.experts.activation_key(own[0].rsplit(".", 1)[0], own[0]) if own[1] == "weight" else None
         if rec.suffix != "weight":
@@ -233,6 +268,9 @@ def _classify(lay: Layout, name: str) -> TensorName | None:
     if name == lay.lm_head:
         return TensorName(name, "lm_head")
     if name.startswith(DRAFT_PREFIXES):
+        if lay.mtp_blocks and (m := _MTP.fullmatch(name)) and int(m["block"]) in lay.mtp_blocks \
+                and (e := lay.experts.match(m["rest"])) is not None:
+            return TensorName(name, "expert", lay.num_layers + int(m["block"]), *e)
         return TensorName(name, "draft", suffix=name.rsplit(".", 1)[-1])
     for prefix, part in ((lay.vision_prefix, "vision"), (lay.projector_prefix, "projector")):
         if prefix and name.startswith(prefix):
@@ -333,9 +371,12 @@ def detect(names: list[str], cfg: "MoEConfig | Inkling2Config | None" = None, so
         raise CheckpointError(f"an Inkling 2 config, but the tensors are laid out as no Inkling 2 checkpoint is "
                               f"(text model under {prefix!r}, routed experts {storage.describe()}); expected one "
                               f"of: {described_namings()}", path=source)
-    quant = source_quant(cfg.raw, f"{source}/config.json") if cfg is not None else None
-    lay = Layout(prefix, storage, tuple(sorted(layers)), vision, projector, head,
-                 cfg.num_hidden_layers if cfg is not None else None, naming, quant)
+    quant = source_quant(cfg.raw, f"{source}/config.json", names) if cfg is not None else None
+    family = MoEConfig.of(cfg).family if cfg is not None else GENERIC
+    mtp = sorted({int(m["block"]) for n in names if (m := _MTP.fullmatch(n)) and storage.match(m["rest"])}) \
+        if family.mtp_experts and cfg is not None else []
+    lay = Layout(prefix, storage, tuple(sorted(layers)) + tuple(cfg.num_hidden_layers + k for k in mtp), vision,
+                 projector, head, cfg.num_hidden_layers if cfg is not None else None, naming, quant, family, tuple(mtp))
     unplaced = [n for n in names if _classify(lay, n) is None]
     if unplaced:
         raise CheckpointError(f"{len(unplaced)} tensor(s) fit no part of the detected layout "

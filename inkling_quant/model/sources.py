@@ -2,7 +2,7 @@
 names its stored tensors have. The bits belong to the formats (`fp8_block`, `mxfp4` in
 formats.SOURCE_FORMATS); the names and the config keys are the checkpoint's, so they are here.
 
-Two kinds of source are read (docs/convert.md, "Sources we accept"):
+Three kinds of source are read (docs/convert.md, "Sources we accept"):
 
 - **FP8 block-scaled** (`quantization_config.quant_method` "fp8" with `weight_block_size`
   [128, 128]: DeepSeek-V3/R1, Kimi-K2, Qwen3's FP8 releases). A Linear weight `X.weight` is
@@ -17,8 +17,16 @@ Two kinds of source are read (docs/convert.md, "Sources we accept"):
   (transformers 5.25 quantizers/quantizer_mxfp4.py ``serialized_names``, integrations/mxfp4.py
   ``convert_moe_packed_tensors``); everything else is BF16.
 
+- **DeepSeek-V4** (`quant_method` "fp8" with `expert_dtype` "fp4", at the top level or in
+  `quantization_config`: transformers 5.25 models/deepseek_v4/configuration_deepseek_v4.py). Its
+  Linears are FP8 block-scaled as above with UE8M0 scales, its routed experts MXFP4 per expert
+  (`mxfp4_rows`: `X.weight` int8 [out, in/2]); every scale is stored as `X.scale` (Model-Optimizer
+  examples/deepseek/cast_mxfp4_to_nvfp4.py reads DeepSeek-V4-Flash so), which `source_quant`
+  tells from the tensor names.
+
 Any other `quant_method` is not a source kind read here (None): convert then refuses the
-quantized tensors it finds, naming them.
+quantized tensors it finds, naming them; so is an FP8 config with `moe_quant_algo`, a converted
+checkpoint (`converted_experts`).
 """
 from __future__ import annotations
 
@@ -29,56 +37,98 @@ from ..errors import short_repr as _short
 
 FP8_BLOCK = "fp8_block"   # formats.SOURCE_FORMATS names
 MXFP4 = "mxfp4"
+MXFP4_ROWS = "mxfp4_rows"
 FP8_BLOCK_SIZE = [128, 128]
 FP8_SCALE = "weight_scale_inv"
+# DeepSeek-V4's name for a weight's scale, FP8 or MXFP4 (`<module>.scale`: transformers 5.25
+# quantizers/quantizer_finegrained_fp8.py renames ``^(.+)\.scale`` to weight_scale_inv on load)
+SHORT_SCALE = "scale"
 MXFP4_TENSORS = (("weight", "_blocks"), ("weight_scale", "_scales"))  # format suffix -> name suffix
 
-__all__ = ["SourceQuant", "source_quant", "FP8_BLOCK", "MXFP4", "FP8_SCALE"]
+__all__ = ["SourceQuant", "source_quant", "converted_experts", "scale_beside", "FP8_BLOCK", "MXFP4", "MXFP4_ROWS", "FP8_SCALE"]
 
 
 @dataclass(frozen=True)
 class SourceQuant:
-    """How a quantized source stores its weights: the format (`format`, a formats.SOURCE_FORMATS
-    name), what its config calls it (`method`), and whether only routed experts are stored so
-    (`experts_only`: gpt-oss's MXFP4) or any Linear weight may be (FP8)."""
+    """How a quantized source stores its weights: the format of its Linear weights (`format`, a
+    formats.SOURCE_FORMATS name) and of its routed experts (`expert_format`: the same, or
+    DeepSeek-V4's MXFP4 experts beside FP8 Linears), what its config calls it (`method`), whether
+    only routed experts are stored so (`experts_only`: gpt-oss's MXFP4) or any Linear weight may
+    be (FP8), and the name a weight's scale is stored under beside it (`scale`: `<module>.<scale>`,
+    DeepSeek-V3's weight_scale_inv or DeepSeek-V4's scale)."""
 
     method: str
     format: str
     experts_only: bool
+    expert_format: str = ""
+    scale: str = FP8_SCALE
 
-    def stored(self, weight: str) -> dict[str, str]:
+    def __post_init__(self):
+        if not self.expert_format:
+            object.__setattr__(self, "expert_format", self.format)
+
+    def format_of(self, expert: bool) -> str:
+        """The format a weight is stored in: a routed expert's, or any other Linear's."""
+        return self.expert_format if expert else self.format
+
+    def stored(self, weight: str, expert: bool) -> dict[str, str]:
         """format suffix -> checkpoint name of each tensor holding the weight that a BF16
-        checkpoint names `weight` (`X.weight`; a stacked `...experts.gate_up_proj`)."""
-        if self.format == MXFP4:
+        checkpoint names `weight` (`X.weight`; a stacked `...experts.gate_up_proj`), a routed
+        expert's (`expert`) or another Linear's."""
+        fmt = self.format_of(expert)
+        if fmt == MXFP4:
             return {suffix: weight + tail for suffix, tail in MXFP4_TENSORS}
-        return {"weight": weight, FP8_SCALE: weight[: -len("weight")] + FP8_SCALE}
+        scale = "weight_scale" if fmt == MXFP4_ROWS else FP8_SCALE
+        return {"weight": weight, scale: weight[: -len("weight")] + self.scale}
 
-    def owner(self, name: str) -> tuple[str, str] | None:
-        """(the weight a BF16 checkpoint would name, format suffix) of the stored tensor `name`
-        when its name is one of the format's companions (a scale, MXFP4's blocks); None for
-        any other name (an FP8 weight is named as its BF16 weight: its dtype tells)."""
+    def owner(self, name: str) -> str | None:
+        """The weight a BF16 checkpoint would name of the stored tensor `name` when its name is
+        one of the formats' companions (a scale, MXFP4's blocks); None for any other name (an FP8
+        weight is named as its BF16 weight: its dtype tells)."""
         if self.format == MXFP4:
-            return next(((name[: -len(tail)], suffix) for suffix, tail in MXFP4_TENSORS if name.endswith(tail)), None)
-        if name.endswith("." + FP8_SCALE):
-            return name[: -len(FP8_SCALE)] + "weight", FP8_SCALE
+            return next((name[: -len(tail)] for _, tail in MXFP4_TENSORS if name.endswith(tail)), None)
+        if name.endswith("." + self.scale):
+            return name[: -len(self.scale)] + "weight"
         return None
 
     def describe(self) -> str:
-        what = "routed experts" if self.experts_only else "Linear weights"
-        return f"{what} stored {self.format} (quantization_config.quant_method {self.method!r})"
+        if self.experts_only:
+            return f"routed experts stored {self.format} (quantization_config.quant_method {self.method!r})"
+        experts = f", routed experts {self.expert_format}" if self.expert_format != self.format else ""
+        return f"Linear weights stored {self.format}{experts} (quantization_config.quant_method {self.method!r})"
 
 
-def source_quant(config: dict, path: str) -> SourceQuant | None:
+def scale_beside(weight: str, names) -> str | None:
+    """The FP8 scale stored beside the weight `weight` among `names` (`<module>.weight_scale_inv`,
+    or DeepSeek-V4's `<module>.scale`), or None: what a checkpoint that keeps FP8 Linears as stored
+    (ModelOpt's DeepSeek-V4 form, export/fp8_release.py) pairs them by."""
+    module = weight[: -len("weight")]
+    return next((module + s for s in (FP8_SCALE, SHORT_SCALE) if module + s in names), None)
+
+
+def converted_experts(config: dict) -> str | None:
+    """The experts' quant_algo of an FP8 checkpoint whose routed experts were converted already
+    (`quantization_config.moe_quant_algo`: ModelOpt's DeepSeek-V4 form, export/fp8_release.py),
+    else None. Such a checkpoint is an output, not a source."""
+    q = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8" or "moe_quant_algo" not in q:
+        return None
+    return str(q["moe_quant_algo"])
+
+
+def source_quant(config: dict, path: str, names=()) -> SourceQuant | None:
     """The quantized source a config.json describes (its top-level `quantization_config`), or
     None: no quantization config, or one of a kind not read here. ConfigError naming the file and
-    the key for an FP8 config whose blocks or activations this reader does not take."""
+    the key for an FP8 config whose blocks or activations this reader does not take. `names` (the
+    checkpoint's tensors) tell which name an FP8 scale has: `weight_scale_inv`, or DeepSeek-V4's
+    `scale`."""
     q = config.get("quantization_config") if isinstance(config, dict) else None
     if not isinstance(q, dict):
         return None
     method = q.get("quant_method")
     if method == "mxfp4":
         return SourceQuant("mxfp4", MXFP4, experts_only=True)
-    if method != "fp8":
+    if method != "fp8" or converted_experts(config) is not None:
         return None
     block = q.get("weight_block_size")
     if block != FP8_BLOCK_SIZE:
@@ -93,4 +143,13 @@ def source_quant(config: dict, path: str) -> SourceQuant | None:
     if act != "dynamic":
         raise ConfigError(f"quantization_config.activation_scheme is {_short(act)}: FP8 sources with static "
                           f"activation scales are not read (only 'dynamic', DeepSeek-V3's)", path=path)
-    return SourceQuant("fp8", FP8_BLOCK, experts_only=False)
+    # DeepSeek-V4 says `expert_dtype` at the top level, V4.1 in quantization_config (transformers
+    # 5.25 models/deepseek_v4/configuration_deepseek_v4.py __post_init__ moves the first into the second)
+    experts = q.get("expert_dtype", config.get("expert_dtype", "fp8"))
+    if experts not in ("fp8", "fp4"):
+        raise ConfigError(f"expert_dtype is {_short(experts)}: FP8 sources store routed experts 'fp8' or 'fp4' "
+                          f"(transformers 5.25 FineGrainedFP8Config)", path=path)
+    scale = SHORT_SCALE if any(n.endswith("." + SHORT_SCALE) for n in names) and not any(
+        n.endswith("." + FP8_SCALE) for n in names) else FP8_SCALE
+    return SourceQuant("fp8", FP8_BLOCK, experts_only=False, expert_format=MXFP4_ROWS if experts == "fp4" else FP8_BLOCK,
+                       scale=scale)

@@ -30,7 +30,7 @@ Shape = tuple[int, ...]
 @dataclass(frozen=True)
 class ExpertStorage:
     """The storage of a layer's routed experts under the MoE block `block` (the module holding
-    `experts`: "mlp", "block_sparse_moe" or "feed_forward")."""
+    `experts`: "mlp", "block_sparse_moe", "feed_forward" or DeepSeek-V4's "ffn")."""
 
     block: str = "mlp"
 
@@ -112,7 +112,7 @@ class PerExpert(ExpertStorage):
     kind: ClassVar[str] = "per_expert"
     stacked: ClassVar[bool] = False
     pattern: ClassVar[re.Pattern] = re.compile(
-        r"(?P<block>mlp|block_sparse_moe|feed_forward)\.experts\.(?P<expert>\d+)\."
+        r"(?P<block>mlp|block_sparse_moe|feed_forward|ffn)\.experts\.(?P<expert>\d+)\."
         r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.(?P<suffix>.+)")
 
     @property

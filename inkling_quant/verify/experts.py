@@ -39,7 +39,7 @@ from ..export import form_of
 from ..export.inkling import unstack_expert
 from ..model.inkling2 import RELEASE_EXPERT_FORMAT, Inkling2Config, checkpoint_tensors
 from ..io.safetensors import DTYPE_NAMES
-from ..model.layout import CANONICAL, Layout, MoEConfig, detect, expert_tensor_count, natural_key, oriented
+from ..model.layout import CANONICAL, INDEX_DTYPES, Layout, MoEConfig, detect, expert_tensor_count, natural_key, oriented
 from ..model.tensors import TensorName, TensorSpec
 from .inventory import (CHECKED, DISAGREES, FAILED, SKIPPED, Conf, Expected, Files, Inventory, Shape, Source,
                         config_shape, listing, weight_only_vote)
@@ -191,14 +191,16 @@ def _named_as(cfg: Inkling2Config, lay: Layout, spec: TensorSpec) -> TensorSpec:
 
 def _others(files: Files, source: Source | None, lay: Layout) -> dict[str, Shape]:
     """What passes through: the source's tensors but its routed experts (--against); without a
-    source, every float tensor the layout places outside the routed experts, none named as a scale."""
+    source, every float tensor the layout places outside the routed experts, none named as a
+    scale, and every lookup table (layout.INDEX_DTYPES)."""
     if source is not None:
         return {n: (tuple(w.entry.shape), w.entry.dtype) for n, w in source.tensors.items()
                 if source.layout.classify(n).part != "expert"}
     out = {}
     for n, w in files.tensors.items():
         t = lay.classify(n)
-        if t.part != "expert" and w.entry.dtype in _PASS.source_dtypes and t.suffix not in SCALE_SUFFIXES:
+        if t.part != "expert" and (w.entry.dtype in _PASS.source_dtypes and t.suffix not in SCALE_SUFFIXES
+                                   or w.entry.dtype in INDEX_DTYPES):
             out[n] = (tuple(w.entry.shape), w.entry.dtype)
     return out
 
@@ -362,6 +364,9 @@ def quantized_layers(expected: Expected) -> dict[str, dict] | None:
     not list them)."""
     if expected.status != CHECKED:
         return None
+    if expected.layout.family.moe_quant_algo:  # ModelOpt's FP8-release form lists each expert projection
+        return {n[: -len(".weight")]: FORMATS[expected.fmt_of[n]].layer_config(expected.weight_only)
+                for names in expected.module_tensors.values() for n in names if n.endswith(".weight")}
     return {**{m: FORMATS[expected.fmt_of[names[0]]].layer_config(expected.weight_only)
                for m, names in expected.module_tensors.items()},
             **{m: get_format(f, source=True).layer_config() for m, f in expected.kept_modules.items()}}
@@ -393,7 +398,10 @@ def unquantized(expected: Expected) -> dict[str, str]:
 def tensor_namer(expected: Expected) -> Callable[[str], str] | None:
     """How the config check names an experts module's tensor (None: no layout was detected)."""
     lay = expected.layout
-    return (lambda m: _named(lay, m)) if lay is not None else None
+    if lay is None:
+        return None
+    modules = set(lay.experts_modules.values())
+    return lambda m: _named(lay, m) if m in modules else f"{m}.weight"  # an expert projection's own module
 
 
 def _named(lay: Layout, module: str) -> str:

@@ -24,7 +24,9 @@ from ..errors import CheckpointError, InklingQuantError
 from ..export.modelopt import read_quantization
 from ..formats import FORMATS, Format, format_for_quant_algo, get_format
 from ..io.safetensors import DTYPE_NAMES
-from ..model.sources import SourceQuant, source_quant
+from ..formats.fp8_block import SCALE_DTYPES
+from ..model.sources import FP8_BLOCK, SourceQuant, scale_beside, source_quant
+from ..model.layout import Layout
 from .inventory import CHECKED, FAILED, Conf, Expected, Files, Shape, Source, listing
 from .report import Check
 
@@ -48,15 +50,19 @@ def kept_modules(files: Files, conf: Conf, source: Source | None) -> Kept:
     (FP8_PB_WO: the weight's bytes, its scale viewed [gm, 1, gn, 1] under `weight_scale`,
     `FP8Block.modelopt_specs`), or dequantized to BF16 (--dequantize-fp8). With --against, every
     such module of the source, the output's dtype saying which way; alone, the modules the
-    quantization config declares in a format only sources store (fp8_pb_wo)."""
+    quantization config declares in a format only sources store (fp8_pb_wo). ModelOpt's
+    FP8-release form (DeepSeek-V4) keeps them as the source stores them instead (`_as_stored`)."""
     out = Kept()
     q = source.layout.source if source is not None else None
+    as_stored = conf.cfg.family.moe_quant_algo
+    if as_stored and source is None:
+        return _as_stored(out, files)
     if source is not None:
         if q is None or q.experts_only:
             return out
         fmt = get_format(q.format, source=True)
         for name in source.tensors:
-            own = q.owner(name)
+            own = source.layout.owner(name)
             rec = source.layout.part_of(own[0]) if own is not None else None
             if rec is None or rec.part == "expert" or own[0] not in source.tensors:
                 continue
@@ -65,6 +71,8 @@ def kept_modules(files: Files, conf: Conf, source: Source | None) -> Kept:
             if got is not None and got.entry.dtype in _FLOAT:  # dequantized
                 out.tensors[weight], out.dequantized[weight] = (shape, torch.bfloat16), q.format
                 out.dropped.append(name)
+                continue
+            if as_stored:  # the source's tensors, as the pass-through compares them
                 continue
             for k, written in _kept_module(out, fmt, weight, shape).items():
                 if k != "weight":  # the scale, renamed and viewed: compared with the source's
@@ -80,6 +88,25 @@ def kept_modules(files: Files, conf: Conf, source: Source | None) -> Kept:
         w = files.tensors.get(f"{module}.weight")
         if fmt is not None and fmt.source_only and w is not None:
             _kept_module(out, fmt, f"{module}.weight", tuple(w.entry.shape))
+    return out
+
+
+def _as_stored(out: Kept, files: Files) -> Kept:
+    """Without the source, the FP8 modules of ModelOpt's FP8-release form (DeepSeek-V4: each e4m3
+    `<module>.weight` with its `<module>.scale`, or `weight_scale_inv`, beside it, as the source
+    stores them): expected with the scale grid FP8 block-scaling gives the weight's shape, in a
+    dtype such a scale is stored in (formats.fp8_block.SCALE_DTYPES)."""
+    fmt = get_format(FP8_BLOCK, source=True)
+    for name, w in files.tensors.items():
+        if w.entry.dtype != torch.float8_e4m3fn or not name.endswith(".weight"):
+            continue
+        scale = scale_beside(name, files.tensors)
+        if scale is None:
+            continue  # unexpected: the layout check names it
+        shape = tuple(w.entry.shape)
+        got = files.tensors[scale].entry.dtype
+        out.tensors[name] = (shape, w.entry.dtype)
+        out.tensors[scale] = (fmt.scale_shape(shape), got if got in SCALE_DTYPES else torch.float32)
     return out
 
 
@@ -120,30 +147,31 @@ def copy_expected(c: Check, files: Files, conf: Conf, source: Source | None) -> 
     q = lay.source
     held = source.tensors if source is not None and source.ok else files.tensors
     tensors = {n: (tuple(w.entry.shape), w.entry.dtype) for n, w in held.items()}
-    fmt_of = {n: _copy_format(q, n, tensors) for n in tensors}
+    fmt_of = {n: _copy_format(lay, n, tensors) for n in tensors}
     c.figures.update(detected=lay.describe(), stored_as=q.describe())
     return Expected(CHECKED, False, tensors, fmt_of, layout=lay, stored_as=q.format)
 
 
-def _copy_format(q: SourceQuant, name: str, tensors: dict[str, Shape]) -> str:
-    """The format tensor `name` of a checkpoint in source format `q` is held to: the source format
-    for each stored weight's tensors (a weight quantized, with every companion present),
-    pass-through for the rest."""
-    own = q.owner(name)
+def _copy_format(lay: Layout, name: str, tensors: dict[str, Shape]) -> str:
+    """The format tensor `name` of a checkpoint in a source format (`lay.source`) is held to: the
+    source format for each stored weight's tensors (a weight quantized, with every companion
+    present), pass-through for the rest."""
+    own = lay.owner(name)
     weight = own[0] if own is not None else name
-    stored = q.stored(weight)
+    stored = lay.stored(weight)
     if name in stored.values() and all(n in tensors for n in stored.values()) \
             and tensors[stored["weight"]][1] not in _FLOAT:
-        return q.format
+        return lay.source_format(weight)
     return FORMATS["passthrough"].name
 
 
-def copy_value_rules(q: SourceQuant, name: str) -> set[str]:
+def copy_value_rules(lay: Layout, name: str) -> set[str]:
     """The value rules (formats.VALUE_RULES keys) the source format puts on stored tensor `name`
     (its scale: finite and positive for FP8, e8m0 not 0xFF for MXFP4); a weight's own bytes are
     held to its dtype's rule (no e4m3 NaN)."""
-    own = q.owner(name)
-    rule = get_format(q.format, source=True).value_rule(own[1] if own is not None else "weight")
+    own = lay.owner(name)
+    weight, suffix = own if own is not None else (name, "weight")
+    rule = get_format(lay.source_format(weight), source=True).value_rule(suffix)
     return {rule} if rule is not None else set()
 
 
@@ -155,7 +183,7 @@ def stored_of(src: Source, weight: str) -> dict[str, str] | None:
     q = src.layout.source if src.layout is not None else None
     if q is None:
         return None
-    names = q.stored(weight)
+    names = src.layout.stored(weight)
     if len(names) < 2 or any(n not in src.tensors for n in names.values()):
         return None
     return None if src.tensors[names["weight"]].entry.dtype in _FLOAT else names
@@ -169,8 +197,8 @@ def stored_shapes(src: Source, weight: str, shape: tuple[int, ...]) -> dict[str,
         q = src.layout.source if src.layout is not None else None
         if q is None or not q.experts_only:
             return {weight: tuple(shape)}
-        names = q.stored(weight)  # MXFP4 experts: stored so or missing
-    fmt = get_format(src.layout.source.format, source=True)
+        names = src.layout.stored(weight)  # MXFP4 experts: stored so or missing
+    fmt = get_format(src.layout.source_format(weight), source=True)
     return {names[k]: tuple(o.shape) for k, o in fmt.out_specs(shape).items()}
 
 
@@ -180,5 +208,5 @@ def read_weight(src: Source, weight: str, read) -> torch.Tensor:
     names = stored_of(src, weight)
     if names is None:
         return read(weight)
-    fmt = get_format(src.layout.source.format, source=True)
+    fmt = get_format(src.layout.source_format(weight), source=True)
     return fmt.dequantize({k: read(n) for k, n in names.items()}, torch.float32)

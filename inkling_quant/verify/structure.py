@@ -290,7 +290,7 @@ def _source_layout(c: Check, root: Path, conf: Conf, tensors: dict[str, Located]
     error in `c`: nothing can be compared) when its tensors fit no layout."""
     try:
         lay = detect(list(tensors), conf.cfg, str(root))
-        lay = replace(lay, source=source_quant(src_cfg or {}, str(root / "config.json")))
+        lay = replace(lay, source=source_quant(src_cfg or {}, str(root / "config.json"), list(tensors)))
     except InklingQuantError as e:
         c.error(e.path or root, f"source: {e.message}")
         return None

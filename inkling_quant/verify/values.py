@@ -47,8 +47,9 @@ def source_rules(inv: Inventory) -> Callable[[Seen], set[str] | None] | None:
     rest (their names decide). None for any other checkpoint."""
     if inv.expected.stored_as is None:
         return None
-    fmt, q = inv.expected.stored_as, inv.expected.layout.source
-    return lambda seen: copy_value_rules(q, seen.name) if seen.fmt == fmt else None
+    lay = inv.expected.layout
+    formats = {lay.source.format, lay.source.expert_format}
+    return lambda seen: copy_value_rules(lay, seen.name) if seen.fmt in formats else None
 
 
 class _RuleSink:

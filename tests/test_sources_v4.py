@@ -1,0 +1,245 @@
+"""DeepSeek-V4's release layout as a source (docs/convert.md, "Sources we accept"): a tiny
+checkpoint under the release's original names (tests/sources_reference.py `to_v4_release`: FP8
+Linears with UE8M0 scales, MXFP4 routed experts `<module>.weight` int8 + `<module>.scale` e8m0,
+an MTP block), converted into ModelOpt's DeepSeek-V4 form (Model-Optimizer examples/deepseek/
+deepseek_v4/quantize_to_nvfp4.py): experts bit for bit ModelOpt's MXFP4 -> NVFP4 cast (and the
+format's MXFP8 ModelOpt's of transformers' own dequantization); every FP8 module and its UE8M0
+scale kept byte for byte; the config files as that script writes them; other expert formats,
+bad scales and a converted checkpoint as source refused by name; verify and inspect read it."""
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import sources_reference as ref
+from modelopt_reference import read_tensors
+from inkling_quant import inspect_cmd
+from inkling_quant.convert import Options, convert
+from inkling_quant.errors import CheckpointError, ConfigError, FormatError, UsageError
+from inkling_quant.formats import FORMATS, SOURCE_FORMATS, FP8Block
+from inkling_quant.model.layout import detect, model_config
+from inkling_quant.verify import verify
+
+AMAX = 2.0
+BLOCKS = ("layers.0", "layers.1", "layers.2", "mtp.0")  # the MTP block's experts are converted too
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v4")
+    return ref.to_v4_release(ref.deepseek_v4(root / "bf16"), root / "release")
+
+
+def _convert(src: Path, out: Path, **kw) -> dict:
+    return convert(str(src), out, Options(**{"default_activation_amax": AMAX, **kw}), quiet=True)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _experts(src: dict):
+    for block in BLOCKS:
+        for e in range(4):
+            yield block, e, f"{block}.ffn.experts.{e}."
+
+
+def test_layout_of_the_release_names(v4):
+    """No `model.` prefix, `ffn` experts w1/w3/w2, `head.weight`, hash layers' tid2eid a router
+    tensor, the MTP block's experts as layer num_hidden_layers + 0."""
+    names = list(load_file(v4 / "model.safetensors"))
+    cfg = model_config(json.loads((v4 / "config.json").read_text()), "config.json")
+    lay = detect(names, cfg)
+    assert lay.text_prefix == "" and lay.lm_head == "head.weight" and lay.experts.names == ("w1", "w3", "w2")
+    assert lay.expert_layers == (0, 1, 2, 3) and lay.experts_modules[3] == "mtp.0.ffn.experts"
+    assert lay.classify("mtp.0.ffn.experts.2.w3.weight").layer == 3
+    assert lay.classify("layers.0.ffn.gate.tid2eid").part == "router"
+    assert lay.classify("mtp.0.e_proj.weight").part == "draft"
+    assert (lay.source.format, lay.source.expert_format, lay.source.scale) == ("fp8_block", "mxfp4_rows", "scale")
+
+
+def test_v4_experts_are_modelopts_cast_and_the_fp8_release_kept(v4, tmp_path):
+    """--scheme nvfp4: each expert's w1/w3 (shared k_max) and w2 bit for bit ModelOpt 0.47's
+    quantize_mxfp4_to_nvfp4_lossless, block counts per layer as it counts them; every FP8 weight
+    and UE8M0 scale byte for byte under its own name; config.json's FP8 quantization_config kept
+    with moe_quant_algo, hf_quant_config.json listing each expert projection."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from modelopt.torch.export.shard_cast_utils import mxfp4_kmax, quantize_mxfp4_to_nvfp4_lossless
+    src = load_file(v4 / "model.safetensors")
+    report = _convert(v4, tmp_path / "o", scheme="nvfp4")
+    out = read_tensors(tmp_path / "o")
+    counts: dict[str, dict[str, int]] = {}
+    for block, e, p in _experts(src):
+        parts = {w: (src[f"{p}{w}.weight"].view(torch.uint8), src[f"{p}{w}.scale"].view(torch.uint8))
+                 for w in ("w1", "w3", "w2")}
+        kmax = {w: mxfp4_kmax(s) for w, (_, s) in parts.items()}
+        kmax["w1"] = kmax["w3"] = max(kmax["w1"], kmax["w3"])   # cast_mxfp4_to_nvfp4.py `prepass`: w1/w3 share m
+        layer = str(BLOCKS.index(block))
+        got = counts.setdefault(layer, {"lossless": 0, "rerounded": 0})
+        for w, (packed, scales) in parts.items():
+            q, sc, s2, nb, nl = quantize_mxfp4_to_nvfp4_lossless(packed, scales, kmax[w], "cpu")
+            assert torch.equal(out[f"{p}{w}.weight"], q), (p, w)
+            assert torch.equal(_bits(out[f"{p}{w}.weight_scale"]), _bits(sc)), (p, w)
+            assert torch.equal(out[f"{p}{w}.weight_scale_2"], s2), (p, w)
+            assert float(out[f"{p}{w}.input_scale"]) == float(torch.tensor(AMAX) / (6.0 * 448.0))
+            got["lossless"] += nl
+            got["rerounded"] += nb - nl
+            assert f"{p}{w}.scale" not in out
+    assert report["mxfp4_to_nvfp4_blocks"] == counts and counts["0"]["rerounded"] > 0
+    for k, v in src.items():
+        if ".ffn.experts." not in k:
+            assert out[k].dtype == v.dtype and torch.equal(_bits(out[k]), _bits(v)), k
+    kept = [k for k, v in src.items() if v.dtype == torch.float8_e4m3fn]
+    assert any("attn.wq_a" in k for k in kept) and any("shared_experts" in k for k in kept)
+    cfg_src = json.loads((v4 / "config.json").read_text())
+    cfg_out = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert cfg_out == {**cfg_src, "quantization_config": {**cfg_src["quantization_config"], "moe_quant_algo": "NVFP4"}}
+    hq = json.loads((tmp_path / "o" / "hf_quant_config.json").read_text())["quantization"]
+    assert hq["quant_algo"] == "MIXED_PRECISION" and hq["group_size"] == 16 and hq["kv_cache_quant_algo"] is None
+    assert hq["quantized_layers"] == {f"{p}{w}": {"quant_algo": "NVFP4", "group_size": 16}
+                                      for _, _, p in _experts(src) for w in ("w1", "w2", "w3")}
+    assert "*.attn.*" in hq["exclude_modules"] and "head.weight" in hq["exclude_modules"]
+
+
+@pytest.mark.parametrize("kw, says, part", [
+    ({}, "would be MXFP8", ".ffn.experts."), ({"scheme": "nvfp4", "weight_only": True}, "W4A16", ".ffn.experts."),
+    ({"scheme": "nvfp4", "dequantize_fp8": True}, "keeps its FP8 Linears", ".attn.")])
+def test_v4_form_refuses_what_its_loader_would_misread(v4, tmp_path, kw, says, part):
+    """vLLM's DeepseekV4FP8Config reads every routed expert by moe_quant_algo ("NVFP4", else
+    MXFP4) and every Linear as FP8: the default scheme's MXFP8 layers, weight-only NVFP4 and BF16
+    Linears are refused before writing, naming a tensor."""
+    with pytest.raises(UsageError, match=says) as e:
+        _convert(v4, tmp_path / "o", **kw)
+    assert part in e.value.tensor and not (tmp_path / "o").exists()
+
+
+def test_v4_expert_to_mxfp8_is_modelopts_of_transformers_dequantization(v4):
+    """The stored form's MXFP8 (the format's own requantize, as the gpt-oss source converts):
+    bit for bit ModelOpt's MXFP8QTensor of transformers' dequantization (Fp8Dequantize)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from modelopt.torch.quantization.qtensor import MXFP8QTensor
+    src = load_file(v4 / "model.safetensors")
+    for p in ("layers.2.ffn.experts.1.w1", "mtp.0.ffn.experts.3.w2", "layers.0.ffn.experts.1.w1"):
+        q, e8 = MXFP8QTensor.quantize(ref.mxfp4_dequantize(src[f"{p}.weight"], src[f"{p}.scale"]))
+        got = FORMATS["mxfp8"].requantize({"weight": src[f"{p}.weight"], "weight_scale": src[f"{p}.scale"]},
+                                          SOURCE_FORMATS["mxfp4_rows"])
+        assert torch.equal(_bits(got["weight"]), _bits(q._quantized_data)), p
+        assert torch.equal(got["weight_scale"].reshape(-1), e8.reshape(-1)), p
+
+
+def test_ue8m0_fp8_dequantizes_as_deepseek_and_transformers_read_it(v4):
+    """FP8 weights with UE8M0 tile scales: our dequantization is DeepSeek's weight_dequant (fp32
+    value x its tile's scale, partial edge tiles included) and, where the tiles are whole,
+    transformers' Fp8Dequantize."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+    src = load_file(v4 / "model.safetensors")
+    whole = 0
+    for k in [k for k, v in src.items() if v.dtype == torch.float8_e4m3fn]:
+        scale = src[k[: -len("weight")] + "scale"]
+        want = ref.fp8_dequantize(src[k], scale)
+        assert torch.equal(FP8Block().dequantize({"weight": src[k], "weight_scale_inv": scale}), want), k
+        if all(d % ref.TILE == 0 for d in src[k].shape):
+            assert torch.equal(Fp8Dequantize(None)._dequantize_one(src[k], scale, torch.float32), want), k
+            whole += 1
+    assert whole > 0
+
+
+def _tamper(src: Path, dst: Path, name: str, byte: int) -> Path:
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    sd = load_file(src / "model.safetensors")
+    t = sd[name].contiguous().view(torch.uint8).clone()
+    t.view(-1)[0] = byte
+    sd[name] = t.view(sd[name].dtype)
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("tensor, byte, says", [
+    ("layers.1.attn.wq_a.scale", 0xFF, "not finite and > 0"),      # NaN
+    ("mtp.0.attn.wo_b.scale", 0xFF, "not finite and > 0"),         # in the MTP block (e8m0 has no zero)
+    ("layers.0.ffn.experts.2.w2.scale", 0xFF, "255")])
+def test_bad_ue8m0_scales_refused_naming_them(v4, tmp_path, tensor, byte, says):
+    """An e8m0 byte 255 (NaN) in an FP8 module's scale or an expert's: refused naming that tensor,
+    nothing that looks complete written (e8m0 has no zero: its byte 0 is 2^-127, a usable scale)."""
+    bad = _tamper(v4, tmp_path / "bad", tensor, byte)
+    with pytest.raises(FormatError, match=says) as e:
+        _convert(bad, tmp_path / "o", scheme="nvfp4")
+    assert e.value.tensor == tensor and not (tmp_path / "o" / "model.safetensors.index.json").exists()
+
+
+def test_wrong_ue8m0_scale_grid_refused_before_writing(v4, tmp_path):
+    name = "layers.2.attn.wo_a.scale"   # [320, 192]: needs [3, 2]
+    dst = tmp_path / "grid"
+    dst.mkdir()
+    (dst / "config.json").write_text((v4 / "config.json").read_text())
+    sd = load_file(v4 / "model.safetensors")
+    sd[name] = sd[name][:2].contiguous()
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"needs F32 \[3, 2\]") as e:
+        _convert(dst, tmp_path / "o", scheme="nvfp4")
+    assert e.value.tensor == name and not (tmp_path / "o").exists()
+
+
+def test_a_converted_v4_checkpoint_is_not_read_as_a_source(v4, tmp_path):
+    """moe_quant_algo says the experts are converted already: refused as a source, by its key."""
+    _convert(v4, tmp_path / "o", scheme="nvfp4")
+    with pytest.raises(ConfigError, match="moe_quant_algo"):
+        _convert(tmp_path / "o", tmp_path / "again", scheme="nvfp4")
+
+
+@pytest.fixture(scope="module")
+def converted(v4, tmp_path_factory):
+    root = tmp_path_factory.mktemp("v4out")
+    out = {"nvfp4": root / "nvfp4"}
+    _convert(v4, out["nvfp4"], scheme="nvfp4")
+    return out
+
+
+def test_verify_passes_the_v4_form(v4, converted):
+    """verify reads ModelOpt's DeepSeek-V4 form: the FP8 modules as stored, each expert projection
+    listed; --against the MXFP4/FP8 source its numerics pass, the kept tensors byte-identical."""
+    alone, against = verify(converted["nvfp4"]), verify(converted["nvfp4"], against=v4)
+    assert alone.exit_code == 0, alone.failures()
+    assert against.exit_code == 0, against.failures()
+    numerics = [c for c in against.checks if c.id.startswith("numerics")]
+    assert numerics and all(c.status == "pass" for c in numerics)
+
+
+def _edited(src: Path, dst: Path, file: str, edit) -> Path:
+    shutil.copytree(src, dst)
+    d = json.loads((dst / file).read_text())
+    edit(d)
+    (dst / file).write_text(json.dumps(d))
+    return dst
+
+
+@pytest.mark.parametrize("file, edit, says", [
+    ("config.json", lambda d: d["quantization_config"].__setitem__("moe_quant_algo", "MXFP8"), "moe_quant_algo"),
+    ("hf_quant_config.json", lambda d: d["quantization"]["quantized_layers"].pop("layers.1.ffn.experts.3.w2"),
+     "layers.1.ffn.experts.3.w2"),
+    ("hf_quant_config.json", lambda d: d["quantization"]["exclude_modules"].append("*.ffn.experts.*"), "excludes")])
+def test_verify_fails_a_wrong_v4_config_naming_it(converted, tmp_path, file, edit, says):
+    bad = _edited(converted["nvfp4"], tmp_path / "bad", file, edit)
+    report = verify(bad)
+    assert report.exit_code == 1
+    assert any(says in p.message for c in report.checks if c.id == "config" for p in c.problems)
+
+
+def test_inspect_reads_the_v4_source_and_its_conversion(v4, converted):
+    """inspect labels the source's experts mxfp4_rows and its Linears fp8_block, the converted
+    experts in the format hf_quant_config.json declares, the index table as passed through."""
+    src = inspect_cmd.summarize(v4)
+    assert [r["format"] for r in src.expert_layers] == ["mxfp4_rows"]
+    assert set(src.parts["attention"]["formats"]) == {"fp8_block", "passthrough"} and not src.unrecognized
+    out = inspect_cmd.summarize(converted["nvfp4"])
+    assert [r["format"] for r in out.expert_layers] == ["nvfp4"]
+    assert not out.unrecognized and not out.mismatched
