@@ -243,3 +243,14 @@ def test_inspect_reads_the_v4_source_and_its_conversion(v4, converted):
     out = inspect_cmd.summarize(converted["nvfp4"])
     assert [r["format"] for r in out.expert_layers] == ["nvfp4"]
     assert not out.unrecognized and not out.mismatched
+
+
+def test_scheme_none_copies_the_v4_release_and_verify_holds_it_to_the_source(v4, tmp_path):
+    """--scheme none: every tensor and the config as they are (UE8M0 scales checked for an e8m0
+    255 on the way, not refused for their dtype); verify reads the copy as the source format it
+    is stored in."""
+    _convert(v4, tmp_path / "o", scheme="none")
+    src, out = load_file(v4 / "model.safetensors"), read_tensors(tmp_path / "o")
+    assert set(out) == set(src) and all(torch.equal(_bits(out[k]), _bits(v)) for k, v in src.items())
+    assert json.loads((tmp_path / "o" / "config.json").read_text()) == json.loads((v4 / "config.json").read_text())
+    assert verify(tmp_path / "o", against=v4).exit_code == 0 and verify(tmp_path / "o").exit_code == 0

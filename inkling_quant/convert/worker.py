@@ -490,6 +490,10 @@ def _check_finite(t: torch.Tensor, path, name: str) -> None:
         if has_nan_byte(t):
             raise FormatError(f"tensor {name!r}: contains NaN", path=path, tensor=name)
         return
+    if t.dtype == torch.float8_e8m0fnu:  # a UE8M0 scale copied as it is (DeepSeek-V4's): 0xFF is NaN
+        if bool((t.view(torch.uint8) == 0xFF).any()):
+            raise FormatError(f"tensor {name!r}: contains NaN (an e8m0 255)", path=path, tensor=name)
+        return
     lo, hi = torch.aminmax(t.reshape(-1))
     if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
         raise FormatError(f"tensor {name!r}: contains NaN or Inf", path=path, tensor=name)
