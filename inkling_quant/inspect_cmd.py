@@ -38,7 +38,7 @@ from .export.inkling import projection_specs
 from .model.inkling2 import Inkling2Config, checkpoint_tensors, classify, experts_module
 from .model.layout import INDEX_DTYPES, Layout, MoEConfig, detect, max_tensors, model_config, oriented, text_prefix
 from .model.naming import ORIGINAL, original_names
-from .model.sources import FP8_BLOCK, scale_beside
+from .model.sources import FP8_BLOCK, MXFP4_ROWS, scale_beside
 from .io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child
 from .io.safetensors import TensorEntry
 
@@ -212,7 +212,7 @@ def _summarize_moe(root: Path, ckpt: Checkpoint, config: MoEConfig | Inkling2Con
             _add(parts[t.part], 1, e.nbytes, math.prod(e.shape) if t.suffix == "weight" else 0, kept)
             continue
         label = "passthrough" if (e.dtype in SOURCE_DTYPES and t.suffix not in SCALE_SUFFIXES) \
-            or e.dtype in INDEX_DTYPES else UNRECOGNIZED
+            or (t.part == "router" and e.dtype in INDEX_DTYPES) else UNRECOGNIZED
         if label == UNRECOGNIZED:
             s.unrecognized.append(f"{e.name} ({e.dtype} {list(e.shape)})")
         _add(parts[t.part], 1, e.nbytes, math.prod(e.shape), label)
@@ -282,20 +282,21 @@ def _source_module(lay: Layout, e: TensorEntry, own: tuple[str, str] | None, nam
     weight, or its scale, with its pair present), else None."""
     q = lay.source
     if q is None and lay.family.moe_quant_algo:  # ModelOpt's FP8-release form: kept as the source stores them
-        return _fp8_as_stored(e, names)
+        return _as_stored(lay, e, names)
     if q is None or q.experts_only or (own is None and e.dtype in SOURCE_DTYPES):
         return None
     weight = own[0] if own is not None else e.name
     return lay.source_format(weight) if set(lay.stored(weight).values()) <= names else None
 
 
-def _fp8_as_stored(e: TensorEntry, names: set[str]) -> str | None:
-    """fp8_block for an e4m3 `<module>.weight` with its scale beside it (`sources.scale_beside`),
-    and for that scale; else None."""
+def _as_stored(lay: Layout, e: TensorEntry, names: set[str]) -> str | None:
+    """The source format of a module kept as the source stores it (a 1-byte `<module>.weight`
+    with its scale beside it, `sources.scale_beside`: an MTP block's expert MXFP4, anything else
+    FP8 block-scaled), for the weight and for its scale; else None."""
     weight = f"{e.name.rpartition('.')[0]}.weight"
-    if e.name == weight and e.dtype == torch.float8_e4m3fn and scale_beside(weight, names) is not None:
-        return FP8_BLOCK
-    return FP8_BLOCK if e.name != weight and weight in names and scale_beside(weight, names) == e.name else None
+    kept = scale_beside(weight, names) == e.name if e.name != weight else \
+        e.dtype.itemsize == 1 and scale_beside(weight, names) is not None
+    return (MXFP4_ROWS if lay.expert_weight(weight) else FP8_BLOCK) if kept and weight in names else None
 
 
 def _module_format(observed: dict[str, TensorEntry], shape: tuple[int, ...],

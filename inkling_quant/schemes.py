@@ -50,12 +50,8 @@ class Scheme:
     rules: tuple[Rule, ...]
 
     def format_name(self, cfg, t: TensorName) -> str:
-        n = cfg.num_hidden_layers
-        # an MTP block's experts (DeepSeek-V4's, layer n + K) take the last decoder layer's format, as
-        # ModelOpt's DeepSeek-V4 export quantizes them with the rest (model/families.py)
-        layer = min(t.layer, n - 1) if t.layer is not None and t.part == "expert" else t.layer
         for r in self.rules:
-            if r.part == t.part and layer is not None and layer in r.layers(n):
+            if r.part == t.part and t.layer is not None and t.layer in r.layers(cfg.num_hidden_layers):
                 return r.format
         return "passthrough"
 

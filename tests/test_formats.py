@@ -846,7 +846,7 @@ def test_requantize_takes_a_registered_fast_path_and_falls_back(monkeypatch):
     quantize(source.dequantize(...)) bit for bit; the registered MXFP8 -> NVFP4 path equals it."""
     calls = []
 
-    def spy(tensors, source, target, *, global_amax=None, input_amax=None, name="", encoder="modelopt"):
+    def spy(tensors, source, target, *, global_amax=None, input_amax=None, name="", encoder="modelopt", parts=None):
         calls.append((source.name, target.name, input_amax, name))
         return {"weight": torch.zeros(1)}
 

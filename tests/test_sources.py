@@ -388,7 +388,7 @@ def test_bad_fp8_scales_are_refused_by_name(sources, tmp_path, bad):
 def test_wrong_scale_grid_and_missing_scale_refused_before_writing(sources, tmp_path):
     grid = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv"   # [160, 256]: needs [2, 2]
     d = _tamper(sources["ds"], tmp_path / "grid", lambda sd: sd.__setitem__(grid, sd[grid][:1].contiguous()))
-    with pytest.raises(CheckpointError, match=r"needs F32 \[2, 2\]") as e:
+    with pytest.raises(CheckpointError, match=r"needs F32/BF16/F16/F8_E8M0 \[2, 2\]") as e:
         _convert(d, tmp_path / "o1")
     assert e.value.tensor == grid and not (tmp_path / "o1").exists()
     expert = "model.layers.1.mlp.experts.0.down_proj.weight_scale_inv"

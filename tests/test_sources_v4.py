@@ -27,7 +27,7 @@ from inkling_quant.model.layout import detect, model_config
 from inkling_quant.verify import verify
 
 AMAX = 2.0
-BLOCKS = ("layers.0", "layers.1", "layers.2", "mtp.0")  # the MTP block's experts are converted too
+BLOCKS = ("layers.0", "layers.1", "layers.2")  # the MTP block's experts stay as the source stores them
 
 
 @pytest.fixture(scope="module")
@@ -52,23 +52,32 @@ def _experts(src: dict):
 
 def test_layout_of_the_release_names(v4):
     """No `model.` prefix, `ffn` experts w1/w3/w2, `head.weight`, hash layers' tid2eid a router
-    tensor, the MTP block's experts as layer num_hidden_layers + 0."""
+    tensor; the MTP block a draft whose experts are stored as the decoder's (MXFP4)."""
     names = list(load_file(v4 / "model.safetensors"))
     cfg = model_config(json.loads((v4 / "config.json").read_text()), "config.json")
     lay = detect(names, cfg)
     assert lay.text_prefix == "" and lay.lm_head == "head.weight" and lay.experts.names == ("w1", "w3", "w2")
-    assert lay.expert_layers == (0, 1, 2, 3) and lay.experts_modules[3] == "mtp.0.ffn.experts"
-    assert lay.classify("mtp.0.ffn.experts.2.w3.weight").layer == 3
-    assert lay.classify("layers.0.ffn.gate.tid2eid").part == "router"
-    assert lay.classify("mtp.0.e_proj.weight").part == "draft"
+    assert lay.expert_layers == (0, 1, 2) and lay.classify("layers.0.ffn.gate.tid2eid").part == "router"
+    assert lay.classify("mtp.0.ffn.experts.2.w3.weight").part == "draft" == lay.classify("mtp.0.e_proj.weight").part
+    assert lay.source_format("mtp.0.ffn.experts.2.w3.weight") == "mxfp4_rows"
+    assert lay.source_format("mtp.0.e_proj.weight") == "fp8_block" == lay.source_format("layers.0.attn.wq_a.weight")
     assert (lay.source.format, lay.source.expert_format, lay.source.scale) == ("fp8_block", "mxfp4_rows", "scale")
+
+
+def test_bare_layer_names_only_where_the_family_has_them():
+    """`layers.N.` with no prefix is DeepSeek-V4's (Family.bare_names); a Qwen3-MoE checkpoint so
+    named is refused as before, not converted under names its loader would not map."""
+    cfg = model_config({"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 1, "num_experts": 1,
+                        "num_experts_per_tok": 1, "moe_intermediate_size": 32}, "config.json")
+    with pytest.raises(CheckpointError, match="no decoder layers found"):
+        detect([f"layers.0.mlp.experts.0.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")], cfg)
 
 
 def test_v4_experts_are_modelopts_cast_and_the_fp8_release_kept(v4, tmp_path):
     """--scheme nvfp4: each expert's w1/w3 (shared k_max) and w2 bit for bit ModelOpt 0.47's
     quantize_mxfp4_to_nvfp4_lossless, block counts per layer as it counts them; every FP8 weight
-    and UE8M0 scale byte for byte under its own name; config.json's FP8 quantization_config kept
-    with moe_quant_algo, hf_quant_config.json listing each expert projection."""
+    and UE8M0 scale, and the whole MTP block, byte for byte under its own name; the config files
+    as Model-Optimizer's quantize_to_nvfp4.py (main at a2fbac7) writes them."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from modelopt.torch.export.shard_cast_utils import mxfp4_kmax, quantize_mxfp4_to_nvfp4_lossless
@@ -94,18 +103,25 @@ def test_v4_experts_are_modelopts_cast_and_the_fp8_release_kept(v4, tmp_path):
             assert f"{p}{w}.scale" not in out
     assert report["mxfp4_to_nvfp4_blocks"] == counts and counts["0"]["rerounded"] > 0
     for k, v in src.items():
-        if ".ffn.experts." not in k:
+        if not k.startswith("layers.") or ".ffn.experts." not in k:
             assert out[k].dtype == v.dtype and torch.equal(_bits(out[k]), _bits(v)), k
     kept = [k for k, v in src.items() if v.dtype == torch.float8_e4m3fn]
     assert any("attn.wq_a" in k for k in kept) and any("shared_experts" in k for k in kept)
+    assert "mtp.0.ffn.experts.3.w2.scale" in out
+    layers = {f"{b}.ffn.experts": {"quant_algo": "NVFP4", "group_size": 16} for b in BLOCKS}
+    excludes = ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]
+    hq = json.loads((tmp_path / "o" / "hf_quant_config.json").read_text())
+    assert hq == {"producer": {"name": "modelopt", "version": "dsv4-nvfp4-experts"},
+                  "quantization": {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "group_size": 16,
+                                   "quantized_layers": layers, "exclude_modules": excludes}}
     cfg_src = json.loads((v4 / "config.json").read_text())
     cfg_out = json.loads((tmp_path / "o" / "config.json").read_text())
-    assert cfg_out == {**cfg_src, "quantization_config": {**cfg_src["quantization_config"], "moe_quant_algo": "NVFP4"}}
-    hq = json.loads((tmp_path / "o" / "hf_quant_config.json").read_text())["quantization"]
-    assert hq["quant_algo"] == "MIXED_PRECISION" and hq["group_size"] == 16 and hq["kv_cache_quant_algo"] is None
-    assert hq["quantized_layers"] == {f"{p}{w}": {"quant_algo": "NVFP4", "group_size": 16}
-                                      for _, _, p in _experts(src) for w in ("w1", "w2", "w3")}
-    assert "*.attn.*" in hq["exclude_modules"] and "head.weight" in hq["exclude_modules"]
+    nvfp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+    assert cfg_out == {**cfg_src, "quantization_config": {
+        **cfg_src["quantization_config"], "moe_quant_algo": "NVFP4", "producer": hq["producer"],
+        "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "group_size": 16,
+        "config_groups": {"group_0": {"input_activations": nvfp4, "weights": nvfp4, "targets": ["Linear"]}},
+        "quantized_layers": layers, "ignore": excludes}}
 
 
 @pytest.mark.parametrize("kw, says, part", [
@@ -184,7 +200,7 @@ def test_wrong_ue8m0_scale_grid_refused_before_writing(v4, tmp_path):
     sd = load_file(v4 / "model.safetensors")
     sd[name] = sd[name][:2].contiguous()
     save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"needs F32 \[3, 2\]") as e:
+    with pytest.raises(CheckpointError, match=r"needs F32/BF16/F16/F8_E8M0 \[3, 2\]") as e:
         _convert(dst, tmp_path / "o", scheme="nvfp4")
     assert e.value.tensor == name and not (tmp_path / "o").exists()
 
@@ -224,9 +240,10 @@ def _edited(src: Path, dst: Path, file: str, edit) -> Path:
 
 @pytest.mark.parametrize("file, edit, says", [
     ("config.json", lambda d: d["quantization_config"].__setitem__("moe_quant_algo", "MXFP8"), "moe_quant_algo"),
-    ("hf_quant_config.json", lambda d: d["quantization"]["quantized_layers"].pop("layers.1.ffn.experts.3.w2"),
-     "layers.1.ffn.experts.3.w2"),
-    ("hf_quant_config.json", lambda d: d["quantization"]["exclude_modules"].append("*.ffn.experts.*"), "excludes")])
+    ("hf_quant_config.json", lambda d: d["quantization"]["quantized_layers"].pop("layers.1.ffn.experts"),
+     "layers.1.ffn.experts"),
+    ("config.json", lambda d: d["quantization_config"]["ignore"].append("*.ffn.experts*"), "excludes"),
+    ("hf_quant_config.json", lambda d: d["quantization"]["exclude_modules"].append("*.ffn.experts*"), "excludes")])
 def test_verify_fails_a_wrong_v4_config_naming_it(converted, tmp_path, file, edit, says):
     bad = _edited(converted["nvfp4"], tmp_path / "bad", file, edit)
     report = verify(bad)
@@ -254,3 +271,88 @@ def test_scheme_none_copies_the_v4_release_and_verify_holds_it_to_the_source(v4,
     assert set(out) == set(src) and all(torch.equal(_bits(out[k]), _bits(v)) for k, v in src.items())
     assert json.loads((tmp_path / "o" / "config.json").read_text()) == json.loads((v4 / "config.json").read_text())
     assert verify(tmp_path / "o", against=v4).exit_code == 0 and verify(tmp_path / "o").exit_code == 0
+
+
+def test_an_all_zero_w1_shares_modelopts_k_max(v4, tmp_path):
+    """ModelOpt takes k_max per projection, 0 for one without a non-zero e8m0 byte, then shares
+    the larger (build_w13_kmax_overrides): an expert whose w1 is all zero beside a w3 of small
+    values (k_max < 0) gets weight_scale_2 2^-8 for both, as it does, not w3's own."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from modelopt.torch.export.shard_cast_utils import mxfp4_kmax, quantize_mxfp4_to_nvfp4_lossless
+    sd = load_file(v4 / "model.safetensors")
+    p = "layers.1.ffn.experts.0."
+    sd[p + "w1.weight"] = torch.zeros_like(sd[p + "w1.weight"])
+    sd[p + "w1.scale"] = torch.zeros_like(sd[p + "w1.scale"].view(torch.uint8)).view(torch.float8_e8m0fnu)
+    dst = tmp_path / "zero-w1"
+    dst.mkdir()
+    (dst / "config.json").write_text((v4 / "config.json").read_text())
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    _convert(dst, tmp_path / "o", scheme="nvfp4")
+    out = read_tensors(tmp_path / "o")
+    scales = {w: sd[f"{p}{w}.scale"].view(torch.uint8) for w in ("w1", "w3")}
+    assert mxfp4_kmax(scales["w1"]) == 0 > mxfp4_kmax(scales["w3"])   # the case that differs from the slab's own
+    shared = max(mxfp4_kmax(s) for s in scales.values())
+    for w, s in scales.items():
+        q, sc, s2, _, _ = quantize_mxfp4_to_nvfp4_lossless(sd[f"{p}{w}.weight"].view(torch.uint8), s, shared, "cpu")
+        assert torch.equal(out[f"{p}{w}.weight"], q) and torch.equal(_bits(out[f"{p}{w}.weight_scale"]), _bits(sc)), w
+        assert torch.equal(out[f"{p}{w}.weight_scale_2"], s2) and float(s2) == 2.0 ** -8, w
+
+
+def _variant(src: Path, dst: Path, edit_tensors=None, edit_config=None) -> Path:
+    dst.mkdir()
+    sd, cfg = load_file(src / "model.safetensors"), json.loads((src / "config.json").read_text())
+    if edit_tensors:
+        edit_tensors(sd)
+    if edit_config:
+        edit_config(cfg)
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_the_v4_form_only_from_the_mxfp4_release(v4, tmp_path):
+    """vLLM reads moe_quant_algo (and UE8M0 Linear scales) only with expert_dtype "fp4": a V4
+    checkpoint of FP8 experts (Flash-Base's storage) converts to nothing that loader reads right,
+    so it is refused before writing; --scheme none still copies it."""
+    def fp8_experts(sd):
+        for k in [k for k in sd if ".ffn.experts." in k and k.endswith(".weight")]:
+            w = ref.mxfp4_dequantize(sd[k], sd.pop(k[: -len("weight")] + "scale"))
+            sd[k], sd[k[: -len("weight")] + "scale"] = ref.per_block_cast_to_fp8(w)
+    base = _variant(v4, tmp_path / "base", fp8_experts, lambda c: c.__setitem__("expert_dtype", "fp8"))
+    with pytest.raises(UsageError, match="stores its routed experts fp8_block") as e:
+        _convert(base, tmp_path / "o", scheme="nvfp4")
+    assert "expert_dtype 'fp4'" in str(e.value) and not (tmp_path / "o").exists()
+    _convert(base, tmp_path / "copy", scheme="none")
+
+
+def test_integer_tensors_pass_through_in_routers_only(v4, tmp_path):
+    """A router's lookup table (tid2eid) passes through; an integer tensor anywhere else is a
+    quantized weight's (GPTQ's g_idx) and is refused, naming it."""
+    bad = _variant(v4, tmp_path / "gidx", lambda sd: sd.__setitem__("layers.0.attn.wq_b.g_idx",
+                                                                    torch.zeros(192, dtype=torch.int32)))
+    with pytest.raises(CheckpointError) as e:
+        _convert(bad, tmp_path / "o", scheme="nvfp4")
+    assert e.value.tensor == "layers.0.attn.wq_b.g_idx"
+
+
+def test_verify_finds_a_nan_ue8m0_scale_in_the_output(converted, tmp_path):
+    """An e8m0 255 in a kept FP8 Linear's `scale`: values[F] fails naming it (checksums removed,
+    so only the values can tell)."""
+    bad = tmp_path / "bad"
+    shutil.copytree(converted["nvfp4"], bad)
+    (bad / "checksums.sha256").unlink()
+    shard = next(bad.glob("model-*.safetensors"))
+    sd = load_file(shard)
+    sd["layers.1.attn.wq_a.scale"] = _tamper_first(sd["layers.1.attn.wq_a.scale"])
+    save_file(sd, shard, metadata={"format": "pt"})
+    report = verify(bad)
+    assert report.exit_code == 1
+    assert any(p.tensor == "layers.1.attn.wq_a.scale" for c in report.checks if c.id.startswith("values")
+               for p in c.problems)
+
+
+def _tamper_first(t: torch.Tensor) -> torch.Tensor:
+    b = t.contiguous().view(torch.uint8).clone()
+    b.view(-1)[0] = 0xFF
+    return b.view(t.dtype)

@@ -144,8 +144,8 @@ def quantized_layers(prep: Prepared) -> dict:
     """experts module -> Format of every quantized unit of the planned conversion (the module the
     output form lists it under: a layer's experts module, or Inkling's stacked tensor's module);
     gate/up and down share the layer's format."""
-    return {m: get_format(u.format, source=True) for j in prep.jobs for u in j.units if u.format != "passthrough"
-            for m in u.writing.quantized_modules(u, prep.layout)}
+    return {m: get_format(u.format, source=True) for j in prep.jobs for u in j.units
+            if u.format != "passthrough" and (m := u.writing.quantized_module(u, prep.layout)) is not None}
 
 
 def unquantized_modules(prep: Prepared) -> list[str]:

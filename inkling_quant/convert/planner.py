@@ -190,8 +190,8 @@ def validate_source(cfg: Inkling2Config | MoEConfig, listing: Listing, root: str
             tensors.append(SrcTensor(name, shard, dtype, shape))
             continue
         quantized = spec.dtype not in FLOAT_SOURCES if spec is not None else False
-        if spec is None and DTYPES[dtype] in INDEX_DTYPES and layout.part_of(name).part != "expert":
-            tensors.append(SrcTensor(name, shard, dtype, shape))  # a lookup table: as it is
+        if spec is None and DTYPES[dtype] in INDEX_DTYPES and layout.part_of(name).part == "router":
+            tensors.append(SrcTensor(name, shard, dtype, shape))  # a router's lookup table: as it is
             continue
         if (DTYPES[dtype] != spec.dtype) if quantized else (DTYPES[dtype] not in FLOAT_SOURCES):
             why = _source_dtype_problem(layout, name, dtype, shape, spec, entries)
@@ -284,26 +284,29 @@ def _source_modules(layout: Layout, entries: dict, root: str) -> set[str]:
     q = layout.source
     if q is None or q.experts_only:
         return set()
-    fmt, out = get_format(q.format, source=True), set()
+    out = set()
     for name, (shard, dtype, shape) in entries.items():
         own = layout.owner(name)
         weight = own[0] if own is not None else name
         rec = layout.part_of(weight)
         if rec is None or rec.part == "expert" or (own is None and DTYPES[dtype].itemsize != 1):
             continue  # a float or an index table (DeepSeek-V4's tid2eid): passes through
-        stored = layout.stored(weight)
+        stored, src = layout.stored(weight), layout.source_format(weight)  # an MTP block's experts: theirs
+        fmt = get_format(src, source=True)
         missing = [n for n in stored.values() if n not in entries]
         if missing:
-            raise CheckpointError(f"tensor {name!r}: its {q.format} {'scale' if own is None else 'weight'} "
+            raise CheckpointError(f"tensor {name!r}: its {src} {'scale' if own is None else 'weight'} "
                                   f"{missing[0]!r} is missing ({q.describe()})", path=f"{root}/{shard}", tensor=name)
-        wshape = entries[stored["weight"]][2]
+        wshape = fmt.weight_shape({k: entries[n][2] for k, n in stored.items()})
         for suffix, o in fmt.out_specs(wshape).items():
             t = stored[suffix]
             tdtype, tshape = DTYPES[entries[t][1]], entries[t][2]
-            if tdtype not in fmt.stored_dtypes.get(suffix, (o.dtype,)) or tshape != tuple(o.shape):
-                raise CheckpointError(f"tensor {t!r}: {entries[t][1]} {list(tshape)}; the {q.format} weight "
-                                      f"{stored['weight']!r} {list(wshape)} needs {DTYPE_NAMES[o.dtype]} "
-                                      f"{list(o.shape)} there", path=f"{root}/{entries[t][0]}", tensor=t)
+            wants = fmt.stored_dtypes.get(suffix, (o.dtype,))
+            if tdtype not in wants or tshape != tuple(o.shape):
+                raise CheckpointError(f"tensor {t!r}: {entries[t][1]} {list(tshape)}; the {src} weight "
+                                      f"{stored['weight']!r} of shape {list(wshape)} needs "
+                                      f"{'/'.join(DTYPE_NAMES[d] for d in wants)} {list(o.shape)} there",
+                                      path=f"{root}/{entries[t][0]}", tensor=t)
         out.update(stored.values())
     return out
 

@@ -313,7 +313,7 @@ def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, ta
                     stored, src.name, dict(zip(u.stored_suffixes, (x.name for x in u.sources))))
                 q = fmt.requantize({k: v.to(device) for k, v in stored.items()},
                                    get_format(u.source_format, source=True), input_amax=u.input_amax[0],
-                                   encoder=u.encoder, name=src.name)
+                                   encoder=u.encoder, name=src.name, parts=_gate_up_rows(u, slab))
                 _tally(blocks, src.name, q)
             else:
                 x = slab if device == "cpu" else slab.to(device)
@@ -331,6 +331,15 @@ def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, ta
     if progress is not None:
         progress(nbytes)
     return q
+
+
+def _gate_up_rows(u: Unit, slab: torch.Tensor) -> tuple | None:
+    """The gate rows and the up rows of a stacked unit's gate/up slab as stored (row indexers, for
+    a cast that takes its shared scale per weight: `Format.requantize`'s `parts`); None for down."""
+    if u.projection != "gate_up":
+        return None
+    rows = torch.arange(slab.shape[0])
+    return tuple(u.storage.split_gate_up(rows, slab.shape[0] // 2))
 
 
 def _tally(blocks: dict[str, list[int]], name: str, q: dict[str, torch.Tensor]) -> None:
@@ -421,20 +430,22 @@ def _requantize_expert(u: Unit, fmt, ts: list[torch.Tensor], path_of: dict, devi
 
 def _requantize_rows(u: Unit, fmt, src, stored: list[dict], path_of: dict, blocks: dict) -> Outputs:
     """A per-expert unit of a row-blocked source (DeepSeek-V4's MXFP4) requantized as a stacked
-    source's slab is (gpt-oss): one call, gate and up's rows stacked, no global amax given, so the
-    target's encoder takes its own rule over the unit (ModelOpt's MXFP4 cast: one k_max for w1
-    and w3, examples/deepseek/cast_mxfp4_to_nvfp4.py `prepass`; the plain path: the larger amax).
+    source's slab is (gpt-oss): one call, gate and up's rows stacked (`parts`), no global amax
+    given, so the target's encoder takes its own rule over the pair (ModelOpt's MXFP4 cast: one
+    k_max for w1 and w3, examples/deepseek/cast_mxfp4_to_nvfp4.py `prepass`; the plain path: the
+    larger amax).
     Row tensors are split back per weight, scalars shared; the cast's block counts
     (transcode.STATS) are tallied under the first weight."""
     gate = u.weights[0]
     slab = {k: torch.cat([st[k] for st in stored]) for k in stored[0]}
+    rows = [st["weight"].shape[0] for st in stored]
+    parts = tuple(torch.arange(sum(rows)).split(rows)) if len(rows) > 1 else None
     try:
-        q = fmt.requantize(slab, src, input_amax=u.input_amax[0], encoder=u.encoder, name=gate.name)
+        q = fmt.requantize(slab, src, input_amax=u.input_amax[0], encoder=u.encoder, name=gate.name, parts=parts)
     except FormatError as e:
         raise FormatError(f"tensor {gate.name!r}: {e.message}", path=path_of[gate.name], tensor=gate.name) from None
     _tally(blocks, gate.name, q)
     _refuse_too_small(fmt, q, None, path_of[gate.name], gate.name)
-    rows = [st["weight"].shape[0] for st in stored]
     outputs: Outputs = []
     for i, w in enumerate(u.weights):
         for k, t in q.items():

@@ -45,12 +45,6 @@ class Writing:
         """The module the quantization config lists for a quantized unit (None: pass-through)."""
         return None
 
-    def quantized_modules(self, u, layout: "Layout") -> tuple[str, ...]:
-        """Every module the quantization config lists for a quantized unit: `quantized_module`'s,
-        unless the form lists each weight's module apart (ModelOpt's DeepSeek-V4 export)."""
-        m = self.quantized_module(u, layout)
-        return () if m is None else (m,)
-
     def open(self, u, out_dir) -> ExpertWriter:
         """The writer of a stacked unit (converted expert by expert)."""
         raise NotImplementedError(f"{type(self).__name__} writes no stacked unit")

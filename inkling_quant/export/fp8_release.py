@@ -1,10 +1,13 @@
 """ModelOpt's FP8-release form (`--output-format modelopt-hf` for a family whose record says
 `moe_quant_algo`: DeepSeek-V4), as NVIDIA Model-Optimizer examples/deepseek/deepseek_v4/
-quantize_to_nvfp4.py writes it: the source's names and FP8 Linears kept as stored (UE8M0 scales
-included), each routed-expert projection NVFP4 (`weight`, `weight_scale`, `weight_scale_2`,
-`input_scale`, the source's `scale` dropped), config.json's FP8 `quantization_config` kept with
-`moe_quant_algo` added, hf_quant_config.json listing every expert projection. The rest of the
-form (per-expert modules, the writers) is export/modelopt.py's."""
+quantize_to_nvfp4.py writes it (main at a2fbac7, 2026-08-21, with `--cast_mxfp4_to_nvfp4`): the
+source's names; its FP8 Linears and its MTP block (MXFP4 experts included) kept as stored,
+UE8M0 scales and all; each decoder layer's routed-expert projections NVFP4 (`weight`,
+`weight_scale`, `weight_scale_2`, `input_scale`, the source's `scale` dropped); config.json's
+FP8 `quantization_config` kept with `moe_quant_algo` and the experts' manifest added,
+hf_quant_config.json holding that manifest. The rest of the form (per-expert modules, the
+writers) is export/modelopt.py's. Earlier revisions of that script differ (0fd7b4c, 2026-05-28:
+each expert projection listed, the MTP block's experts converted too)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 from ..errors import UsageError
 from ..io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG
 from ..model.layout import Layout
+from ..model.sources import MXFP4_ROWS
 from .form import Outputs, Spec, Writing
 
 
@@ -29,12 +33,23 @@ class AsStored(Writing):
 
 
 def check_units(layout: Layout, units: list) -> None:
-    """The form is read by one rule for every routed expert, the MTP block's included: vLLM's
+    """The form is read by one rule for every routed expert: vLLM's
     DeepseekV4FP8Config (vllm/models/deepseek_v4/quant_config.py `get_quant_method`) builds NVFP4
     experts where `moe_quant_algo` is "NVFP4" and `expert_dtype` "fp4", MXFP4 ones otherwise, and
-    reads every other Linear as FP8. So its experts must all be NVFP4 with an activation scale
-    (W4A4), as Model-Optimizer's script writes them, and its FP8 Linears stay FP8 (no
-    --dequantize-fp8): UsageError naming a tensor otherwise, before anything is written."""
+    reads every other Linear as FP8, with UE8M0 scales (`is_scale_e8m0`), both only where
+    `expert_dtype` is "fp4". So the source must be that release (MXFP4 experts beside FP8
+    Linears), its experts all NVFP4 with an activation scale (W4A4), as Model-Optimizer's script
+    writes them, and its FP8 Linears stay FP8 (no --dequantize-fp8): UsageError, naming a tensor
+    where one is at fault, before anything is written."""
+    if not any(u.storage is not None and u.format != "passthrough" for u in units):
+        return  # nothing converted (--scheme none): the source copied as it is
+    q = layout.source
+    if q is None or q.expert_format != MXFP4_ROWS:
+        stored = "float" if q is None else q.expert_format
+        raise UsageError(f"ModelOpt's {layout.family.name} form is written from the release that stores its routed "
+                         f"experts MXFP4 (expert_dtype 'fp4'): vLLM's DeepseekV4FP8Config reads moe_quant_algo, and "
+                         f"the Linears' scales as UE8M0, only with expert_dtype 'fp4'; this source stores its "
+                         f"routed experts {stored}, so no form here writes what that loader reads of it")
     bf16 = next((u for u in units if u.storage is None and u.source_format and u.format == "passthrough"), None)
     if bf16 is not None:
         raise UsageError(f"--dequantize-fp8: ModelOpt's {layout.family.name} form keeps its FP8 Linears as the "
@@ -49,31 +64,34 @@ def check_units(layout: Layout, units: list) -> None:
                          f"other as MXFP4): use --scheme nvfp4 without --weight-only", tensor=odd.sources[0].name)
 
 
-# ModelOpt's DeepSeek-V4 export (NVIDIA Model-Optimizer examples/deepseek/deepseek_v4/
-# quantize_to_nvfp4.py `_write_index_and_manifest`): the modules it leaves as the source has them
-FP8_RELEASE_EXCLUDES = {"deepseek_v4": [
-    "*.attn.*", "*.attn_norm.*", "*.ffn.shared_experts.*", "*.ffn.gate.*", "*.ffn_norm.*", "embed.weight",
-    "head.weight", "*.hc_*", "*.h_proj.*", "*.e_proj.*", "*.enorm.*", "*.hnorm.*", "mtp.*.norm.*", "norm.weight"]}
+# The modules ModelOpt's DeepSeek-V4 export leaves as the source has them (quantize_to_nvfp4.py
+# `_build_moe_quantization`): attention and shared experts FP8, the head BF16, the MTP block in
+# the source format
+FP8_RELEASE_EXCLUDES = {"deepseek_v4": ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]}
+PRODUCER = {"name": "modelopt", "version": "dsv4-nvfp4-experts"}   # that script's own
 
 
-def configs(cfg, q: dict, converter: dict, encoder: str, producer: dict) -> dict[str, dict]:
-    """The config files of a family ModelOpt writes as its FP8 release with quantized experts
-    (`Family.moe_quant_algo`; Model-Optimizer examples/deepseek/deepseek_v4/quantize_to_nvfp4.py):
-    config.json keeps the source's FP8 `quantization_config` (and the top-level `expert_dtype`,
-    which vLLM reads beside it) and adds `moe_quant_algo`, the experts' one quant_algo
-    (`check_units`: NVFP4), "which vLLM and SGLang detect the hybrid expert format from", that
-    script says; hf_quant_config.json (MIXED_PRECISION `q`, `producer` ModelOpt's) lists every
-    expert projection (`quantized_layers`) beside the family's exclusions, with the NVFP4 group
-    size."""
-    (algo,) = {e["quant_algo"] for e in q["quantized_layers"].values()}
-    source_q = cfg.raw.get("quantization_config") if isinstance(cfg.raw.get("quantization_config"), dict) else {}
-    qc = {"activation_scheme": "dynamic", "weight_block_size": [128, 128], **source_q, "quant_method": "fp8",
-          "moe_quant_algo": algo}
-    quantization = {"quant_algo": q["quant_algo"], "kv_cache_quant_algo": None,  # MIXED_PRECISION
-                    "group_size": next(iter(q["quantized_layers"].values()))["group_size"],
-                    "quantized_layers": q["quantized_layers"],
-                    "exclude_modules": FP8_RELEASE_EXCLUDES.get(cfg.family.name, [])}
-    hq = {"producer": producer, "quantization": quantization}
+def configs(cfg, q: dict, converter: dict, encoder: str, nvfp4_group: dict) -> dict[str, dict]:
+    """The config files of a family ModelOpt writes as its FP8 release with NVFP4 experts
+    (`Family.moe_quant_algo`), as Model-Optimizer examples/deepseek/deepseek_v4/
+    quantize_to_nvfp4.py (main at a2fbac7) writes them: hf_quant_config.json's `quantization`
+    MIXED_PRECISION, group_size 16, each layer's experts module in `quantized_layers` (`q`'s),
+    the family's exclusions; config.json's `quantization_config` the source's FP8 one (and the
+    top-level `expert_dtype`, which vLLM reads beside it) with `quant_method` "fp8",
+    `moe_quant_algo` "NVFP4" ("which vLLM and SGLang detect the hybrid expert format from"),
+    and that manifest again "for loaders that prefer config.json", its exclusions as `ignore`
+    and `config_groups` one NVFP4 group over Linear (`nvfp4_group`)."""
+    (algo,) = {e["quant_algo"] for e in q["quantized_layers"].values()}   # NVFP4: check_units
+    excludes = FP8_RELEASE_EXCLUDES.get(cfg.family.name, [])
+    quantization = {"quant_algo": q["quant_algo"], "kv_cache_quant_algo": None, "group_size": 16,
+                    "quantized_layers": q["quantized_layers"], "exclude_modules": excludes}
+    hq = {"producer": dict(PRODUCER), "quantization": quantization}
     if converter.get("encoder", encoder) != encoder:
         hq["converter"] = converter
+    source_q = cfg.raw.get("quantization_config") if isinstance(cfg.raw.get("quantization_config"), dict) else {}
+    qc = {"activation_scheme": "dynamic", "weight_block_size": [128, 128], **source_q, "quant_method": "fp8",
+          "moe_quant_algo": algo, "producer": dict(PRODUCER), "quant_algo": q["quant_algo"],
+          "kv_cache_quant_algo": None, "group_size": 16, "config_groups": {"group_0": nvfp4_group},
+          "quantized_layers": q["quantized_layers"], "ignore": excludes}
+    qc.pop("exclude_modules", None)
     return {HF_QUANT_CONFIG: hq, CONFIG_NAME: {**cfg.raw, "quantization_config": qc}}

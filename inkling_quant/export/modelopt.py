@@ -151,18 +151,23 @@ def modelopt_quantization_config(q: dict) -> dict:
 _ONE_FORMAT_GROUPS = ("NVFP4", "W4A16_NVFP4")
 
 
+def _nvfp4_config_group(algo: str, gs: int = 16) -> dict:
+    """ModelOpt's config_groups entry of an NVFP4 / W4A16_NVFP4 format over every Linear
+    (export/convert_hf_config.py:185-215)."""
+    wbits, abits = format_for_quant_algo(algo).config_group_bits(algo)
+    group = {"input_activations": {"dynamic": False, "num_bits": abits, "type": "float", "group_size": gs}} \
+        if abits is not None else {}
+    return {**group, "weights": {"dynamic": False, "num_bits": wbits, "type": "float", "group_size": gs},
+            "targets": ["Linear"]}
+
+
 def _modelopt_one_format_config(q: dict) -> dict:
     """config.json's quantization_config as ModelOpt's exporter derives it from a one-format `q`
     (export/convert_hf_config.py:185-285): a config_groups entry for NVFP4 / W4A16_NVFP4 alone,
     the exclusions as `ignore`, no group_size of its own."""
     algo, out = q["quant_algo"], {}
     if algo in _ONE_FORMAT_GROUPS:
-        wbits, abits = format_for_quant_algo(algo).config_group_bits(algo)
-        gs = q.get("group_size", 16)
-        group = {"input_activations": {"dynamic": False, "num_bits": abits, "type": "float", "group_size": gs}} \
-            if abits is not None else {}
-        out["config_groups"] = {"group_0": {**group, "weights": {"dynamic": False, "num_bits": wbits, "type": "float",
-                                                                 "group_size": gs}, "targets": ["Linear"]}}
+        out["config_groups"] = {"group_0": _nvfp4_config_group(algo, q.get("group_size", 16))}
     return {**out, "ignore": q.get("exclude_modules") or [], "quant_algo": algo,
             "producer": {"name": QUANT_METHOD, "version": PRODUCER_VERSION}, "quant_method": QUANT_METHOD}
 
@@ -407,15 +412,7 @@ def exclusion_matcher(patterns: list[str]) -> Callable[[str], str | None]:
 @dataclass(frozen=True)
 class Modules(Writing):
     """A per-expert source's unit (an expert's gate and up, or one projection): each weight's
-    format tensors under its own module (`Format.tensor_name`); the config lists the layer's
-    experts module, or (`each`) each weight's module, as ModelOpt's DeepSeek-V4 export does."""
-
-    each: bool = False
-
-    def quantized_modules(self, u, layout: Layout) -> tuple[str, ...]:
-        if self.each:
-            return tuple(w.name[: -len(".weight")] for w in u.weights)
-        return super().quantized_modules(u, layout)
+    format tensors under its own module (`Format.tensor_name`)."""
 
     def specs(self, u) -> list[Spec]:
         return [s for i, src in enumerate(u.weights)
@@ -538,7 +535,7 @@ class ModelOptForm(OutputForm):
         return Copy(*modelopt_tensor(cfg, name)) if layout.original_names else Copy()
 
     def per_expert(self, layout: Layout) -> Writing:
-        return Modules(each=layout.family.moe_quant_algo)
+        return Modules()
 
     def stacked(self, cfg, layout: Layout, name: str, projection: str, fmt: str) -> Writing:
         if fmt not in FORMATS:  # a source-only format the scheme leaves alone (MXFP4)
@@ -563,8 +560,7 @@ class ModelOptForm(OutputForm):
         if not q["quantized_layers"]:
             return {}
         if getattr(cfg, "family", None) is not None and cfg.family.moe_quant_algo:
-            return fp8_release.configs(cfg, q, converter, self.encoder,
-                                       {"name": QUANT_METHOD, "version": PRODUCER_VERSION})
+            return fp8_release.configs(cfg, q, converter, self.encoder, _nvfp4_config_group("NVFP4"))
         # the modules ModelOpt put a quantizer on and left off: lm_head's Linear even when tied to
         # the embedding (no lm_head.weight written; export/quant_utils.py:1635-1715)
         wrapped = [m for m in unquantized if not (isinstance(cfg, Inkling2Config) and m in MODELOPT_UNWRAPPED)]

@@ -209,17 +209,21 @@ class Format:
         return bool(torch.isfinite(self.amax(tensors)))
 
     def requantize(self, tensors: Mapping[str, torch.Tensor], source: "Format", *, global_amax=None,
-                   input_amax: float | None = None, name: str = "", encoder: str = "modelopt") -> dict[str, torch.Tensor]:
+                   input_amax: float | None = None, name: str = "", encoder: str = "modelopt",
+                   parts: tuple | None = None) -> dict[str, torch.Tensor]:
         """This format's tensors for the weight `tensors` store in `source`'s format: bit for bit
         ``quantize(source.dequantize(tensors, float32), global_amax=global_amax)`` (exact for the
         formats here: each stored value is an fp32 number), unless the encoder publishes its own
         cast for the pair (transcode.py: ModelOpt's MXFP4 -> NVFP4). A fast path for the pair
         (`TRANSCODERS`, filled by formats/transcode.py) runs first and may read the stored bytes
         directly; where there is none, or it declines (None), the weight is dequantized and
-        quantized. Only its source-format checks' errors name the stored tensors (`name`)."""
+        quantized. Only its source-format checks' errors name the stored tensors (`name`).
+        `parts` (row indexers of the slab: a gate/up slab's gate rows and up rows) says which
+        weights the slab holds, for an encoder's cast that takes its shared scale per weight; the
+        plain path's shared amax, the slab's, is the same either way."""
         fast = TRANSCODERS.get((source.name, self.name))
         out = None if fast is None else fast(tensors, source, self, global_amax=global_amax, input_amax=input_amax,
-                                             name=name, encoder=encoder)
+                                             name=name, encoder=encoder, parts=parts)
         if out is not None:
             return out
         return self.quantize(source.dequantize(tensors, torch.float32), global_amax=global_amax,

@@ -6,7 +6,8 @@ weight) registers a transcoder here, keyed by (source name, target name), in `TR
 (defined in base.py, which reads it; this module imports the formats, so it fills it instead):
 
     @transcoder("mxfp8", "nvfp4")
-    def nvfp4_from_mxfp8(tensors, source, target, *, input_amax=None, name="", encoder="modelopt"): ...
+    def nvfp4_from_mxfp8(tensors, source, target, *, global_amax=None, input_amax=None, name="",
+                         encoder="modelopt", parts=None): ...
 
 A transcoder returns the target's tensors, or None where it does not apply (a tensor on another
 device), and then the dequantize + quantize fallback runs. It must equal that fallback bit for
@@ -14,8 +15,10 @@ bit, errors included (tests/test_formats.py holds every registered pair to it), 
 exception: where the target's encoder has published its own cast for that source, the
 transcoder is that cast, bit for bit, and says so. Registered: MXFP8 -> NVFP4 and FP8 block ->
 NVFP4 / MXFP8 (the fallback's bits, read from the bytes), MXFP4 -> NVFP4 (ModelOpt's
-``quantize_mxfp4_to_nvfp4_lossless`` for its encoder; the fallback for the release's). A transcoder may report figures beside the
-tensors (`STATS` keys), which callers take out before writing. Formats never import each other
+``quantize_mxfp4_to_nvfp4_lossless`` for its encoder; the fallback for the release's; also for
+DeepSeek-V4's per-expert form). `parts` (`Format.requantize`) tells a cast that takes its shared
+scale per weight which rows of a gate/up slab are whose; the others ignore it. A transcoder may
+report figures beside the tensors (`STATS` keys), which callers take out before writing. Formats never import each other
 for this: nvfp4.py knows nothing of mxfp8.py or mxfp4.py.
 """
 from __future__ import annotations
@@ -74,8 +77,8 @@ def _nvfp4_blocks_from_mxfp8(q: np.ndarray, e8: np.ndarray, s2: torch.Tensor, re
 
 @transcoder("mxfp8", "nvfp4")
 def nvfp4_from_mxfp8(tensors: Mapping[str, torch.Tensor], source: Format, target: Format, *, global_amax=None,
-                     input_amax: float | None = None, name: str = "",
-                     encoder: str = "modelopt") -> dict[str, torch.Tensor] | None:
+                     input_amax: float | None = None, name: str = "", encoder: str = "modelopt",
+                     parts=None) -> dict[str, torch.Tensor] | None:
     """NVFP4 of an MXFP8 release's weight on CPU, its bytes read once: the global amax from the
     blocks of the largest exponents (`mxfp8.amax_before_reading`, exact), then each chunk decoded
     and quantized while it is in the cache, no fp32 copy of the weight made (85 MB for a
@@ -104,6 +107,13 @@ STATS = ("mxfp4_blocks", "mxfp4_lossless_blocks")
 _E4M3_KMAX, _E4M3_KMIN = 8, -9   # E4M3 holds 2^k exactly for k in [-9, 8] (ModelOpt numeric_utils.py)
 
 
+def _mxfp4_kmax(e8: torch.Tensor) -> int:
+    """ModelOpt's k_max of one weight's e8m0 bytes (shard_cast_utils.py ``mxfp4_kmax``): the
+    largest exponent over its non-zero bytes, 0 where it has none."""
+    nonzero = e8 > 0
+    return int(e8[nonzero].to(torch.int32).max()) - 127 if bool(nonzero.any()) else 0
+
+
 def _pow2_e4m3(k: torch.Tensor) -> torch.Tensor:
     """The float8_e4m3fn byte of 2^k for integer k in [-9, 8], exact: subnormals 2^-9..2^-7 are
     1, 2, 4; normals (k + 7) << 3."""
@@ -113,23 +123,25 @@ def _pow2_e4m3(k: torch.Tensor) -> torch.Tensor:
 @transcoder("mxfp4_rows", "nvfp4")   # DeepSeek-V4's experts: the same bits, stored per expert
 @transcoder("mxfp4", "nvfp4")
 def nvfp4_from_mxfp4(tensors: Mapping[str, torch.Tensor], source: Format, target: Format, *, global_amax=None,
-                     input_amax: float | None = None, name: str = "",
-                     encoder: str = "modelopt") -> dict[str, torch.Tensor] | None:
+                     input_amax: float | None = None, name: str = "", encoder: str = "modelopt",
+                     parts=None) -> dict[str, torch.Tensor] | None:
     """NVFP4 of an MXFP4 weight (one expert's slab, gate and up rows together) by ModelOpt's own
     cast, bit for bit: nvidia-modelopt 0.47.0 export/shard_cast_utils.py
-    ``quantize_mxfp4_to_nvfp4_lossless`` with ``k_max`` = the slab's largest exponent over
-    non-zero e8m0 bytes (``mxfp4_kmax``; for a fused gate/up pair ``build_w13_kmax_overrides``'
-    shared ``max(k1, k3)``: the same number, since the slab holds both). ``weight_scale_2 =
-    2^(k_max - 8)``; a block whose exponent ``k`` lies in E4M3's window (``k >= k_max - 17``:
-    ``numeric_utils.py`` ``mxfp4_to_nvfp4_per_block_amax``) gets the scale ``2^(k - k_max + 8)``
-    exactly and its codes back verbatim (-0 becomes +0: ModelOpt's sign is ``y < 0``); any other
-    block is requantized from its values (block amax ``max_code * 2^k``, scale clamped to
-    [2^-9, 448], then NVFP4's rounding). Those two cases are read from the bytes here without a
-    float pass for the first. Reported beside the tensors (`STATS`): the MXFP4 blocks and those
-    ModelOpt counts lossless (``(k >= k_max - 17) | (e8m0 == 0)``). Per-projection calls with the
-    shared k_max give the same bytes (a block in one projection's window but not the shared one
-    clamps to 2^-9 either way). None (the plain path: quantize the dequantized weight) for the
-    release's encoder or a caller's shared amax."""
+    ``quantize_mxfp4_to_nvfp4_lossless`` with ``k_max`` = the weight's largest exponent over
+    non-zero e8m0 bytes, 0 where it has none (``mxfp4_kmax``); for a fused gate/up pair (`parts`:
+    the slab's gate rows and up rows) ``build_w13_kmax_overrides``' shared ``max(k1, k3)``, each
+    taken so (a gate without one non-zero byte counts as 0, not as absent). ``weight_scale_2 =
+    2^(k_max - 8)``; a block whose exponent ``k`` lies in E4M3's window (``k >= k_max - 17``)
+    gets the scale ``2^(k - k_max + 8)`` exactly and its codes back verbatim (-0 becomes +0:
+    ModelOpt's sign is ``y < 0``); any other block is requantized from its values (block amax
+    ``6 * 2^k`` or ``max_code * 2^k`` as ``numeric_utils.py`` ``mxfp4_to_nvfp4_per_block_amax``
+    picks it, scale clamped to [2^-9, 448], then NVFP4's rounding). Those two cases are read from
+    the bytes here without a float pass for the first. Reported beside the tensors (`STATS`): the
+    MXFP4 blocks and those ModelOpt counts lossless (``(k >= k_max - 17) | (e8m0 == 0)``).
+    Per-projection calls with the shared k_max give the same bytes (per_block_amax's window is
+    the projection's own there, but a block outside the shared window clamps to 2^-9 whichever
+    amax it takes). None (the plain path: quantize the dequantized weight) for the release's
+    encoder or a caller's shared amax."""
     if target.encoder_rule(encoder) != "modelopt" or global_amax is not None:
         return None
     source.check_stored(tensors, name)
@@ -137,12 +149,12 @@ def nvfp4_from_mxfp4(tensors: Mapping[str, torch.Tensor], source: Format, target
     shape = source.weight_shape({k: tuple(v.shape) for k, v in (("weight", b), ("weight_scale", e8))})
     k = e8.to(torch.int32) - 127
     nonzero = e8 > 0
-    k_max = int(k[nonzero].max()) if bool(nonzero.any()) else 0          # mxfp4_to_nvfp4_global_amax
-    inner_max = k_max if bool(nonzero.any()) else -127                    # mxfp4_to_nvfp4_per_block_amax
+    k_max = max(_mxfp4_kmax(e8[p]) for p in parts) if parts else _mxfp4_kmax(e8)  # build_w13_kmax_overrides
+    inner_max = int(k[nonzero].max()) if bool(nonzero.any()) else -127   # mxfp4_to_nvfp4_per_block_amax
     s2 = torch.tensor(2.0 ** (k_max - _E4M3_KMAX), dtype=torch.float32)
     delta = k - (inner_max - _E4M3_KMAX)
     in_range = (delta >= _E4M3_KMIN) & (delta <= _E4M3_KMAX)
-    exact = in_range & nonzero     # codes verbatim, scale 2^(k - k_max + 8)
+    exact = (k >= k_max - (_E4M3_KMAX - _E4M3_KMIN)) & nonzero     # codes verbatim, scale 2^(k - k_max + 8)
     scale = torch.empty((*e8.shape, 2), dtype=torch.uint8)    # two NVFP4 16-blocks per MXFP4 32-block
     packed = b.clone()
     # -0 (code 8) -> +0 in both nibbles; every other code as it is
@@ -214,8 +226,8 @@ def _tables(n: int) -> np.ndarray:
 
 @transcoder("fp8_block", "nvfp4")
 def nvfp4_from_fp8_block(tensors: Mapping[str, torch.Tensor], source: Format, target: Format, *, global_amax=None,
-                         input_amax: float | None = None, name: str = "",
-                         encoder: str = "modelopt") -> dict[str, torch.Tensor] | None:
+                         input_amax: float | None = None, name: str = "", encoder: str = "modelopt",
+                         parts=None) -> dict[str, torch.Tensor] | None:
     """NVFP4 of an FP8 block-scaled weight (one expert's projection) on CPU from its bytes, by
     table: per band of 128 rows, for each (tile, block maximum byte) that occurs the codes of
     all 256 bytes made by the NVFP4 kernel's own encoder, then each element a lookup
@@ -255,8 +267,8 @@ def nvfp4_from_fp8_block(tensors: Mapping[str, torch.Tensor], source: Format, ta
 
 @transcoder("fp8_block", "mxfp8")
 def mxfp8_from_fp8_block(tensors: Mapping[str, torch.Tensor], source: Format, target: Format, *, global_amax=None,
-                         input_amax: float | None = None, name: str = "",
-                         encoder: str = "modelopt") -> dict[str, torch.Tensor] | None:
+                         input_amax: float | None = None, name: str = "", encoder: str = "modelopt",
+                         parts=None) -> dict[str, torch.Tensor] | None:
     """MXFP8 (ModelOpt's rule) of an FP8 block-scaled weight on CPU from its bytes, by table: per
     band of 128 rows, the (tile, block maximum byte) pairs that occur and their maxima (exact:
     largest byte times scale; _jit.fp8_band_maxima), ModelOpt's exponent of each (its fp32

@@ -31,10 +31,11 @@ class Family:
     shared_expert_per_layer: bool = False  # one shared expert of the expert width in every MoE layer
     gate_up_interleaved: bool = False     # stacked gate_up_proj rows alternate gate/up (not gate then up)
     expert_activation: str = "silu"       # how an expert gates up by gate (kernels' ACTIVATIONS): SwiGLU
-    mtp_experts: bool = False             # `mtp.K.` blocks hold routed experts, quantized as the decoder's
-    # ModelOpt writes it as its FP8 release with the experts' format added: config.json's FP8
-    # quantization_config kept with `moe_quant_algo`, the FP8 modules as stored, hf_quant_config.json
-    # listing each expert projection (export/fp8_release.py)
+    mtp_experts: bool = False             # `mtp.K.` blocks hold routed experts stored as the decoder's (kept so)
+    bare_names: bool = False              # its checkpoints name the text model with no prefix (`layers.N.`)
+    # ModelOpt writes it as its FP8 release with NVFP4 experts: config.json's FP8
+    # quantization_config kept with `moe_quant_algo` and the experts' manifest, the FP8 modules and
+    # the MTP block as stored (export/fp8_release.py)
     moe_quant_algo: bool = False
 
 
@@ -67,11 +68,13 @@ FAMILIES: tuple[Family, ...] = (
     # transformers 5.25 models/deepseek_v4 and conversion_mapping.py "deepseek_v4": checkpoints keep
     # DeepSeek's original names (`layers.N.ffn.experts.E.w1`, `attn.wq_a`, hyper-connection `hc_*`,
     # `embed`/`head`), the router's `ffn.gate.bias` is its e_score_correction_bias; routed experts
-    # are MXFP4 beside FP8 Linears (model/sources.py). NVIDIA Model-Optimizer examples/deepseek/
-    # deepseek_v4/quantize_to_nvfp4.py quantizes the MTP block's experts (`mtp.0.ffn.experts`) too
-    # and writes the FP8 release's form (`moe_quant_algo`). Its experts' SwiGLU clamps at
+    # are MXFP4 beside FP8 Linears (model/sources.py), the MTP block's (`mtp.0.ffn.experts`) too.
+    # NVIDIA Model-Optimizer examples/deepseek/deepseek_v4/quantize_to_nvfp4.py (main at a2fbac7,
+    # 2026-08-21) writes the FP8 release's form (`moe_quant_algo`), the MTP block left in the
+    # source format. Its experts' SwiGLU clamps at
     # swiglu_limit (10), not among the kernels' activations: verify's MoE figure uses SiLU for it
-    Family("deepseek_v4", ("deepseek_v4",), tested=True, score_bias=True, mtp_experts=True, moe_quant_algo=True),
+    Family("deepseek_v4", ("deepseek_v4",), tested=True, score_bias=True, mtp_experts=True, bare_names=True,
+           moe_quant_algo=True),
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 

@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 
 from . import dspark, inkling2
-from .families import GENERIC, Family, family_of
+from .families import FAMILIES, GENERIC, Family, family_of
 from .fields import MAX_LAYERS, ConfigFields
 from ..errors import CheckpointError, ConfigError
 from ..errors import short_repr as _short
@@ -46,14 +46,16 @@ def model_config(d: dict, source: str) -> "Inkling2Config | MoEConfig":
 
 # The text model's prefix, longest first (a `model.language_model.` name also starts `model.`);
 # "" last: DeepSeek-V4's original names (`layers.N.`, `embed.weight`, `head.weight`: transformers
-# 5.25 conversion_mapping.py "deepseek_v4").
+# 5.25 conversion_mapping.py "deepseek_v4"), taken only for a family whose record says so
+# (`Family.bare_names`).
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.llm.", "model.", "")
 # Where a multimodal model keeps its vision tower and projector (ModelOpt excludes them).
 VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "vision_model.", "vision_tower.", "visual.")
 PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 DRAFT_PREFIXES = (dspark.PREFIX,)  # a bundled speculator (`mtp.*`: Inkling's, dspark.py), passed through
-# integer tensors that pass through outside the routed experts: lookup tables (DeepSeek-V4's
-# hash-routed layers' `ffn.gate.tid2eid`, token -> experts, int64), never weights
+# integer tensors a router may hold, passed through: lookup tables (DeepSeek-V4's hash-routed
+# layers' `ffn.gate.tid2eid`, token -> experts, int64); anywhere else an integer tensor is a
+# quantized weight's (GPTQ's qweight, g_idx) and is refused
 INDEX_DTYPES = (torch.int64, torch.int32, torch.int16)
 LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight", "model.llm.unembed.weight", "head.weight")
 
@@ -171,7 +173,6 @@ class Layout:
     naming: Naming | None = None   # an Inkling 2 checkpoint's naming (model.naming); None for other families
     source: SourceQuant | None = None  # a quantized source's storage (model/sources.py); None: float weights
     family: Family = GENERIC           # the config's family record (model/families.py)
-    mtp_blocks: tuple[int, ...] = ()   # `mtp.K.` blocks with routed experts (Family.mtp_experts): layer num_layers + K
 
     def classify(self, name: str) -> TensorName:
         """What `name` is (part, layer, expert, canonical projection gate/up/down, suffix)."""
@@ -188,21 +189,18 @@ class Layout:
 
     @property
     def experts_modules(self) -> dict[int, str]:
-        """layer -> the module that holds its routed experts, as ModelOpt keys `quantized_layers`
-        (an MTP block's after the decoder layers, as layer num_layers + K)."""
-        mtp = {self.num_layers + k: f"mtp.{k}.{self.experts.block}.experts" for k in self.mtp_blocks}
-        return {i: mtp.get(i) or f"{self.text_prefix}layers.{i}.{self.experts.block}.experts"
-                for i in self.expert_layers}
+        """layer -> the module that holds its routed experts, as ModelOpt keys `quantized_layers`."""
+        return {i: f"{self.text_prefix}layers.{i}.{self.experts.block}.experts" for i in self.expert_layers}
 
     # --- a quantized source's stored tensors (model/sources.py), per weight ---------------
     def source_format(self, weight: str) -> str:
         """The format a quantized source stores the weight `weight` in (its routed experts' or its
         other Linears'; DeepSeek-V4 has one of each)."""
-        return self.source.format_of(self._is_expert(weight))
+        return self.source.format_of(self.expert_weight(weight))
 
     def stored(self, weight: str) -> dict[str, str]:
         """format suffix -> checkpoint name of the tensors a quantized source stores `weight` in."""
-        return self.source.stored(weight, self._is_expert(weight))
+        return self.source.stored(weight, self.expert_weight(weight))
 
     def owner(self, name: str) -> tuple[str, str] | None:
         """(the weight a BF16 checkpoint would name, format suffix) of a quantized source's stored
@@ -212,8 +210,14 @@ class Layout:
             return None
         return weight, next((k for k, n in self.stored(weight).items() if n == name), "weight")
 
-    def _is_expert(self, weight: str) -> bool:
+    def expert_weight(self, weight: str) -> bool:
+        """Whether `weight` is a routed expert's, as a source stores it: the decoder's, or one of an
+        MTP block's experts (`Family.mtp_experts`: stored as the decoder's are, though passed
+        through as draft tensors)."""
         rec = self.part_of(weight)
+        if rec is not None and rec.part == "draft" and self.family.mtp_experts:
+            m = _MTP.fullmatch(weight)
+            return m is not None and self.experts.match(m["rest"]) is not None
         return rec is not None and rec.part == "expert"
 
     @property
@@ -268,9 +272,6 @@ def _classify(lay: Layout, name: str) -> TensorName | None:
     if name == lay.lm_head:
         return TensorName(name, "lm_head")
     if name.startswith(DRAFT_PREFIXES):
-        if lay.mtp_blocks and (m := _MTP.fullmatch(name)) and int(m["block"]) in lay.mtp_blocks \
-                and (e := lay.experts.match(m["rest"])) is not None:
-            return TensorName(name, "expert", lay.num_layers + int(m["block"]), *e)
         return TensorName(name, "draft", suffix=name.rsplit(".", 1)[-1])
     for prefix, part in ((lay.vision_prefix, "vision"), (lay.projector_prefix, "projector")):
         if prefix and name.startswith(prefix):
@@ -319,9 +320,11 @@ def detect(names: list[str], cfg: "MoEConfig | Inkling2Config | None" = None, so
     """The layout of a checkpoint holding `names`; CheckpointError listing what could not be
     placed (and what was expected) when it is not one this module knows."""
     prefix = text_prefix(names)
-    if prefix is None:
+    family = MoEConfig.of(cfg).family if cfg is not None else GENERIC
+    if prefix is None or (prefix == "" and not family.bare_names):  # bare `layers.N.`: only where the family's are
         raise CheckpointError(f"no decoder layers found: expected tensors under one of "
-                              f"{', '.join(p + 'layers.N.' for p in TEXT_PREFIXES)} (first names: "
+                              f"{', '.join(p + 'layers.N.' for p in TEXT_PREFIXES if p)} (bare 'layers.N.' "
+                              f"only for {', '.join(f.name for f in FAMILIES if f.bare_names)}; first names: "
                               f"{', '.join(repr(n) for n in names[:5])})", path=source)
     kinds: dict[tuple[type[ExpertStorage], str], set[int]] = {}
     names_seen: set[str] = set()
@@ -372,11 +375,8 @@ def detect(names: list[str], cfg: "MoEConfig | Inkling2Config | None" = None, so
                               f"(text model under {prefix!r}, routed experts {storage.describe()}); expected one "
                               f"of: {described_namings()}", path=source)
     quant = source_quant(cfg.raw, f"{source}/config.json", names) if cfg is not None else None
-    family = MoEConfig.of(cfg).family if cfg is not None else GENERIC
-    mtp = sorted({int(m["block"]) for n in names if (m := _MTP.fullmatch(n)) and storage.match(m["rest"])}) \
-        if family.mtp_experts and cfg is not None else []
-    lay = Layout(prefix, storage, tuple(sorted(layers)) + tuple(cfg.num_hidden_layers + k for k in mtp), vision,
-                 projector, head, cfg.num_hidden_layers if cfg is not None else None, naming, quant, family, tuple(mtp))
+    lay = Layout(prefix, storage, tuple(sorted(layers)), vision, projector, head,
+                 cfg.num_hidden_layers if cfg is not None else None, naming, quant, family)
     unplaced = [n for n in names if _classify(lay, n) is None]
     if unplaced:
         raise CheckpointError(f"{len(unplaced)} tensor(s) fit no part of the detected layout "

@@ -158,31 +158,33 @@ def _check(c: Check, conf: Conf, weight_only: bool, tensors: tuple[dict[str, dic
 def _check_fp8_release(c: Check, conf: Conf, qc: dict, tensors: tuple[dict[str, dict], list[str]],
                        tensor_of: Callable[[str], str]) -> None:
     """ModelOpt's FP8-release form (export/fp8_release.py, DeepSeek-V4's): config.json's
-    quantization_config the source's FP8 one with `moe_quant_algo` the experts' one quant_algo,
-    NVFP4 (the only one its loader reads: fp8_release.check_units); hf_quant_config.json's
-    MIXED_PRECISION listing each quantized expert projection, none excluded."""
+    quantization_config the source's FP8 one with `moe_quant_algo` the experts' quant_algo,
+    NVFP4 (the only one its loader reads: fp8_release.check_units); it and hf_quant_config.json's
+    `quantization` each a MIXED_PRECISION manifest listing exactly the quantized experts
+    modules, none excluded (config.json's exclusions spelled `ignore`)."""
     want = tensors[0]
     path, qpath = conf.root / "config.json", conf.root / QUANT_CONFIG
     algos = sorted({str(e.get("quant_algo")) for e in want.values()})
-    expect = algos[0] if len(algos) == 1 else MIXED_PRECISION
     if algos != ["NVFP4"]:
         c.fail(path, None, f"the routed experts' tensors are {', '.join(algos)}: this form's loader reads NVFP4 "
                f"(W4A4) experts only (vLLM's DeepseekV4FP8Config, by moe_quant_algo)")
     if qc.get("quant_method") != "fp8":
         c.fail(path, None, f"quantization_config.quant_method is {qc.get('quant_method')!r}, expected 'fp8' (the "
                f"source's FP8 config kept, ModelOpt's form for this family)")
-    if qc.get("moe_quant_algo") != expect:
+    if algos and qc.get("moe_quant_algo") != algos[0]:
         c.fail(path, None, f"quantization_config.moe_quant_algo is {qc.get('moe_quant_algo')!r}, the routed "
-               f"experts' tensors are {expect!r}")
+               f"experts' tensors are {algos[0]!r}")
     q = conf.hf_quant.get("quantization") if isinstance(conf.hf_quant, dict) else None
     if not isinstance(q, dict):
-        c.fail(qpath, None, f"{QUANT_CONFIG} missing or without its 'quantization' object (it lists the quantized "
-               f"expert projections)")
-    elif q.get("quant_algo") != MIXED_PRECISION:
-        c.fail(qpath, None, f"quantization.quant_algo is {q.get('quant_algo')!r}, expected '{MIXED_PRECISION}'")
-    else:
-        _check_quant_dict(c, qpath, "quantization", q, (want, {}), tensor_of)
-    c.figures.update(quantized_layers=len(want), moe_quant_algo=expect)
+        c.fail(qpath, None, f"{QUANT_CONFIG} missing or without its 'quantization' object (the experts' manifest)")
+    for file, key, d in ((path, "quantization_config", qc), (qpath, "quantization", q)):
+        if not isinstance(d, dict):
+            continue
+        if d.get("quant_algo") != MIXED_PRECISION:
+            c.fail(file, None, f"{key}.quant_algo is {d.get('quant_algo')!r}, expected '{MIXED_PRECISION}'")
+        else:
+            _check_quant_dict(c, file, key, d, (want, {}), tensor_of)
+    c.figures.update(quantized_layers=len(want), moe_quant_algo=algos[0] if len(algos) == 1 else algos)
 
 
 def _disagreements(q: dict, qc: dict, modelopt_hf: bool) -> list[tuple[str, str]]:

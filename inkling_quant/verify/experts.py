@@ -97,7 +97,7 @@ def _check(c: Check, files: Files, conf: Conf, source: Source | None) -> Expecte
         tensors, source_of = _spec_tensors(spec, lay, conf, files, source)
     else:
         tensors, source_of = _others(files, source if src else None, lay), {}
-    kept = kept_modules(files, conf, source if src else None)
+    kept = kept_modules(files, conf, source if src else None, lay)
     tensors.update(kept.tensors)
     for n in kept.dropped:
         tensors.pop(n, None)
@@ -192,7 +192,7 @@ def _named_as(cfg: Inkling2Config, lay: Layout, spec: TensorSpec) -> TensorSpec:
 def _others(files: Files, source: Source | None, lay: Layout) -> dict[str, Shape]:
     """What passes through: the source's tensors but its routed experts (--against); without a
     source, every float tensor the layout places outside the routed experts, none named as a
-    scale, and every lookup table (layout.INDEX_DTYPES)."""
+    scale, and a router's lookup table (layout.INDEX_DTYPES)."""
     if source is not None:
         return {n: (tuple(w.entry.shape), w.entry.dtype) for n, w in source.tensors.items()
                 if source.layout.classify(n).part != "expert"}
@@ -200,7 +200,7 @@ def _others(files: Files, source: Source | None, lay: Layout) -> dict[str, Shape
     for n, w in files.tensors.items():
         t = lay.classify(n)
         if t.part != "expert" and (w.entry.dtype in _PASS.source_dtypes and t.suffix not in SCALE_SUFFIXES
-                                   or w.entry.dtype in INDEX_DTYPES):
+                                   or t.part == "router" and w.entry.dtype in INDEX_DTYPES):
             out[n] = (tuple(w.entry.shape), w.entry.dtype)
     return out
 
@@ -364,9 +364,6 @@ def quantized_layers(expected: Expected) -> dict[str, dict] | None:
     not list them)."""
     if expected.status != CHECKED:
         return None
-    if expected.layout.family.moe_quant_algo:  # ModelOpt's FP8-release form lists each expert projection
-        return {n[: -len(".weight")]: FORMATS[expected.fmt_of[n]].layer_config(expected.weight_only)
-                for names in expected.module_tensors.values() for n in names if n.endswith(".weight")}
     return {**{m: FORMATS[expected.fmt_of[names[0]]].layer_config(expected.weight_only)
                for m, names in expected.module_tensors.items()},
             **{m: get_format(f, source=True).layer_config() for m, f in expected.kept_modules.items()}}
@@ -398,10 +395,7 @@ def unquantized(expected: Expected) -> dict[str, str]:
 def tensor_namer(expected: Expected) -> Callable[[str], str] | None:
     """How the config check names an experts module's tensor (None: no layout was detected)."""
     lay = expected.layout
-    if lay is None:
-        return None
-    modules = set(lay.experts_modules.values())
-    return lambda m: _named(lay, m) if m in modules else f"{m}.weight"  # an expert projection's own module
+    return (lambda m: _named(lay, m)) if lay is not None else None
 
 
 def _named(lay: Layout, module: str) -> str:

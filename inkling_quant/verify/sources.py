@@ -24,8 +24,7 @@ from ..errors import CheckpointError, InklingQuantError
 from ..export.modelopt import read_quantization
 from ..formats import FORMATS, Format, format_for_quant_algo, get_format
 from ..io.safetensors import DTYPE_NAMES
-from ..formats.fp8_block import SCALE_DTYPES
-from ..model.sources import FP8_BLOCK, SourceQuant, scale_beside, source_quant
+from ..model.sources import FP8_BLOCK, MXFP4_ROWS, SourceQuant, scale_beside, source_quant
 from ..model.layout import Layout
 from .inventory import CHECKED, FAILED, Conf, Expected, Files, Shape, Source, listing
 from .report import Check
@@ -44,7 +43,7 @@ class Kept:
     dequantized: dict[str, str] = field(default_factory=dict)   # BF16 output weight -> its source format
 
 
-def kept_modules(files: Files, conf: Conf, source: Source | None) -> Kept:
+def kept_modules(files: Files, conf: Conf, source: Source | None, lay: Layout) -> Kept:
     """A quantized source's modules outside the routed experts (an FP8 source's attention, shared
     experts, dense MLPs), as convert writes them: kept in ModelOpt's entry for their format
     (FP8_PB_WO: the weight's bytes, its scale viewed [gm, 1, gn, 1] under `weight_scale`,
@@ -56,7 +55,7 @@ def kept_modules(files: Files, conf: Conf, source: Source | None) -> Kept:
     q = source.layout.source if source is not None else None
     as_stored = conf.cfg.family.moe_quant_algo
     if as_stored and source is None:
-        return _as_stored(out, files)
+        return _as_stored(out, files, lay)
     if source is not None:
         if q is None or q.experts_only:
             return out
@@ -91,22 +90,21 @@ def kept_modules(files: Files, conf: Conf, source: Source | None) -> Kept:
     return out
 
 
-def _as_stored(out: Kept, files: Files) -> Kept:
-    """Without the source, the FP8 modules of ModelOpt's FP8-release form (DeepSeek-V4: each e4m3
-    `<module>.weight` with its `<module>.scale`, or `weight_scale_inv`, beside it, as the source
-    stores them): expected with the scale grid FP8 block-scaling gives the weight's shape, in a
-    dtype such a scale is stored in (formats.fp8_block.SCALE_DTYPES)."""
-    fmt = get_format(FP8_BLOCK, source=True)
+def _as_stored(out: Kept, files: Files, lay: Layout) -> Kept:
+    """Without the source, what ModelOpt's FP8-release form (DeepSeek-V4) keeps as the source
+    stores it: each 1-byte `<module>.weight` with its scale beside it (`sources.scale_beside`),
+    FP8 block-scaled, or an MTP block's expert stored MXFP4 (`Layout.expert_weight`), expected
+    in that format's shapes for the weight its scale implies, in the dtypes it stores them in."""
     for name, w in files.tensors.items():
-        if w.entry.dtype != torch.float8_e4m3fn or not name.endswith(".weight"):
-            continue
-        scale = scale_beside(name, files.tensors)
-        if scale is None:
-            continue  # unexpected: the layout check names it
-        shape = tuple(w.entry.shape)
-        got = files.tensors[scale].entry.dtype
-        out.tensors[name] = (shape, w.entry.dtype)
-        out.tensors[scale] = (fmt.scale_shape(shape), got if got in SCALE_DTYPES else torch.float32)
+        scale = scale_beside(name, files.tensors) if name.endswith(".weight") else None
+        if scale is None or w.entry.dtype.itemsize != 1:
+            continue  # not kept so: the layout check names it where it is unexpected
+        fmt = get_format(MXFP4_ROWS if lay.expert_weight(name) else FP8_BLOCK, source=True)
+        names = dict(zip(fmt.suffixes, (name, scale)))
+        shape = fmt.weight_shape({k: tuple(files.tensors[n].entry.shape) for k, n in names.items()})
+        for k, o in fmt.out_specs(shape).items():
+            got = files.tensors[names[k]].entry.dtype
+            out.tensors[names[k]] = (tuple(o.shape), got if got in fmt.stored_dtypes.get(k, (o.dtype,)) else o.dtype)
     return out
 
 

@@ -131,7 +131,9 @@ def _value_rule(t: TensorName | None, entry: TensorEntry, encoder: str = "modelo
         return Rule("finite", "finite (no e4m3 NaN)", lambda b: int(_u8_op(b, np.bitwise_and, 0x7F).max()) == 0x7F)
     if dt == torch.float8_e5m2:
         return Rule("finite", "finite (no NaN/Inf)", lambda b: int(_u8_op(b, np.bitwise_and, 0x7C).max()) == 0x7C)
-    if (dt == torch.uint8 or dt == torch.float8_e8m0fnu) and "e8m0" in rules:
+    # an e8m0 byte is a power of two, positive and invertible, but 0xFF (NaN): a float8_e8m0fnu
+    # tensor (DeepSeek-V4's UE8M0 scales, whatever its name) is held to that, a uint8 one by its rule
+    if dt == torch.float8_e8m0fnu or (dt == torch.uint8 and "e8m0" in rules):
         return Rule("e8m0", VALUE_RULES["e8m0"], lambda b: int(np.frombuffer(b, np.uint8).max()) == 0xFF)
     return None
 
