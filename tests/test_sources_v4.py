@@ -356,3 +356,19 @@ def _tamper_first(t: torch.Tensor) -> torch.Tensor:
     b = t.contiguous().view(torch.uint8).clone()
     b.view(-1)[0] = 0xFF
     return b.view(t.dtype)
+
+
+def test_activation_scales_naming_the_kept_mtp_experts_are_skipped(v4, tmp_path):
+    """A calibration file (ModelOpt's dumps hold them) naming the MTP block's experts, which the
+    form keeps as stored: those entries are skipped, the decoder's taken; a name of no module at
+    all is still refused."""
+    amax = {f"{b}.ffn.experts.{e}.{w}": 3.0 for b in (*BLOCKS, "mtp.0") for e in range(4) for w in ("w1", "w2", "w3")}
+    (tmp_path / "amax.json").write_text(json.dumps(amax))
+    _convert(v4, tmp_path / "o", scheme="nvfp4", activation_scales=str(tmp_path / "amax.json"),
+             default_activation_amax=None)
+    out = read_tensors(tmp_path / "o")
+    assert float(out["layers.2.ffn.experts.3.w2.input_scale"]) == float(torch.tensor(3.0) / (6.0 * 448.0))
+    (tmp_path / "bad.json").write_text(json.dumps({**amax, "layers.9.ffn.experts.0.w1": 3.0}))
+    with pytest.raises(CheckpointError, match="match no module"):
+        _convert(v4, tmp_path / "o2", scheme="nvfp4", activation_scales=str(tmp_path / "bad.json"),
+                 default_activation_amax=None)

@@ -121,7 +121,9 @@ def load_calibration(path: str | None, tensors: list[SrcTensor], layout: Layout,
     """--activation-scales, keyed by the source's activation modules: a per-expert source's
     `<experts>.<e>.<proj>` modules, a stacked source's stacked tensors (vLLM reads one input
     scale per layer and projection there: the largest of the experts' calibrated values). Every
-    module the file names must map onto one of the source's."""
+    module the file names must map onto one of the source's, but an MTP block's routed expert a
+    layout keeps as stored (DeepSeek-V4's: Model-Optimizer's quantize_to_nvfp4.py
+    `_load_merged_amax` skips those keys of its calibration dumps), which is skipped."""
     calibrated, counted = _load(path)
     # activation module -> the experts it holds (a stacked tensor: its E; a per-expert module: 1)
     modules = {key: (t.shape[0] if layout.experts.stacked else 1)
@@ -130,6 +132,8 @@ def load_calibration(path: str | None, tensors: list[SrcTensor], layout: Layout,
     unknown = []
     for k, v in calibrated.items():
         key, expert = (k, None) if k in modules else layout.stacked_tensor_of(k) or (None, None)
+        if key is None and layout.expert_weight(k + ".weight"):
+            continue  # an MTP block's expert, kept as stored (ModelOpt's DeepSeek-V4 export skips them too)
         if key not in modules:
             unknown.append(k)
             continue
