@@ -22,8 +22,8 @@ from .form import Outputs, Spec, Writing
 @dataclass(frozen=True)
 class AsStored(Writing):
     """A quantized source's module written as the source stores it, every tensor under its own
-    name (DeepSeek-V4's FP8 weights and UE8M0 `scale`s: ModelOpt's DeepSeek-V4 export copies them,
-    its config keeping the source's FP8 quantization_config)."""
+    name (DeepSeek-V4's FP8 weights and UE8M0 `scale`s, its MTP block's MXFP4 experts: ModelOpt's
+    DeepSeek-V4 export copies them, its config keeping the source's FP8 quantization_config)."""
 
     def specs(self, u) -> list[Spec]:
         return [(s.name, s.dtype, s.shape) for s in u.sources]
