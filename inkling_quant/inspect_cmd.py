@@ -38,7 +38,7 @@ from .export.inkling import projection_specs
 from .model.inkling2 import Inkling2Config, checkpoint_tensors, classify, experts_module
 from .model.layout import INDEX_DTYPES, Layout, MoEConfig, detect, max_tensors, model_config, oriented, text_prefix
 from .model.naming import ORIGINAL, original_names
-from .model.sources import FP8_BLOCK, MXFP4_ROWS, scale_beside
+from .model.sources import scale_beside
 from .io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child
 from .io.safetensors import TensorEntry
 
@@ -296,7 +296,7 @@ def _as_stored(lay: Layout, e: TensorEntry, names: set[str]) -> str | None:
     weight = f"{e.name.rpartition('.')[0]}.weight"
     kept = scale_beside(weight, names) == e.name if e.name != weight else \
         e.dtype.itemsize == 1 and scale_beside(weight, names) is not None
-    return (MXFP4_ROWS if lay.expert_weight(weight) else FP8_BLOCK) if kept and weight in names else None
+    return lay.kept_format(weight) if kept and weight in names else None
 
 
 def _module_format(observed: dict[str, TensorEntry], shape: tuple[int, ...],

@@ -10,7 +10,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from .. import hub
 from ..errors import CheckpointError, ConfigError, FormatError, UsageError, short_repr
 from ..export import INKLING, Copy, OutputForm, Writing

@@ -433,8 +433,7 @@ def _requantize_rows(u: Unit, fmt, src, stored: list[dict], path_of: dict, block
     source's slab is (gpt-oss): one call, gate and up's rows stacked (`parts`), no global amax
     given, so the target's encoder takes its own rule over the pair (ModelOpt's MXFP4 cast: one
     k_max for w1 and w3, examples/deepseek/cast_mxfp4_to_nvfp4.py `prepass`; the plain path: the
-    larger amax).
-    Row tensors are split back per weight, scalars shared; the cast's block counts
+    larger amax). Row tensors are split back per weight, scalars shared; the cast's block counts
     (transcode.STATS) are tallied under the first weight."""
     gate = u.weights[0]
     slab = {k: torch.cat([st[k] for st in stored]) for k in stored[0]}

@@ -232,10 +232,6 @@ def format_of(q: dict | None, module: str) -> Format | None:
     layers = q.get("quantized_layers")
     if isinstance(layers, dict) and isinstance(layers.get(module), dict):
         return format_for_quant_algo(layers[module].get("quant_algo"))
-    if isinstance(layers, dict):  # a module whose sub-modules are listed each (ModelOpt's DeepSeek-V4 export)
-        algos = {e.get("quant_algo") for m, e in layers.items() if m.startswith(module + ".") and isinstance(e, dict)}
-        if len(algos) == 1:
-            return format_for_quant_algo(algos.pop())
     return None if q.get("quant_algo") == MIXED_PRECISION else format_for_quant_algo(q.get("quant_algo"))
 
 

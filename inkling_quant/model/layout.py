@@ -28,7 +28,7 @@ from ..errors import short_repr as _short
 from .inkling2 import Inkling2Config
 from .naming import MODELOPT, Naming, naming_of
 from .naming import described as described_namings
-from .sources import SourceQuant, source_quant
+from .sources import FP8_BLOCK, MXFP4_ROWS, SourceQuant, source_quant
 from .storage import CANONICAL, PER_EXPERT_NAMES, STORAGES, ExpertStorage, Interleaved, PerExpert, Stacked
 from .tensors import TensorName, TensorSpec
 
@@ -209,6 +209,12 @@ class Layout:
         if weight is None:
             return None
         return weight, next((k for k, n in self.stored(weight).items() if n == name), "weight")
+
+    def kept_format(self, weight: str) -> str:
+        """The source format of a module an output keeps as the source stored it, where the
+        output's layout has no source to ask (ModelOpt's FP8-release form, export/fp8_release.py):
+        an MTP block's expert MXFP4, any other Linear FP8 block-scaled."""
+        return MXFP4_ROWS if self.expert_weight(weight) else FP8_BLOCK
 
     def expert_weight(self, weight: str) -> bool:
         """Whether `weight` is a routed expert's, as a source stores it: the decoder's, or one of an

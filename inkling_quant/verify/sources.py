@@ -24,7 +24,7 @@ from ..errors import CheckpointError, InklingQuantError
 from ..export.modelopt import read_quantization
 from ..formats import FORMATS, Format, format_for_quant_algo, get_format
 from ..io.safetensors import DTYPE_NAMES
-from ..model.sources import FP8_BLOCK, MXFP4_ROWS, SourceQuant, scale_beside, source_quant
+from ..model.sources import SourceQuant, scale_beside, source_quant
 from ..model.layout import Layout
 from .inventory import CHECKED, FAILED, Conf, Expected, Files, Shape, Source, listing
 from .report import Check
@@ -99,7 +99,7 @@ def _as_stored(out: Kept, files: Files, lay: Layout) -> Kept:
         scale = scale_beside(name, files.tensors) if name.endswith(".weight") else None
         if scale is None or w.entry.dtype.itemsize != 1:
             continue  # not kept so: the layout check names it where it is unexpected
-        fmt = get_format(MXFP4_ROWS if lay.expert_weight(name) else FP8_BLOCK, source=True)
+        fmt = get_format(lay.kept_format(name), source=True)
         names = dict(zip(fmt.suffixes, (name, scale)))
         shape = fmt.weight_shape({k: tuple(files.tensors[n].entry.shape) for k, n in names.items()})
         for k, o in fmt.out_specs(shape).items():
