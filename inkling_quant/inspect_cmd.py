@@ -258,7 +258,7 @@ def _add(p: dict, tensors: int, nbytes: int, params: int, label: str) -> None:
 def _expert_shape(lay: Layout, cfg: MoEConfig, proj: str) -> tuple[int, ...]:
     """The source shape of one routed-expert module: an expert's [out, in]; a stacked tensor's
     [E, out, in] (or [E, in, out] where the checkpoint stores it so)."""
-    H, I = cfg.hidden_size, cfg.expert_width
+    H, I = cfg.expert_hidden_size, cfg.expert_width
     out, inp = {"down": (H, I), "gate_up": (2 * I, H)}.get(proj, (I, H))
     if not lay.experts.stacked:
         return out, inp

@@ -34,6 +34,16 @@ layouts by the published quantizers:
   integrations/finegrained_fp8.py `FP8Experts` with expert_dtype "fp4"); config `expert_dtype`
   "fp4" at the top level, `scale_fmt` "ue8m0".
 
+- Kimi-K3 (MXFP4 routed experts, everything else BF16; no transformers class to write it): the
+  tensors under the names and shapes vLLM 0.33's loader reads (models/kimi_k3/nvidia/model.py
+  `load_weights`, kda.py, mla.py: KDA layers, an MLA layer, a dense layer 0, a latent MoE whose
+  experts act on routed_expert_hidden_size, shared experts, attention-residual projections, a
+  vision tower and `mm_projector`) written here, seeded normal; the experts by ModelOpt's
+  `MXFP4QTensor.quantize` as compressed-tensors stores them, `<module>.weight_packed` uint8
+  [out, in/2] and `<module>.weight_scale` uint8 E8M0 [out, in/32]; config.json as vLLM 0.33's
+  KimiK3Config / KimiLinearConfig read it, the quantization_config in `text_config` with the
+  MXFP4 group vLLM's `_is_mxfp4` requires (the release's own JSON is not in the sources read).
+
 References: `fp8_dequantize` (DeepSeek-V3 inference/kernel.py `weight_dequant`: fp32 value x
 its tile's scale, written apart from formats/), ModelOpt's `NVFP4QTensor` / `MXFP8QTensor` and
 `quantize_mxfp4_to_nvfp4_lossless`.
@@ -42,6 +52,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import warnings
 from pathlib import Path
 
@@ -165,6 +176,107 @@ def to_v4_release(bf16: Path, out: Path) -> Path:
     cfg = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**cfg, "expert_dtype": "fp4"}, indent=2))
     return out
+
+
+K3_CONFIG = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "quantization_status": "compressed",
+             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                           "weights": {"num_bits": 4, "type": "float", "strategy": "group",
+                                                       "group_size": 32, "symmetric": True, "dynamic": False,
+                                                       "scale_dtype": "torch.uint8", "observer": "minmax"}}},
+             "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+                        "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"]}
+K3_TEXT = {"model_type": "kimi_linear", "vocab_size": 96, "hidden_size": 256, "intermediate_size": 320,
+           "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 2, "moe_intermediate_size": 160,
+           "num_experts": 4, "num_experts_per_token": 2, "num_shared_experts": 1, "first_k_dense_replace": 1,
+           "moe_layer_freq": 1, "routed_expert_hidden_size": 192, "latent_moe_use_norm": True, "q_lora_rank": 64,
+           "kv_lora_rank": 64, "qk_nope_head_dim": 64, "qk_rope_head_dim": 0, "v_head_dim": 64, "mla_use_nope": True,
+           "mla_use_output_gate": True, "attn_res_block_size": 2, "tie_word_embeddings": False,
+           "linear_attn_config": {"kda_layers": [1, 2], "full_attn_layers": [3], "num_heads": 2, "head_dim": 64,
+                                  "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "use_full_rank_gate": True},
+           "hidden_act": "situ", "torch_dtype": "bfloat16"}
+
+
+def kimi_k3_release(out: Path, seed: int = 0) -> Path:
+    """A tiny Kimi-K3 release (module doc)."""
+    from modelopt.torch.quantization.qtensor import MXFP4QTensor
+
+    t = K3_TEXT
+    H, I, L, E, V = t["hidden_size"], t["moe_intermediate_size"], t["routed_expert_hidden_size"], t["num_experts"], t["vocab_size"]
+    kda, P, Dk = t["linear_attn_config"], 2 * 64, 64
+    nh, qk, v = t["num_attention_heads"], t["qk_nope_head_dim"] + t["qk_rope_head_dim"], t["v_head_dim"]
+    g = torch.Generator().manual_seed(seed)
+    shapes: dict[str, tuple[int, ...]] = {"language_model.model.embed_tokens.weight": (V, H),
+                                          "language_model.model.norm.weight": (H,), "language_model.lm_head.weight": (V, H),
+                                          "language_model.model.output_attn_res_norm.weight": (H,),
+                                          "language_model.model.output_attn_res_proj.weight": (1, H),
+                                          "vision_tower.patch_embed.proj.weight": (32, 3, 2, 2),
+                                          "mm_projector.proj.0.weight": (H, 32)}
+    for i in range(t["num_hidden_layers"]):
+        p = f"language_model.model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                       p + "self_attention_res_norm.weight": (H,), p + "self_attention_res_proj.weight": (1, H),
+                       p + "mlp_res_norm.weight": (H,), p + "mlp_res_proj.weight": (1, H)})
+        a = p + "self_attn."
+        if i + 1 in kda["kda_layers"]:   # vLLM 0.33 models/kimi_k3/nvidia/kda.py
+            shapes.update({a + n + ".weight": (P, H) for n in ("q_proj", "k_proj", "v_proj", "g_proj")})
+            shapes.update({a + "f_a_proj.weight": (Dk, H), a + "b_proj.weight": (kda["num_heads"], H),
+                           a + "f_b_proj.weight": (P, Dk), a + "o_norm.weight": (Dk,), a + "o_proj.weight": (H, P),
+                           a + "A_log": (kda["num_heads"],), a + "dt_bias": (P,)})
+            shapes.update({a + f"{n}_conv1d.weight": (P, 1, kda["short_conv_kernel_size"]) for n in "qkv"})
+        else:                            # mla.py
+            shapes.update({a + "q_a_proj.weight": (t["q_lora_rank"], H), a + "q_a_layernorm.weight": (t["q_lora_rank"],),
+                           a + "q_b_proj.weight": (nh * qk, t["q_lora_rank"]),
+                           a + "kv_a_proj_with_mqa.weight": (t["kv_lora_rank"] + t["qk_rope_head_dim"], H),
+                           a + "kv_a_layernorm.weight": (t["kv_lora_rank"],),
+                           a + "kv_b_proj.weight": (nh * (t["qk_nope_head_dim"] + v), t["kv_lora_rank"]),
+                           a + "o_proj.weight": (H, nh * v), a + "g_proj.weight": (nh * v, H)})
+        if i < t["first_k_dense_replace"]:
+            dense = t["intermediate_size"]
+            shapes.update({p + "mlp.gate_proj.weight": (dense, H), p + "mlp.up_proj.weight": (dense, H),
+                           p + "mlp.down_proj.weight": (H, dense)})
+            continue
+        m = p + "block_sparse_moe."
+        shared = I * t["num_shared_experts"]
+        shapes.update({m + "gate.weight": (E, H), m + "gate.e_score_correction_bias": (E,),
+                       m + "shared_experts.gate_proj.weight": (shared, H), m + "shared_experts.up_proj.weight": (shared, H),
+                       m + "shared_experts.down_proj.weight": (H, shared), m + "routed_expert_down_proj.weight": (L, H),
+                       m + "routed_expert_up_proj.weight": (H, L), m + "routed_expert_norm.weight": (L,)})
+        for e in range(E):
+            shapes.update({f"{m}experts.{e}.w1.weight": (I, L), f"{m}experts.{e}.w3.weight": (I, L),
+                           f"{m}experts.{e}.w2.weight": (L, I)})
+    res = {}
+    for k, shape in shapes.items():
+        w = torch.randn(shape, generator=g) * (1.0 if k.endswith(("norm.weight", "A_log", "dt_bias")) else 0.02)
+        if k.endswith("e_score_correction_bias"):
+            res[k] = w.float()
+            continue
+        if ".experts." not in k:
+            res[k] = w.to(torch.bfloat16)
+            continue
+        w = w.to(torch.bfloat16).float()
+        if k.endswith("layers.1.block_sparse_moe.experts.1.w1.weight"):
+            w[3, 32:64] *= 2.0 ** -40   # far below the expert's largest exponent: the cast re-rounds it
+        q, e8 = MXFP4QTensor.quantize(w, 32)
+        module = k[: -len(".weight")]
+        res[module + ".weight_packed"] = q._quantized_data.view(torch.uint8).contiguous()
+        res[module + ".weight_scale"] = e8.reshape(w.shape[0], -1).view(torch.uint8).contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(res, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+           "text_config": {**K3_TEXT, "quantization_config": K3_CONFIG},
+           "vision_config": {"model_type": "kimi_k3_vision", "vt_hidden_size": 32, "text_hidden_size": H},
+           "media_placeholder_token_id": 95, "pad_token_id": 0}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def edited_copy(src: Path, dst: Path, file: str, edit) -> Path:
+    """A copy of the checkpoint `src` at `dst` whose JSON `file` is changed by `edit(obj)`."""
+    shutil.copytree(src, dst)
+    d = json.loads((dst / file).read_text())
+    edit(d)
+    (dst / file).write_text(json.dumps(d))
+    return dst
 
 
 def mxfp4_dequantize(packed: torch.Tensor, e8: torch.Tensor) -> torch.Tensor:

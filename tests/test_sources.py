@@ -338,7 +338,8 @@ def test_gpt_oss_layout_bf16_and_mxfp4(sources, tmp_path):
     """gpt-oss's stacked experts are detected with gate/up interleaved (the family's record), the
     BF16 checkpoint transposed ([E, in, out]), the MXFP4 one not; a BF16 gpt-oss converts as the
     MXFP4 one does, rows 0::2 gate and 1::2 up of the [out, in] weight."""
-    from inkling_quant.convert.planner import list_source, load_config, validate_source
+    from inkling_quant.convert.planner import list_source, load_config
+    from inkling_quant.convert.validation import validate_source
 
     for key, transposed, fmt in (("go-bf16", True, None), ("go", False, "mxfp4")):
         d = sources["root"] / key if key == "go-bf16" else sources[key]

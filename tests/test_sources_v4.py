@@ -230,14 +230,6 @@ def test_verify_passes_the_v4_form(v4, converted):
     assert numerics and all(c.status == "pass" for c in numerics)
 
 
-def _edited(src: Path, dst: Path, file: str, edit) -> Path:
-    shutil.copytree(src, dst)
-    d = json.loads((dst / file).read_text())
-    edit(d)
-    (dst / file).write_text(json.dumps(d))
-    return dst
-
-
 @pytest.mark.parametrize("file, edit, says", [
     ("config.json", lambda d: d["quantization_config"].__setitem__("moe_quant_algo", "MXFP8"), "moe_quant_algo"),
     ("hf_quant_config.json", lambda d: d["quantization"]["quantized_layers"].pop("layers.1.ffn.experts"),
@@ -245,7 +237,7 @@ def _edited(src: Path, dst: Path, file: str, edit) -> Path:
     ("config.json", lambda d: d["quantization_config"]["ignore"].append("*.ffn.experts*"), "excludes"),
     ("hf_quant_config.json", lambda d: d["quantization"]["exclude_modules"].append("*.ffn.experts*"), "excludes")])
 def test_verify_fails_a_wrong_v4_config_naming_it(converted, tmp_path, file, edit, says):
-    bad = _edited(converted["nvfp4"], tmp_path / "bad", file, edit)
+    bad = ref.edited_copy(converted["nvfp4"], tmp_path / "bad", file, edit)
     report = verify(bad)
     assert report.exit_code == 1
     assert any(says in p.message for c in report.checks if c.id == "config" for p in c.problems)

@@ -32,8 +32,8 @@ from ..io.safetensors import fsync_files, sha256_file
 from ..model.layout import max_tensors
 from ..schemes import get_scheme
 from .calibration import load_activation_amax, load_calibration
-from .planner import (FLOAT_SOURCES, Options, Prepared, ShardJob, SrcTensor, Unit, list_source, load_config, plan,
-                      validate_source)
+from .planner import FLOAT_SOURCES, Options, Prepared, ShardJob, SrcTensor, Unit, list_source, load_config, plan
+from .validation import validate_source
 from .runner import (CONVERSION_KEY, MANIFEST, MANIFEST_GLOB, SOURCE_KEY, confirm_complete, confirm_finalized,
                      fingerprint, finished, manifest_path, manifests, part_jobs, previous_output, recorded_checksums,
                      refuse_symlinks, remove_temps, run_jobs, source_id, start_output, writing)

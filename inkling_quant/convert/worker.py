@@ -414,14 +414,14 @@ def _requantize_expert(u: Unit, fmt, ts: list[torch.Tensor], path_of: dict, devi
         return outputs
     shared = torch.maximum(*amax) if fmt.fuses_gate_up and len(amax) > 1 else None
     outputs: Outputs = []
-    for w, st, ia, a in zip(u.weights, stored, u.input_amax, amax):
+    for i, (w, st, ia, a) in enumerate(zip(u.weights, stored, u.input_amax, amax)):
         g = (shared if shared is not None else a) if fmt.fuses_gate_up else None
         try:
             out = fmt.requantize(st, src, global_amax=g, input_amax=ia, encoder=u.encoder, name=w.name)
         except FormatError as e:
             raise FormatError(f"tensor {w.name!r}: {e.message}", path=path_of[w.name], tensor=w.name) from None
         _refuse_too_small(fmt, out, None, path_of[w.name], w.name)  # from stored bytes: only the scales are asked
-        outputs += [(fmt.tensor_name(w.name, k), t.cpu(), True) for k, t in out.items() if k in fmt.suffixes]
+        outputs += [(fmt.tensor_name(u.weight_name(i), k), t.cpu(), True) for k, t in out.items() if k in fmt.suffixes]
         _count(counts, u.format)
     if progress is not None:
         progress(sum(t.numel() * t.element_size() for t in ts))
@@ -446,11 +446,11 @@ def _requantize_rows(u: Unit, fmt, src, stored: list[dict], path_of: dict, block
     _tally(blocks, gate.name, q)
     _refuse_too_small(fmt, q, None, path_of[gate.name], gate.name)
     outputs: Outputs = []
-    for i, w in enumerate(u.weights):
+    for i in range(len(u.weights)):
         for k, t in q.items():
             if k in fmt.suffixes:
                 part = t.split(rows)[i] if t.dim() >= 2 else t.clone()
-                outputs.append((fmt.tensor_name(w.name, k), part.cpu().contiguous(), True))
+                outputs.append((fmt.tensor_name(u.weight_name(i), k), part.cpu().contiguous(), True))
     return outputs
 
 

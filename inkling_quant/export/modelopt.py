@@ -32,7 +32,7 @@ from ..model.inkling2 import MODELOPT_UNWRAPPED, Inkling2Config, modelopt_tensor
 from ..model.layout import Layout, natural_key
 from ..model.sources import converted_experts
 from ..model.storage import ExpertStorage
-from . import fp8_release
+from . import fp8_release, kimi_k3
 from .form import Copy, ExpertWriter, OutputForm, Outputs, Spec, Writing, out_specs, row_suffixes
 
 MIXED_PRECISION = "MIXED_PRECISION"
@@ -412,7 +412,8 @@ class Modules(Writing):
 
     def specs(self, u) -> list[Spec]:
         return [s for i, src in enumerate(u.weights)
-                for s in out_specs(FORMATS[u.format], src.name, u.weight_shape(i), _float(src.dtype), u.activation_scale)]
+                for s in out_specs(FORMATS[u.format], u.weight_name(i), u.weight_shape(i), _float(src.dtype),
+                                   u.activation_scale)]
 
     def quantized_module(self, u, layout: Layout) -> str | None:
         return layout.experts_modules[layout.classify(u.sources[0].name).layer]
@@ -551,12 +552,15 @@ class ModelOptForm(OutputForm):
         """Exactly ModelOpt's two files, nothing of ours; where another encoder than ModelOpt's
         wrote the bits (--encoder release), hf_quant_config.json says so in a `converter` entry.
         One format: ModelOpt's one-format form, its exclusions summarized from `unquantized`. A
-        family ModelOpt writes as its FP8 release: `fp8_release.configs`."""
+        family ModelOpt writes as its FP8 release: `fp8_release.configs`; Kimi-K3: `kimi_k3.configs`."""
         q = quantization(layers.items(), weight_only)
         if not q["quantized_layers"]:
             return {}
-        if getattr(cfg, "family", None) is not None and cfg.family.moe_quant_algo:
+        family = getattr(cfg, "family", None)
+        if family is not None and family.moe_quant_algo:
             return fp8_release.configs(cfg, q, converter, self.encoder, _nvfp4_config_group("NVFP4"))
+        if family is not None and family.modelopt_aliases:
+            return kimi_k3.configs(cfg, q, converter, self.encoder, modelopt_quantization_config)
         # the modules ModelOpt put a quantizer on and left off: lm_head's Linear even when tied to
         # the embedding (no lm_head.weight written; export/quant_utils.py:1635-1715)
         wrapped = [m for m in unquantized if not (isinstance(cfg, Inkling2Config) and m in MODELOPT_UNWRAPPED)]

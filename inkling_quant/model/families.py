@@ -37,6 +37,10 @@ class Family:
     # quantization_config kept with `moe_quant_algo` and the experts' manifest, the FP8 modules and
     # the MTP block as stored (export/fp8_release.py)
     moe_quant_algo: bool = False
+    # ModelOpt writes it as its Kimi-K3 script does: a MIXED_PRECISION manifest keyed by every
+    # spelling of a module its loaders probe, config.json's own quantization_config replaced
+    # (export/kimi_k3.py)
+    modelopt_aliases: bool = False
 
 
 # transformers 5.25 models/inkling2: softcapped SwiGLU experts (mlp_gate_softcap, mlp_up_softcap)
@@ -75,6 +79,13 @@ FAMILIES: tuple[Family, ...] = (
     # swiglu_limit (10), not among the kernels' activations: verify's MoE figure uses SiLU for it
     Family("deepseek_v4", ("deepseek_v4",), tested=True, score_bias=True, mtp_experts=True, bare_names=True,
            moe_quant_algo=True),
+    # Kimi-K3 (model_type "kimi_k3", its text_config vLLM 0.33's KimiLinearConfig "kimi_linear";
+    # transformers 5.25 has no such model): KDA and MLA attention, a latent MoE whose routed
+    # experts act on routed_expert_hidden_size (`block_sparse_moe.experts.E.w1/w3/w2`, MXFP4
+    # `weight_packed`/`weight_scale`: model/sources.py), a router e_score_correction_bias, shared
+    # experts. Model-Optimizer's Kimi-K3 script writes its own manifest (export/kimi_k3.py). Its
+    # experts' activation (SiTU) is not among the kernels': verify's MoE figure uses SiLU for it
+    Family("kimi_k3", ("kimi_k3",), tested=True, score_bias=True, modelopt_aliases=True),
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 

@@ -51,7 +51,7 @@ def model_config(d: dict, source: str) -> "Inkling2Config | MoEConfig":
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.llm.", "model.", "")
 # Where a multimodal model keeps its vision tower and projector (ModelOpt excludes them).
 VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "vision_model.", "vision_tower.", "visual.")
-PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.", "mm_projector.")  # Kimi-K3's last
 DRAFT_PREFIXES = (dspark.PREFIX,)  # a bundled speculator (`mtp.*`: Inkling's, dspark.py), passed through
 # integer tensors a router may hold, passed through: lookup tables (DeepSeek-V4's hash-routed
 # layers' `ffn.gate.tid2eid`, token -> experts, int64); anywhere else an integer tensor is a
@@ -62,6 +62,8 @@ LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight", "model.llm.unembe
 
 _LIMITS = {"num_hidden_layers": MAX_LAYERS, "num_experts": 1 << 16}
 _EXPERT_ALIASES = ("num_experts", "num_local_experts", "n_routed_experts")
+# Kimi-K3's text config (vLLM 0.33 transformers_utils/configs/kimi_linear.py) says num_experts_per_token
+_TOP_K_ALIASES = ("num_experts_per_tok", "num_experts_per_token")
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class MoEConfig:
     num_experts: int
     num_experts_per_tok: int
     expert_width: int                  # moe_intermediate_size, or intermediate_size where that is it
+    expert_hidden_size: int            # the width routed experts act on (Kimi-K3's latent MoE: not hidden_size)
     dense_layers: frozenset[int] | None  # layers without routed experts, when the config says
     nested: bool                       # the settings were under text_config
     raw: dict = field(default_factory=dict, compare=False, repr=False)  # the whole config.json
@@ -89,11 +92,17 @@ class MoEConfig:
                               f"{', '.join(_EXPERT_ALIASES)}): not a mixture-of-experts model?", path=source)
         n, experts = t.int("num_hidden_layers"), t.int(key, hi=_LIMITS["num_experts"])
         width_key = "moe_intermediate_size" if "moe_intermediate_size" in t.obj else "intermediate_size"
+        top_k = next((k for k in _TOP_K_ALIASES if k in t.obj), _TOP_K_ALIASES[0])
         _check_layer_types(t, n)
+        hidden = t.int("hidden_size")
+        # Kimi-K3's latent MoE: its routed experts act on routed_expert_hidden_size, between a
+        # down and an up projection of the hidden state (vLLM 0.33 models/kimi_k3/nvidia/model.py
+        # KimiMoE: `moe_hidden_size`)
+        latent = t.int("routed_expert_hidden_size") if t.obj.get("routed_expert_hidden_size") is not None else hidden
         return cls(model_type=t.string("model_type") or top.string("model_type") or "?",
-                   hidden_size=t.int("hidden_size"), num_hidden_layers=n, num_experts=experts,
-                   num_experts_per_tok=t.int("num_experts_per_tok", hi=experts), expert_width=t.int(width_key),
-                   dense_layers=_dense_layers(t, n), nested=nested, raw=dict(d))
+                   hidden_size=hidden, num_hidden_layers=n, num_experts=experts,
+                   num_experts_per_tok=t.int(top_k, hi=experts), expert_width=t.int(width_key),
+                   expert_hidden_size=latent, dense_layers=_dense_layers(t, n), nested=nested, raw=dict(d))
 
     @property
     def family(self) -> Family:
@@ -111,7 +120,7 @@ class MoEConfig:
         return cls(model_type=str(cfg.raw.get("model_type") or "inkling2"), hidden_size=t.hidden_size,
                    num_hidden_layers=t.num_hidden_layers, num_experts=t.n_routed_experts,
                    num_experts_per_tok=t.num_experts_per_tok, expert_width=t.moe_intermediate_size,
-                   dense_layers=frozenset(), nested=True, raw=cfg.raw)
+                   expert_hidden_size=t.hidden_size, dense_layers=frozenset(), nested=True, raw=cfg.raw)
 
 
 def _check_layer_types(t: ConfigFields, n: int) -> None:
@@ -133,11 +142,12 @@ def _dense_layers(t: ConfigFields, n: int) -> frozenset[int] | None:
     rule applies: a malformed one is refused, not skipped by the order of the rules."""
     o = t.obj
     first = t.int("first_k_dense_replace", lo=0, hi=n) if "first_k_dense_replace" in o else None  # DeepSeek-V3
+    freq = t.int("moe_layer_freq", 1)  # DeepSeek-V2, Kimi-K3: MoE where i >= first and i % freq == 0
     only, step = t.layer_list("mlp_only_layers", n), t.int("decoder_sparse_step", 1)  # Qwen2/3-MoE
     moe = t.layer_list("moe_layers", n) if o.get("moe_layers") is not None else None  # Llama 4
     every = t.int("interleave_moe_layer_step") if "interleave_moe_layer_step" in o else None
     if first is not None:
-        return frozenset(range(first))
+        return frozenset(i for i in range(n) if i < first or i % freq)
     if "mlp_only_layers" in o or "decoder_sparse_step" in o:  # modeling_qwen3_moe.py
         return frozenset(i for i in range(n) if i in only or (i + 1) % step)
     if moe is not None:
@@ -148,7 +158,7 @@ def _dense_layers(t: ConfigFields, n: int) -> frozenset[int] | None:
 
 
 _LAYER = re.compile(r"(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?P<rest>.+)")
-_SHARED = re.compile(r"(?:mlp|feed_forward|ffn)\.(?:shared_experts?|shared_expert_gate)\..+")
+_SHARED = re.compile(r"(?:mlp|feed_forward|ffn|block_sparse_moe)\.(?:shared_experts?|shared_expert_gate)\..+")
 # DeepSeek-V4's hash-routed layers hold a token -> experts table (`ffn.gate.tid2eid`) in the router
 _ROUTER = re.compile(r"(?:mlp|block_sparse_moe|ffn)\.gate\.(?:weight|bias|e_score_correction_bias|tid2eid)"
                      r"|(?:feed_forward|mlp)\.router\..+")
@@ -308,7 +318,7 @@ def oriented(lay: Layout, shapes: dict[str, tuple[int, ...]], cfg: "MoEConfig | 
         return lay
     cfg = MoEConfig.of(cfg)
     first = lay.experts_modules[lay.expert_layers[0]]
-    return replace(lay, experts=lay.experts.oriented(shapes, first, cfg.hidden_size, cfg.expert_width))
+    return replace(lay, experts=lay.experts.oriented(shapes, first, cfg.expert_hidden_size, cfg.expert_width))
 
 
 def text_prefix(names: list[str]) -> str | None:
@@ -430,6 +440,6 @@ def expert_specs(lay: Layout, moe: MoEConfig) -> Iterator[TensorSpec]:
     """The routed experts' weights of every expert layer as `lay` stores them
     (`ExpertStorage.weight_shapes`)."""
     for module in lay.experts_modules.values():
-        for name, shape in lay.experts.weight_shapes(module, moe.num_experts, moe.hidden_size,
+        for name, shape in lay.experts.weight_shapes(module, moe.num_experts, moe.expert_hidden_size,
                                                      moe.expert_width).items():
             yield TensorSpec(name, shape, torch.bfloat16)

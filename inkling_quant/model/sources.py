@@ -17,6 +17,15 @@ Three kinds of source are read (docs/convert.md, "Sources we accept"):
   (transformers 5.25 quantizers/quantizer_mxfp4.py ``serialized_names``, integrations/mxfp4.py
   ``convert_moe_packed_tensors``); everything else is BF16.
 
+- **Kimi-K3** (compressed-tensors, `quant_method` "compressed-tensors" with `format`
+  "mxfp4-pack-quantized", in `text_config.quantization_config`: vLLM 0.33
+  transformers_utils/configs/kimi_k3.py copies it up from there). Its routed experts are MXFP4 per
+  expert, `X.weight_packed` uint8 [out, in/2] (the low nibble first) and `X.weight_scale` uint8
+  E8M0 [out, in/32] (vLLM 0.33 models/kimi_k3/nvidia/model.py `load_weights` renames
+  `.weight_packed` to `.weight` for its Mxfp4MoEMethod); everything else is BF16. The experts are
+  found by these names, not by the config's `targets`/`ignore` (llm-compressor patches the
+  release's ignore list as incomplete; Model-Optimizer's Kimi-K3 script matches names too).
+
 - **DeepSeek-V4** (`quant_method` "fp8" with `expert_dtype` "fp4", at the top level or in
   `quantization_config`: transformers 5.25 models/deepseek_v4/configuration_deepseek_v4.py). Its
   Linears are FP8 block-scaled as above with UE8M0 scales, its routed experts MXFP4 per expert
@@ -44,6 +53,8 @@ FP8_SCALE = "weight_scale_inv"
 # quantizers/quantizer_finegrained_fp8.py renames ``^(.+)\.scale`` to weight_scale_inv on load)
 SHORT_SCALE = "scale"
 MXFP4_TENSORS = (("weight", "_blocks"), ("weight_scale", "_scales"))  # format suffix -> name suffix
+COMPRESSED_TENSORS = "compressed-tensors"
+CT_MXFP4 = "mxfp4-pack-quantized"   # compressed-tensors' MXFP4 format name
 
 __all__ = ["SourceQuant", "source_quant", "converted_experts", "scale_beside", "FP8_BLOCK", "MXFP4", "MXFP4_ROWS", "FP8_SCALE"]
 
@@ -54,14 +65,16 @@ class SourceQuant:
     formats.SOURCE_FORMATS name) and of its routed experts (`expert_format`: the same, or
     DeepSeek-V4's MXFP4 experts beside FP8 Linears), what its config calls it (`method`), whether
     only routed experts are stored so (`experts_only`: gpt-oss's MXFP4) or any Linear weight may
-    be (FP8), and the name a weight's scale is stored under beside it (`scale`: `<module>.<scale>`,
-    DeepSeek-V3's weight_scale_inv or DeepSeek-V4's scale)."""
+    be (FP8), the name a weight's scale is stored under beside it (`scale`: `<module>.<scale>`,
+    DeepSeek-V3's weight_scale_inv, DeepSeek-V4's scale, Kimi-K3's weight_scale) and the name of
+    its codes (`packed`: `<module>.weight`, Kimi-K3's `<module>.weight_packed`)."""
 
     method: str
     format: str
     experts_only: bool
     expert_format: str = ""
     scale: str = FP8_SCALE
+    packed: str = "weight"
 
     def __post_init__(self):
         if not self.expert_format:
@@ -79,7 +92,8 @@ class SourceQuant:
         if fmt == MXFP4:
             return {suffix: weight + tail for suffix, tail in MXFP4_TENSORS}
         scale = "weight_scale" if fmt == MXFP4_ROWS else FP8_SCALE
-        return {"weight": weight, scale: weight[: -len("weight")] + self.scale}
+        module = weight[: -len("weight")]
+        return {"weight": module + self.packed, scale: module + self.scale}
 
     def owner(self, name: str) -> str | None:
         """The weight a BF16 checkpoint would name of the stored tensor `name` when its name is
@@ -87,8 +101,9 @@ class SourceQuant:
         weight is named as its BF16 weight: its dtype tells)."""
         if self.format == MXFP4:
             return next((name[: -len(tail)] for _, tail in MXFP4_TENSORS if name.endswith(tail)), None)
-        if name.endswith("." + self.scale):
-            return name[: -len(self.scale)] + "weight"
+        for stored in {self.scale, self.packed} - {"weight"}:
+            if name.endswith("." + stored):
+                return name[: -len(stored)] + "weight"
         return None
 
     def describe(self) -> str:
@@ -123,11 +138,16 @@ def source_quant(config: dict, path: str, names=()) -> SourceQuant | None:
     checkpoint's tensors) tell which name an FP8 scale has: `weight_scale_inv`, or DeepSeek-V4's
     `scale`."""
     q = config.get("quantization_config") if isinstance(config, dict) else None
+    text = config.get("text_config") if isinstance(config, dict) else None
+    if not isinstance(q, dict) and isinstance(text, dict):  # Kimi-K3 keeps it in text_config
+        q = text.get("quantization_config")
     if not isinstance(q, dict):
         return None
     method = q.get("quant_method")
     if method == "mxfp4":
         return SourceQuant("mxfp4", MXFP4, experts_only=True)
+    if method == COMPRESSED_TENSORS:
+        return _compressed_tensors(q, path)
     if method != "fp8" or converted_experts(config) is not None:
         return None
     block = q.get("weight_block_size")
@@ -153,3 +173,23 @@ def source_quant(config: dict, path: str, names=()) -> SourceQuant | None:
         n.endswith("." + FP8_SCALE) for n in names) else FP8_SCALE
     return SourceQuant("fp8", FP8_BLOCK, experts_only=False, expert_format=MXFP4_ROWS if experts == "fp4" else FP8_BLOCK,
                        scale=scale)
+
+
+def _compressed_tensors(q: dict, path: str) -> SourceQuant | None:
+    """Kimi-K3's compressed-tensors MXFP4 experts (module doc); any other compressed-tensors
+    format is not read here (None: convert refuses its tensors by name). ConfigError naming the
+    key where an MXFP4 group is not the one vLLM 0.33 reads as MXFP4
+    (compressed_tensors/compressed_tensors.py `_is_mxfp4`: 4-bit float, groups of 32)."""
+    if q.get("format") != CT_MXFP4:
+        return None
+    groups = q.get("config_groups")
+    for name, group in (groups.items() if isinstance(groups, dict) else ()):
+        w = group.get("weights") if isinstance(group, dict) else None
+        if not isinstance(w, dict):
+            continue
+        got = {k: w.get(k) for k in ("num_bits", "type", "group_size")}
+        if got != {"num_bits": 4, "type": "float", "group_size": 32}:
+            raise ConfigError(f"quantization_config.config_groups.{name}.weights is {_short(got)}: {CT_MXFP4} "
+                              f"is read as 4-bit float in groups of 32 (MXFP4)", path=path)
+    return SourceQuant(COMPRESSED_TENSORS, MXFP4_ROWS, experts_only=True, scale="weight_scale",
+                       packed="weight_packed")

@@ -41,6 +41,7 @@ UNMODELLED_KEYS = {
     "ssm_state_size": "SSM state",
     "mamba_d_state": "SSM state",
     "index_topk": "DeepSeek sparse attention's indexer cache",
+    "linear_attn_config": "Kimi Delta Attention (KDA) layers and their recurrent state",  # Kimi-K3
 }
 FULL_TYPES = ("full_attention", "attention")
 DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}

@@ -9,6 +9,7 @@ from typing import Callable, Mapping
 
 from ..errors import ConfigError, InklingQuantError, UsageError
 from ..export.modelopt import MIXED_PRECISION, modelopt_quantization_config, quantization_problems
+from ..export import kimi_k3
 from ..io.checkpoint import HF_QUANT_CONFIG as QUANT_CONFIG
 from ..model.inkling2 import experts_module, modelopt_experts_module
 from ..model.layout import model_config
@@ -132,6 +133,10 @@ def _check(c: Check, conf: Conf, weight_only: bool, tensors: tuple[dict[str, dic
     if conf.cfg.family.moe_quant_algo:
         _check_fp8_release(c, conf, qc, tensors, tensor_of)
         return
+    if conf.cfg.family.modelopt_aliases:  # Kimi-K3's form: each module under every spelling its loaders probe
+        canonical = {a: m for m in want for a in kimi_k3.aliases(m)}
+        want, tensor_of = {a: want[m] for a, m in canonical.items()}, lambda a, f=tensor_of: f(canonical.get(a, a))
+        tensors = (want, tensors[1])
     if not str(qc.get("quant_method", "")).startswith("modelopt"):
         c.fail(path, None, f"quantization_config.quant_method is {qc.get('quant_method')!r}, expected 'modelopt'")
     _check_quant_dict(c, path, "quantization_config", qc, tensors, tensor_of)
@@ -143,7 +148,7 @@ def _check(c: Check, conf: Conf, weight_only: bool, tensors: tuple[dict[str, dic
     else:
         q = hq["quantization"]
         _check_quant_dict(c, qpath, "quantization", q, tensors, tensor_of)
-        for k, kc in _disagreements(q, qc, conf.modelopt_hf):
+        for k, kc in _disagreements(q, qc, conf.modelopt_hf, conf.cfg.family.modelopt_aliases):
             c.fail(qpath, None, f"quantization.{k} disagrees with config.json quantization_config.{kc}" +
                    (" (ModelOpt's form of quantization)" if conf.modelopt_hf else ""))
         if not isinstance(hq.get("producer"), dict):
@@ -187,15 +192,18 @@ def _check_fp8_release(c: Check, conf: Conf, qc: dict, tensors: tuple[dict[str, 
     c.figures.update(quantized_layers=len(want), moe_quant_algo=algos[0] if len(algos) == 1 else algos)
 
 
-def _disagreements(q: dict, qc: dict, modelopt_hf: bool) -> list[tuple[str, str]]:
+def _disagreements(q: dict, qc: dict, modelopt_hf: bool, kimi: bool = False) -> list[tuple[str, str]]:
     """(key of `q`, key of `qc`) where hf_quant_config.json's `quantization` and config.json's
     quantization_config say different things. ModelOpt derives config.json's from it
     (export/convert_hf_config.py:130-285): for one format, quant_algo and the exclusions (as
-    `ignore`) are what vLLM reads of it; for MIXED_PRECISION, export.modelopt_quantization_config."""
+    `ignore`) are what vLLM reads of it; for MIXED_PRECISION, export.modelopt_quantization_config
+    (Kimi-K3's form, `kimi`: with its quant_method, export/kimi_k3.py)."""
     if q.get("quant_algo") != MIXED_PRECISION and "quantized_layers" not in q:
         pairs = (("quant_algo", "quant_algo"), ("exclude_modules", "ignore"))
         return [(k, kc) for k, kc in pairs if q.get(k) != qc.get(kc, qc.get(k))]
     ref, skip = (_modelopt_form(q), set()) if modelopt_hf else (q, {"quant_method"})
+    if kimi and ref:
+        ref["quant_method"] = kimi_k3.QUANT_METHOD
     return [(k, k) for k in sorted(set(ref) | set(qc) - skip) if k not in skip and ref.get(k) != qc.get(k)]
 
 

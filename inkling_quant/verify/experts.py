@@ -55,9 +55,9 @@ Weights = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 def dims(cfg) -> tuple[int, int, int]:
-    """(experts E, hidden size H, expert width I) of an Inkling 2 or another family's config."""
+    """(experts E, the width H experts act on, expert width I) of an Inkling 2 or another family's config."""
     moe = MoEConfig.of(cfg)
-    return moe.num_experts, moe.hidden_size, moe.expert_width
+    return moe.num_experts, moe.expert_hidden_size, moe.expert_width
 
 
 # ============================================================================ layout

@@ -8,7 +8,7 @@ weights read back exactly.
   values);
 - `stored_as` / `copy_expected`: a checkpoint that is itself in a source's format (`convert
   --scheme none` of an FP8 or MXFP4 source copies it as it is): its tensors validated as convert
-  validates a source (convert.planner.validate_source), and what the layout, config, values and
+  validates a source (convert.validation.validate_source), and what the layout, config, values and
   passthrough checks hold them to;
 - `source_weight`: a source's weight (an expert's, or one expert's slice of a stacked tensor) as
   fp32, its stored tensors dequantized exactly (model.sources names them, the source format
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..convert.planner import validate_source  # the one validator of a quantized source's tensors
+from ..convert.validation import validate_source  # the one validator of a quantized source's tensors
 from ..errors import CheckpointError, InklingQuantError
 from ..export.modelopt import read_quantization
 from ..formats import FORMATS, Format, format_for_quant_algo, get_format
@@ -129,7 +129,7 @@ def stored_as(conf: Conf) -> SourceQuant | None:
 
 def copy_expected(c: Check, files: Files, conf: Conf, source: Source | None) -> Expected:
     """The `layout` check of a checkpoint stored in a source's format (a `--scheme none` copy):
-    its tensors are what convert accepts as such a source (convert.planner.validate_source: names,
+    its tensors are what convert accepts as such a source (convert.validation.validate_source: names,
     dtypes, shapes, scale grids; the first problem fails it, naming the tensor), and with
     --against exactly the source's tensors, each with the source's dtype and shape. Each stored
     weight's tensors are expected in the source format, everything else passes through. The
