@@ -234,3 +234,14 @@ def test_inspect_and_plan_read_the_k3_config(k3, converted):
     assert [r["format"] for r in out.expert_layers] == ["nvfp4"] and out.quant_algo == "MIXED_PRECISION"
     with pytest.raises(ConfigError, match="linear_attn_config"):
         HFModel.from_dict(json.loads((k3 / "config.json").read_text()))
+
+
+def test_lora_merge_refuses_the_k3_release_pointing_at_convert(k3, tmp_path):
+    """Its experts are MXFP4 under a compressed-tensors config lora merge does not read: refused,
+    naming config.json and saying convert writes them NVFP4/MXFP8 first."""
+    from inkling_quant.errors import UsageError
+    from inkling_quant.lora.merge import check
+
+    with pytest.raises(UsageError, match="'compressed-tensors'.*routed experts NVFP4/MXFP8") as e:
+        check(k3, tmp_path / "no-adapter")
+    assert str(e.value.path).endswith("config.json")

@@ -78,10 +78,13 @@ def check(ckpt_dir: str | Path, adapter_spec: str | Path, *, scale: float = 1.0,
     config = read_json(config_path, "config.json")
     quantized = source_quant(config, str(config_path))
     if quantized is not None:  # the projections a LoRA targets are stored quantized (FP8), or the experts (MXFP4)
+        first = ("`inkling-quant convert` writes its routed experts NVFP4/MXFP8 under a ModelOpt config, its "
+                 "BF16 tensors as they are" if quantized.experts_only else
+                 "`inkling-quant convert --dequantize-fp8` writes its attention BF16, where the output form allows "
+                 "it: not DeepSeek-V4's")
         raise UsageError(f"the base checkpoint is a quantized source ({quantized.describe()}): lora merge adds a "
-                         f"BF16 delta to BF16 weights and does not merge into {quantized.format} weights. Convert it "
-                         f"first (`inkling-quant convert --dequantize-fp8` writes its attention BF16, where the output "
-                         f"form allows it: not DeepSeek-V4's) and merge into the converted checkpoint",
+                         f"BF16 delta to BF16 weights and reads the quantization configs ModelOpt writes, not "
+                         f"{quantized.method!r}'s. Convert it first ({first}) and merge into the converted checkpoint",
                          path=config_path)
     cfg = model_config(config, str(config_path))
     headers = ckpt.headers(max_tensors(cfg))  # the config's bound, before any header's entries are built
