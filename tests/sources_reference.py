@@ -28,7 +28,8 @@ layouts by the published quantizers:
   "deepseek_v4", which save_pretrained does not reverse), an MTP block `mtp.0.*` added (names as
   Model-Optimizer examples/deepseek/deepseek_v4/quantize_to_nvfp4.py lists them: its experts,
   `e_proj`, `h_proj`, `enorm`, `hnorm`, `norm`); Linear weights by DeepGEMM's
-  `per_block_cast_to_fp8(use_ue8m0=True)` (the tile scale rounded up to a power of two), scale
+  `per_block_cast_to_fp8(use_ue8m0=True)` (the tile scale rounded up to a power of two; the
+  compressors and the indexer's `weights_proj` stay BF16, as vLLM 0.33 loads them), scale
   `<module>.scale` float8_e8m0fnu; experts by ModelOpt's `MXFP4QTensor.quantize`, weight int8
   [out, in/2] and `<module>.scale` float8_e8m0fnu [out, in/32] (transformers 5.25
   integrations/finegrained_fp8.py `FP8Experts` with expert_dtype "fp4"); config `expert_dtype`
@@ -140,7 +141,9 @@ def deepseek_v4(out: Path, seed: int = 0) -> Path:
 
 _V4_ANCHORED = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
                 "hc_head.hc_scale": "hc_head_scale"}
-_V4_NOT_FP8 = ("embed", "head.weight", "norm", "ffn.gate.", "hc_", ".ape")
+# kept BF16 in the release (vLLM 0.33 builds them with no quantization: compressor.py `fused_wkv_wgate`,
+# attention.py the indexer's `weights_proj`), besides embeddings, norms, routers, hyper-connections
+_V4_NOT_FP8 = ("embed", "head.weight", "norm", "ffn.gate.", "hc_", ".ape", "compressor.", "indexer.weights_proj")
 
 
 def to_v4_release(bf16: Path, out: Path) -> Path:
@@ -150,6 +153,9 @@ def to_v4_release(bf16: Path, out: Path) -> Path:
     sd = {}
     for k, t in load_file(bf16 / "model.safetensors").items():
         k = k.removeprefix("model.")
+        # save_pretrained reverses conversion_mapping's `.norm.` -> `.kv_norm.` for the attention's
+        # own kv_norm too, which the release (and vLLM 0.33's attention.py `kv_norm`) names so
+        k = k.replace(".attn.norm.", ".attn.kv_norm.")
         sd[_V4_ANCHORED.get(k, k)] = t
     g = torch.Generator().manual_seed(7)
     for k in [k for k in sd if k.startswith("layers.2.") and not k.startswith("layers.2.hc_")]:

@@ -11,7 +11,7 @@ from collections import defaultdict
 from ..errors import UsageError
 from ..plan.inkling2 import (ASYNC_BATCHES, DEFAULT_BLOCK_SIZE, DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION, GPUS,
                              VARIANTS, ServingPlan, load_config, plan, recipe_rows)
-from ..plan.kvcache import CONV, FULL, MLA
+from ..plan.kvcache import CONV, CSA, FULL, HCA, INDEXER, MLA
 from ..plan.moe_checks import ARCHS, ENGINE, FAIL, PASS
 from ..plan.placement import KV_HEADS, REPLICATED
 from ..plan.units import in_units
@@ -120,22 +120,30 @@ def _kv_header(p: ServingPlan) -> str:
               f"max_num_batched_tokens {p.max_num_batched_tokens:,}")
     if not p.hf:
         return f"KV cache and state per GPU (vLLM 0.33 Inkling specs on Inkling 2 shapes; BF16; {flight}):"
+    if p.cfg.text.v4 is not None:
+        return (f"KV cache and state per GPU, every rank (vLLM 0.33's DeepSeek-V4 specs: fp8_ds_mla on FlashMLA, "
+                f"fp8 indexer keys, fp32 compressor states; {flight}):")
     return (f"KV cache per GPU (vLLM 0.33's attention specs on the config's shapes; {p.cfg.text.dtype}, "
             f"--kv-cache-dtype auto; {flight}):")
 
 
 def render_kv(p: ServingPlan) -> list[str]:
     kinds = p.kv_kinds()
-    names = {FULL: "full attention", MLA: "MLA latent", "sliding": "sliding window", CONV: "short-conv state"}
+    names = {FULL: "full attention", MLA: "MLA latent", "sliding": "sliding window", CONV: "short-conv state",
+             CSA: "CSA compressed", HCA: "HCA compressed", INDEXER: "indexer keys"}
     out = [_kv_header(p)]
     for kind, k in kinds.items():
         spec = {FULL: "FullAttentionSpec", MLA: "MLAAttentionSpec"}.get(
             kind, f"SlidingWindowSpec(window {k['sliding_window']})")
+        if k["tokens_per_state"] > 1:  # DeepSeek-V4's compressed caches: one state per tokens_per_state
+            spec = f"MLAAttentionSpec(1 per {k['tokens_per_state']})"
         unit = "B/token/layer" if kind != CONV else "B/state/layer"
         packed = "latent" if kind == MLA else "packed"
         width = f"K+V {k['head_size']}" if k["head_size_v"] else f"{packed} {k['head_size']}"
-        out.append(f"  {names[kind]:<16} {k['layers']:>2} layers  {spec:<29} {k['num_kv_heads_per_rank']} heads x "
-                   f"{width:<11}  {k['bytes_per_token_per_layer']:>6,} {unit}  page "
+        per = f"{k['bytes_per_token_per_layer']:,}" if k["tokens_per_state"] == 1 else \
+            f"{k['state_bytes']}/{k['tokens_per_state']}"
+        out.append(f"  {names.get(kind, kind):<16} {k['layers']:>2} layers  {spec:<29} {k['num_kv_heads_per_rank']} "
+                   f"heads x {width:<11}  {per:>6} {unit}  page "
                    f"{k['page_size_bytes']:,} (block {k['block_size']})  request "
                    f"{in_units(k['request_bytes'], 'GiB')} GiB")
     groups: dict[str, int] = defaultdict(int)

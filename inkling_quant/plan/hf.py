@@ -15,6 +15,7 @@ the routed experts E x 3 x H x I, and shared experts (n_shared_experts x moe_int
 or shared_expert_intermediate_size with its [1, H] gate, or Llama 4's one of intermediate_size);
 the final norm; lm_head [V, H] unless tie_word_embeddings. The vision tower and projector are
 not derived from a config: they are read from the checkpoint's shard headers when there is one.
+DeepSeek-V4's tensors and caches follow their own rules (plan/deepseek_v4.py).
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from ..model.fields import ConfigFields
 from ..model.sources import source_quant
 from ..errors import ConfigError, UsageError
 from ..errors import short_repr as _short
-from .placement import HEADS, KV_HEADS, REPLICATED, TP_SPLIT, VOCAB, Weights, add_experts, module_expert_bytes, rank_bytes
+from . import deepseek_v4
+from .placement import HEADS, KV_HEADS, REPLICATED, TP_SPLIT, VOCAB, Weights, add_experts, rank_bytes
 
 # Keys that announce an attention or state kind the plan does not model (the first found is named).
 UNMODELLED_KEYS = {
@@ -88,6 +90,8 @@ class HFText:
     max_position_embeddings: int
     source_format: str | None = None      # a quantized source's format (model.sources: fp8_block, mxfp4)
     source_experts_only: bool = True      # only its routed experts are stored so (MXFP4), else its Linears (FP8)
+    source_expert_format: str | None = None  # its routed experts' (DeepSeek-V4's MXFP4 beside FP8 Linears)
+    v4: "deepseek_v4.V4Dims | None" = None  # DeepSeek-V4's attention and hyper-connections (plan.deepseek_v4)
 
     @property
     def dtype_bytes(self) -> int:
@@ -141,9 +145,15 @@ def _text(d: dict, source: str) -> tuple[HFText, list[str]]:
     from ..model.layout import MoEConfig
 
     moe = MoEConfig.from_dict(d, source)  # the one check of what the config holds; then what plan models
-    _refuse_unmodelled(d, source)
     t = ConfigFields(d["text_config"] if moe.nested else d, "text_config." if moe.nested else "", source)
     o, mt, notes, family = t.obj, moe.model_type, [], moe.family
+    v4 = deepseek_v4.dims(t, moe.num_hidden_layers) if family.name == "deepseek_v4" else None
+    if v4 is None:  # DeepSeek-V4's compressed and sparse attention is modelled by its own rules
+        _refuse_unmodelled(d, source)
+    else:
+        notes.append("DeepSeek-V4: the KV caches vLLM 0.33 allocates for it (fp8_ds_mla, packed block-outermost, "
+                     "the same on every TP rank); its compressor states' windows grow with the tokens in flight, "
+                     "not with --max-model-len (docs/budget.md)")
     heads = t.int("num_attention_heads")
     kv = heads if o.get("num_key_value_heads") is None else t.int("num_key_value_heads", hi=heads)
     if o.get("head_dim") is None and moe.hidden_size % heads:
@@ -167,7 +177,7 @@ def _text(d: dict, source: str) -> tuple[HFText, list[str]]:
     if _count(t, "num_nextn_predict_layers"):
         notes.append("num_nextn_predict_layers: the MTP layer(s) are not counted (transformers does not build "
                      "them; vLLM loads them only for MTP speculative decoding)")
-    window, bias = _window(t, notes), t.bool("attention_bias", False)
+    window, bias = (None if v4 else _window(t, notes)), t.bool("attention_bias", False)
     sq = source_quant(d, source)
     text = HFText(
         model_type=mt, vocab_size=t.int("vocab_size"), hidden_size=moe.hidden_size,
@@ -179,14 +189,16 @@ def _text(d: dict, source: str) -> tuple[HFText, list[str]]:
         score_bias=family.score_bias or o.get("topk_method") == "noaux_tc", mla=mla, sliding_window=window,
         tie_word_embeddings=_tie(d, t, source), dtype=_dtype(d, t, source),
         max_position_embeddings=t.int("max_position_embeddings", hi=1 << 40),
-        source_format=sq.format if sq else None, source_experts_only=sq.experts_only if sq else True)
+        source_format=sq.format if sq else None, source_experts_only=sq.experts_only if sq else True,
+        source_expert_format=sq.expert_format if sq else None, v4=v4)
     if not family.tested:
         notes.append(f"model_type {mt!r}: not one of the families whose counts were checked against transformers "
                      f"({', '.join(tested_names())}); the generic rules apply (docs/budget.md)")
     if sq is not None:
         notes.append(f"a quantized source ({sq.describe()}): the figures are for what convert writes from it: "
                      + ("" if sq.experts_only else "the FP8 projections outside the routed experts kept FP8 (ModelOpt's "
-                        "FP8_PB_WO: 1 byte per weight and an fp32 scale per 128x128 tile), ")
+                        "FP8_PB_WO: 1 byte per weight and an fp32 scale per 128x128 tile; DeepSeek-V4's form keeps "
+                        "its UE8M0 scales, 1 byte each), ")
                      + "the routed experts per --scheme (as stored where it leaves them alone)")
     elif isinstance(d.get("quantization_config"), dict) or isinstance(o.get("quantization_config"), dict):
         notes.append("config.json has a quantization_config: the figures are for converting the BF16 model "
@@ -294,14 +306,20 @@ def _kept_by_source(t: HFText, name: str, part: str) -> bool:
     """Whether a quantized source stores this tensor in its format and convert keeps it so: an
     FP8 source's projections outside the routed experts (attention, dense MLPs, shared experts;
     FineGrainedFP8's Linear modules, not the routers, norms, embeddings or LM head)."""
-    return (t.source_format is not None and not t.source_experts_only
-            and part in ("attention", "dense_mlp", "shared_expert") and name.endswith(("_proj.weight", "_mqa.weight")))
+    if t.source_format is None or t.source_experts_only:
+        return False
+    if t.v4 is not None:
+        return deepseek_v4.is_fp8(name)
+    return part in ("attention", "dense_mlp", "shared_expert") and name.endswith(("_proj.weight", "_mqa.weight"))
 
 
 # --------------------------------------------------------------------------- tensors
 def text_tensors(t: HFText) -> Iterator[tuple[str, str, str, tuple[int, ...]]]:
     """(name, part, split, shape) of every text tensor but the routed experts, under
     transformers' names without the model prefix. Splits as vLLM 0.33's generic layers shard them."""
+    if t.v4 is not None:
+        yield from deepseek_v4.tensors(t)
+        return
     H, V = t.hidden_size, t.vocab_size
     yield "embed_tokens.weight", "embed", VOCAB, (V, H)       # VocabParallelEmbedding (qwen3_moe.py:468)
     for i in range(t.num_hidden_layers):
@@ -379,7 +397,7 @@ def param_counts(m: HFModel):
     per_expert = 3 * t.hidden_size * t.moe_intermediate_size
     counts = {"embed": 0, "lm_head": 0, "other": 0}
     for name, part, _, shape in text_tensors(t):
-        if not name.endswith("e_score_correction_bias"):
+        if not name.endswith("e_score_correction_bias") and not deepseek_v4.is_buffer(name):
             counts[part if part in counts else "other"] += math.prod(shape)
     n_moe = len(t.moe_layers)
     return ParamCounts(routed_experts=n_moe * t.n_routed_experts * per_expert, embed=counts["embed"],
@@ -392,6 +410,8 @@ def check_parallel(t: HFText, tp: int) -> None:
     """What vLLM's parallel layers assert of the text model at TP = tp."""
     if tp < 1:
         raise UsageError(f"--tp must be at least 1, got {tp}")
+    if t.v4 is not None:
+        return deepseek_v4.check_parallel(t, tp)
     needs = [("num_attention_heads", t.num_attention_heads)]
     needs += [("dense MLP width (intermediate_size)", t.dense_width)] if t.dense_width else []
     needs += [("shared-expert width", t.shared_width)] if t.shared_width else []
@@ -418,14 +438,24 @@ def weight_bytes(m: HFModel, scheme_name: str, tp: int, ep: bool = True) -> Weig
     src = get_format(t.source_format, source=True) if t.source_format else None
     for name, part, split, shape in text_tensors(t):
         fmt = src if _kept_by_source(t, name, part) else stored
-        nbytes = fmt.nbytes(shape, dtype)
+        nbytes = deepseek_v4.fp8_bytes(fmt, shape) if t.v4 and fmt is src else fmt.nbytes(shape, _dtype_of(t, name, dtype))
         w.add(part, fmt.name, nbytes, rank_bytes(nbytes, shape[0], split, tp, t.num_key_value_heads),
               math.prod(shape), split)
 
-    def expert_bytes(fmt, inter, hidden, dt):  # experts the scheme leaves alone stay as the source stores them
-        return module_expert_bytes(src if src is not None and fmt is stored else fmt, inter, hidden, dt)
-    add_experts(w, t, scheme, t.moe_layers, tp, ep, dtype, expert_bytes)
+    # experts the scheme leaves alone stay as the source stores them
+    kept = get_format(t.source_expert_format or t.source_format, source=True) if t.source_format else None
+    add_experts(w, t, scheme, t.moe_layers, tp, ep, dtype, kept=kept)
     for name, shape, nbytes in m.vision or ():  # replicated: the upper bound
         part = "projector" if name.startswith(("model.multi_modal_projector.", "multi_modal_projector.")) else "vision"
         w.add(part, stored.name, nbytes, nbytes, math.prod(shape), REPLICATED)
     return w
+
+
+def _dtype_of(t: HFText, name: str, dtype):
+    """The dtype a tensor the config does not quantize is held in: the config's, but DeepSeek-V4's
+    fp32 and int64 small tensors (plan.deepseek_v4)."""
+    import torch
+
+    if t.v4 is None:
+        return dtype
+    return torch.int64 if name.endswith("tid2eid") else torch.float32 if deepseek_v4.is_fp32(name) else dtype

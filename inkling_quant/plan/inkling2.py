@@ -38,7 +38,8 @@ from .hf import HFModel, is_hf_moe
 from .hf import check_parallel as hf_check_parallel
 from .hf import param_counts as hf_param_counts
 from .hf import weight_bytes as hf_weight_bytes
-from .kvcache import DEFAULT_BLOCK_SIZE, KINDS, KVLayout, hf_layer_specs, kv_layout, layer_specs
+from . import deepseek_v4
+from .kvcache import DEFAULT_BLOCK_SIZE, KINDS, KVLayout, hf_layer_specs, kv_layout, layer_specs, packed_layout
 from .moe_checks import ARCHS, ENGINE, FAIL, Check, moe_checks
 from .placement import (HEADS, HIDDEN, KV_HEADS, REPLICATED, VOCAB, Weights, add_experts,  # noqa: F401
                         module_expert_bytes, rank_bytes)
@@ -329,6 +330,7 @@ class ServingPlan:
             out[kind] = {"layers": len(specs), "num_kv_heads_per_rank": s.num_kv_heads, "head_size": s.head_size,
                          "head_size_v": s.head_size_v, "block_size": s.block_size, "sliding_window": s.sliding_window,
                          "page_size_bytes": s.page_size_bytes, "bytes_per_token_per_layer": s.bytes_per_token,
+                         "tokens_per_state": s.tokens_per_state, "state_bytes": s.state_size_bytes,
                          "request_bytes": needed.get(kind, 0)}
         return out
 
@@ -428,17 +430,22 @@ def plan(cfg: Inkling2Config | HFModel, gpu: str = "gb200", tp: int = 4, *, ep: 
         raise UsageError(f"--max-model-len must be between 1 and max_position_embeddings ({upper}), got {length}")
     hf = not cfg.family.strict  # planned from the family's rules (plan.hf), not from a published spec
     variant, scheme = _variant_and_scheme(cfg, hf, variant, scheme)
+    layout = kv_layout
     if hf:
         hf_check_parallel(cfg.text, tp)
         include_draft = False
         w, params = hf_weight_bytes(cfg, scheme, tp, ep), hf_param_counts(cfg)
-        specs = hf_layer_specs(cfg.text, tp, block_size)
+        if cfg.text.v4 is not None:  # vLLM resolves its backends' block size (256) where none is given
+            block_size = deepseek_v4.BLOCK if block_size == DEFAULT_BLOCK_SIZE else block_size
+            specs, layout = deepseek_v4.kv_specs(cfg.text, block_size), packed_layout
+        else:
+            specs = hf_layer_specs(cfg.text, tp, block_size)
     else:
         check_parallel(cfg, tp)
         form = release_expert_bytes if variant else module_expert_bytes
         w, params = weight_bytes(cfg, scheme, tp, ep, include_draft, form), param_counts(cfg)
         specs = layer_specs(cfg.text, tp, block_size)
-    kv = kv_layout(specs, concurrent_batches * batched)
+    kv = layout(specs, concurrent_batches * batched)
     return ServingPlan(cfg=cfg, gpu=g, tp=tp, ep=ep, scheme=scheme, max_model_len=length, max_num_seqs=max_num_seqs,
                 utilization=utilization, max_num_batched_tokens=batched, concurrent_batches=concurrent_batches,
                 reserve_bytes=round(reserve_gib * GiB), include_draft=include_draft, block_size=block_size,

@@ -21,7 +21,8 @@ or DeepSeek's `MLAAttentionSpec` (one latent "head" of kv_lora_rank + qk_rope_he
 by TP).
 
 Pages are unified and layers grouped as vllm/v1/core/kv_cache_planning.py does (docs/budget.md
-cites the lines). `plan.inkling2.plan` asks it. Light: no torch.
+cites the lines); DeepSeek-V4's caches (`plan.deepseek_v4.kv_specs`) are packed block-outermost
+instead (`packed_layout`). `plan.inkling2.plan` asks it. Light: no torch.
 """
 from __future__ import annotations
 
@@ -37,7 +38,12 @@ if TYPE_CHECKING:
 DEFAULT_BLOCK_SIZE = 16   # CacheConfig.block_size on CUDA
 DTYPE_BYTES = 2           # BF16: --kv-cache-dtype auto = the model dtype; the conv state asserts bf16
 FULL, SLIDING, CONV, MLA = "full", "sliding", "conv", "mla"
-KINDS = (FULL, MLA, SLIDING, CONV)
+# DeepSeek-V4's (plan.deepseek_v4): the CSA and HCA layers' compressed KV and the indexer's keys
+# are full-history MLA specs, the compressors' running states sliding-window ones
+CSA, HCA, INDEXER = "csa", "hca", "indexer"
+CSA_STATE, HCA_STATE, INDEXER_STATE = "csa state", "hca state", "indexer state"
+KINDS = (FULL, MLA, CSA, HCA, INDEXER, SLIDING, CSA_STATE, INDEXER_STATE, HCA_STATE, CONV)
+FULL_HISTORY = (FULL, MLA, CSA, HCA, INDEXER)  # FullAttentionSpec's admission rule; the rest a window's
 
 
 class LatentDims(Protocol):
@@ -86,12 +92,19 @@ class KVSpec:
     sliding_window: int | None = None
     page_size_padded: int | None = None
     dtype_bytes: int = DTYPE_BYTES
+    tokens_per_state: int = 1      # a compressed cache's tokens per stored state (DeepSeek-V4's 4, 128)
+    state_bytes: int = 0           # one state's bytes where a layout fixes them (fp8_ds_mla's 584); 0: heads x dtype
+
+    @property
+    def state_size_bytes(self) -> int:
+        """One stored state (a token's, or a compressed cache's tokens_per_state tokens') on this
+        GPU: (head_size + head_size_v) * dtype per head unless the spec sets it (kv_cache_interface.py:586-590)."""
+        return self.num_kv_heads * (self.state_bytes or (self.head_size + self.head_size_v) * self.dtype_bytes)
 
     @property
     def real_page_size_bytes(self) -> int:
-        # AttentionSpec: num_heads * num_states (= block_size tokens) * (head_size + head_size_v) * dtype
-        # (kv_cache_interface.py:586-597)
-        return self.num_kv_heads * self.block_size * (self.head_size + self.head_size_v) * self.dtype_bytes
+        # AttentionSpec: num_states (block_size / tokens_per_state) * a state (kv_cache_interface.py:593-601)
+        return self.block_size // self.tokens_per_state * self.state_size_bytes
 
     @property
     def page_size_bytes(self) -> int:
@@ -104,7 +117,7 @@ class KVSpec:
 
     def max_memory_usage_bytes(self, max_model_len: int, max_in_flight_tokens: int) -> int:
         """One request's admission cap (kv_cache_interface.py:643-648 full, 917-955 sliding)."""
-        if self.kind in (FULL, MLA):  # MLAAttentionSpec is a FullAttentionSpec (kv_cache_interface.py:729)
+        if self.kind in FULL_HISTORY:  # MLAAttentionSpec is a FullAttentionSpec (kv_cache_interface.py:729)
             return cdiv(max_model_len, self.block_size) * self.page_size_bytes
         # the last sliding_window - 1 tokens plus every scheduled-but-unsettled token, capped by
         # max_model_len, +1 block because the window need not start at a block boundary
@@ -150,8 +163,14 @@ def hf_layer_specs(text: AttentionDims, tp: int, block_size: int = DEFAULT_BLOCK
 
 @dataclass(frozen=True)
 class KVGroup:
-    spec: KVSpec      # after page unification
+    spec: KVSpec      # after page unification (a packed group: its first layer's)
     num_layers: int
+    layers: tuple[KVSpec, ...] = ()  # a packed group's layers, pages of several sizes side by side
+
+    @property
+    def page_bytes(self) -> int:
+        """One block of the group: a page of each of its layers."""
+        return sum(s.page_size_bytes for s in self.layers) if self.layers else self.spec.page_size_bytes * self.num_layers
 
 
 @dataclass(frozen=True)
@@ -161,7 +180,7 @@ class KVLayout:
     blocks of `bytes_per_block` (one page of every layer of the widest group); a request of
     length L takes `blocks(L)` of them, summed over groups."""
 
-    mode: str                     # "uniform", "uniform_type" or "hybrid"
+    mode: str                     # "uniform", "uniform_type", "hybrid" or "packed"
     groups: tuple[KVGroup, ...]
     bytes_per_block: int
     specs: tuple[KVSpec, ...]     # per layer, unified
@@ -189,7 +208,11 @@ class KVLayout:
                 out[s.kind] += s.max_memory_usage_bytes(max_model_len, self.max_in_flight_tokens)
             return out
         for g in self.groups:
-            out[g.spec.kind] += self.bytes_per_block * self.group_blocks(g, max_model_len)
+            blocks = self.bytes_per_block * self.group_blocks(g, max_model_len)
+            if not g.layers:
+                out[g.spec.kind] += blocks
+            for s in g.layers:  # a packed group's blocks shared out by its layers' page bytes
+                out[s.kind] += blocks * s.page_size_bytes // g.page_bytes
         return out
 
     def usable(self, available: int) -> int:
@@ -265,3 +288,44 @@ def kv_layout(specs: list[KVSpec], max_in_flight_tokens: int) -> KVLayout:
     page = unified[0].page_size_bytes
     return KVLayout("hybrid", tuple(groups), page * max(g.num_layers for g in groups), tuple(unified),
                     max_in_flight_tokens)
+
+
+def _approximate_gcd(values: list[int], lower_bound: int) -> int:
+    """The chunk d >= lower_bound that pads `values` up to multiples of d least, ties to the larger
+    (kv_cache_planning.py:876-911)."""
+    if lower_bound > max(values):
+        return lower_bound
+    pads = {d: sum(-x % d for x in values) for d in range(max(1, lower_bound), max(values) + 1)}
+    return min(pads, key=lambda d: (pads[d], -d))
+
+
+def packed_layout(specs: list[KVSpec], max_in_flight_tokens: int) -> KVLayout:
+    """vLLM 0.33's grouping for a block-outermost layout (kv_cache_planning.py:914-1041
+    `_get_packed_kv_cache_groups`; DeepSeek-V4's indexer backend allows no other, indexer.py:348-352):
+    no page unification; layers bucketed by block size and kind of window; a bucket with as many
+    layers of each page size (one pattern of them per repeat) split into groups of the same number
+    of repeats, `_approximate_gcd` of the balanced buckets' counts at least the largest mixed one's;
+    any other bucket one group. A block holds one page of each layer of a group, side by side: its
+    bytes are the largest group's (`_get_kv_cache_bytes_per_block`, l.574-605). The sliding-window
+    state buckets' cap (l.992-1024) applies only where no bucket mixes page sizes, which
+    DeepSeek-V4's CSA layers always make."""
+    if not specs:
+        raise UsageError("the model has no attention layers: nothing to plan a KV cache for")
+    buckets: dict[tuple, dict[int, list[KVSpec]]] = {}
+    for s in specs:  # UniformTypeKVCacheSpecs.is_uniform_type: one block size, one kind of window
+        by_page = buckets.setdefault((s.block_size, s.kind in FULL_HISTORY, s.sliding_window), {})
+        by_page.setdefault(s.page_size_bytes, []).append(s)
+    info = [(b, len({len(v) for v in b.values()}) == 1, max(len(v) for v in b.values())) for b in buckets.values()]
+    floor = max((n for b, balanced, n in info if balanced and len(b) > 1), default=0)
+    if not floor:
+        raise UsageError("no bucket of the KV caches mixes page sizes: the packed layout is DeepSeek-V4's (its CSA "
+                         "layers), not this model's")
+    repeats = _approximate_gcd([n for _, balanced, n in info if balanced], floor)
+    groups = []
+    for b, balanced, n in info:
+        count = cdiv(n, repeats) if balanced else 1
+        pattern = list(zip(*b.values())) if balanced else [tuple(s for v in b.values() for s in v)]
+        for i in range(count):
+            layers = tuple(s for rep in pattern[i::count] for s in rep)
+            groups.append(KVGroup(layers[0], len(layers), layers))
+    return KVLayout("packed", tuple(groups), max(g.page_bytes for g in groups), tuple(specs), max_in_flight_tokens)

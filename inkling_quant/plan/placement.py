@@ -70,8 +70,9 @@ def module_expert_bytes(fmt, inter: int, hidden: int, dtype) -> int:
 
 
 def add_experts(w: Weights, text, scheme, layers, tp: int, ep: bool, dtype,
-                expert_bytes: Callable = module_expert_bytes) -> None:
-    """The routed experts of `layers` into `w`, each layer in the format the scheme names for it,
+                expert_bytes: Callable = module_expert_bytes, kept=None) -> None:
+    """The routed experts of `layers` into `w`, each layer in the format the scheme names for it
+    (where it leaves them alone and a quantized source stores them in `kept`, that format),
     `expert_bytes(fmt, width, hidden, dtype)` bytes per expert (the format asked for its own size,
     in the checkpoint's layout; `dtype`: what passthrough stores). Per rank: whole experts with
     EP (the fullest rank cdiv(E, EP): vLLM's expert map, Inkling's moe.py:440,
@@ -81,6 +82,7 @@ def add_experts(w: Weights, text, scheme, layers, tp: int, ep: bool, dtype,
     H, inter, n = text.hidden_size, text.moe_intermediate_size, text.n_routed_experts
     for i in layers:
         fmt = scheme.format_for(text, TensorName(f"layers.{i}.mlp.experts", "expert", i))
+        fmt = kept if kept is not None and fmt.name == "passthrough" else fmt
         per_expert = expert_bytes(fmt, inter, H, dtype)
         on_rank = per_expert * cdiv(n, tp) if ep else _tp_expert_bytes(fmt, expert_bytes, inter, H, per_expert, tp,
                                                                       dtype) * n
