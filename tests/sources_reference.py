@@ -199,7 +199,7 @@ K3_TEXT = {"model_type": "kimi_linear", "vocab_size": 96, "hidden_size": 256, "i
            "mla_use_output_gate": True, "attn_res_block_size": 2, "tie_word_embeddings": False,
            "linear_attn_config": {"kda_layers": [1, 2], "full_attn_layers": [3], "num_heads": 2, "head_dim": 64,
                                   "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "use_full_rank_gate": True},
-           "hidden_act": "situ", "torch_dtype": "bfloat16"}
+           "hidden_act": "situ", "torch_dtype": "bfloat16", "max_position_embeddings": 4096}
 
 
 def kimi_k3_release(out: Path, seed: int = 0) -> Path:

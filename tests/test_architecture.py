@@ -20,7 +20,7 @@ LAYERS = [
     ("inkling_quant.export",),
     # plan/: on model knowledge, formats and schemes (the `plan` command: cli/plan.py, with the others)
     ("inkling_quant.plan.units", "inkling_quant.plan.placement", "inkling_quant.plan.kvcache",
-     "inkling_quant.plan.moe_checks", "inkling_quant.plan.deepseek_v4"),
+     "inkling_quant.plan.moe_checks", "inkling_quant.plan.deepseek_v4", "inkling_quant.plan.kimi_k3"),
     ("inkling_quant.plan.hf", "inkling_quant.plan.inkling2"),
     ("inkling_quant.plan",),
 ]

@@ -11,7 +11,7 @@ from collections import defaultdict
 from ..errors import UsageError
 from ..plan.inkling2 import (ASYNC_BATCHES, DEFAULT_BLOCK_SIZE, DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION, GPUS,
                              VARIANTS, ServingPlan, load_config, plan, recipe_rows)
-from ..plan.kvcache import CONV, CSA, FULL, HCA, INDEXER, MLA
+from ..plan.kvcache import CONV, CSA, FULL, HCA, INDEXER, KDA, MLA
 from ..plan.moe_checks import ARCHS, ENGINE, FAIL, PASS
 from ..plan.placement import KV_HEADS, REPLICATED
 from ..plan.units import in_units
@@ -135,13 +135,14 @@ def render_kv(p: ServingPlan) -> list[str]:
     for kind, k in kinds.items():
         spec = {FULL: "FullAttentionSpec", MLA: "MLAAttentionSpec"}.get(
             kind, f"SlidingWindowSpec(window {k['sliding_window']})")
-        if k["tokens_per_state"] > 1:  # DeepSeek-V4's compressed caches: one state per tokens_per_state
-            spec = f"MLAAttentionSpec(1 per {k['tokens_per_state']})"
-        unit = "B/token/layer" if kind != CONV else "B/state/layer"
+        unit = "B/token/layer" if kind not in (CONV, KDA) else "B/state/layer"
         packed = "latent" if kind == MLA else "packed"
         width = f"K+V {k['head_size']}" if k["head_size_v"] else f"{packed} {k['head_size']}"
-        per = f"{k['bytes_per_token_per_layer']:,}" if k["tokens_per_state"] == 1 else \
-            f"{k['state_bytes']}/{k['tokens_per_state']}"
+        per = f"{k['bytes_per_token_per_layer']:,}"
+        if kind == KDA:  # Kimi-K3: one conv + recurrent state a request, its page padded to the MLA page
+            spec, width, per = f"MambaSpec(align, {k['state_blocks']} blocks)", "conv+ssm", f"{k['state_bytes']:,}"
+        elif k["tokens_per_state"] > 1:  # DeepSeek-V4's compressed caches: one state per tokens_per_state
+            spec, per = f"MLAAttentionSpec(1 per {k['tokens_per_state']})", f"{k['state_bytes']}/{k['tokens_per_state']}"
         out.append(f"  {names.get(kind, kind):<16} {k['layers']:>2} layers  {spec:<29} {k['num_kv_heads_per_rank']} "
                    f"heads x {width:<11}  {per:>6} {unit}  page "
                    f"{k['page_size_bytes']:,} (block {k['block_size']})  request "

@@ -91,6 +91,11 @@ class TextConfig:
     def full_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
 
+    @property
+    def expert_hidden(self) -> int:
+        """The width routed experts act on: hidden_size (the plans ask it of every family's text model)."""
+        return self.hidden_size
+
 
 @dataclass(frozen=True)
 class VisionConfig:

@@ -29,7 +29,7 @@ from ..model.fields import ConfigFields
 from ..model.sources import source_quant
 from ..errors import ConfigError, UsageError
 from ..errors import short_repr as _short
-from . import deepseek_v4
+from . import deepseek_v4, kimi_k3
 from .placement import HEADS, KV_HEADS, REPLICATED, TP_SPLIT, VOCAB, Weights, add_experts, rank_bytes
 
 # Keys that announce an attention or state kind the plan does not model (the first found is named).
@@ -43,7 +43,7 @@ UNMODELLED_KEYS = {
     "ssm_state_size": "SSM state",
     "mamba_d_state": "SSM state",
     "index_topk": "DeepSeek sparse attention's indexer cache",
-    "linear_attn_config": "Kimi Delta Attention (KDA) layers and their recurrent state",  # Kimi-K3
+    "linear_attn_config": "Kimi Delta Attention (KDA) layers outside Kimi-K3 (plan.kimi_k3)",
 }
 FULL_TYPES = ("full_attention", "attention")
 DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -92,10 +92,16 @@ class HFText:
     source_experts_only: bool = True      # only its routed experts are stored so (MXFP4), else its Linears (FP8)
     source_expert_format: str | None = None  # its routed experts' (DeepSeek-V4's MXFP4 beside FP8 Linears)
     v4: "deepseek_v4.V4Dims | None" = None  # DeepSeek-V4's attention and hyper-connections (plan.deepseek_v4)
+    k3: "kimi_k3.K3Dims | None" = None      # Kimi-K3's KDA/MLA layers and latent MoE (plan.kimi_k3)
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPES[self.dtype]
+
+    @property
+    def expert_hidden(self) -> int:
+        """The width routed experts act on (Kimi-K3's latent MoE: routed_expert_hidden_size)."""
+        return self.k3.latent if self.k3 is not None else self.hidden_size
 
     @property
     def moe_layers(self) -> list[int]:
@@ -148,15 +154,20 @@ def _text(d: dict, source: str) -> tuple[HFText, list[str]]:
     t = ConfigFields(d["text_config"] if moe.nested else d, "text_config." if moe.nested else "", source)
     o, mt, notes, family = t.obj, moe.model_type, [], moe.family
     v4 = deepseek_v4.dims(t, moe.num_hidden_layers) if family.name == "deepseek_v4" else None
-    if v4 is None:  # DeepSeek-V4's compressed and sparse attention is modelled by its own rules
+    k3 = kimi_k3.dims(t, moe.num_hidden_layers) if family.name == "kimi_k3" else None
+    if v4 is None and k3 is None:  # their attention is modelled by their own rules
         _refuse_unmodelled(d, source)
-    else:
+    if v4 is not None:
         notes.append("DeepSeek-V4: the KV caches vLLM 0.33 allocates for it (fp8_ds_mla, packed block-outermost, "
                      "the same on every TP rank); its compressor states' windows grow with the tokens in flight, "
                      "not with --max-model-len (docs/budget.md)")
+    if k3 is not None:
+        notes.append("Kimi-K3: its KDA layers' state as vLLM 0.33 keeps it with prefix caching on (its default for "
+                     "hybrid models: 3 blocks a request per group, FlashKDA's checkpoint included), its MLA layers' "
+                     "latent on every TP rank (docs/budget.md)")
     heads = t.int("num_attention_heads")
     kv = heads if o.get("num_key_value_heads") is None else t.int("num_key_value_heads", hi=heads)
-    if o.get("head_dim") is None and moe.hidden_size % heads:
+    if o.get("head_dim") is None and moe.hidden_size % heads and k3 is None:  # K3's widths are its MLA/KDA keys
         raise ConfigError(f"{t.where}num_attention_heads {heads} does not divide hidden_size {moe.hidden_size} and "
                           f"there is no head_dim: the attention's width is not in the config", path=source)
     head_dim = moe.hidden_size // heads if o.get("head_dim") is None else t.int("head_dim")
@@ -170,7 +181,7 @@ def _text(d: dict, source: str) -> tuple[HFText, list[str]]:
         raise ConfigError(f"{t.where}intermediate_size is the expert width here, and the config names dense "
                           f"layers {sorted(dense)}: their width is not in the config", path=source)
     shared, gate = _shared(t, moe.expert_width, family.shared_expert_per_layer)
-    mla = _mla(t) if o.get("kv_lora_rank") is not None else None
+    mla = _mla(t) if o.get("kv_lora_rank") is not None and k3 is None else None
     if mla is not None:
         notes.append("MLA: vLLM's MLAAttentionSpec caches one latent of kv_lora_rank + qk_rope_head_dim per token "
                      "and layer on every GPU (not split by TP)")
@@ -190,7 +201,7 @@ def _text(d: dict, source: str) -> tuple[HFText, list[str]]:
         tie_word_embeddings=_tie(d, t, source), dtype=_dtype(d, t, source),
         max_position_embeddings=t.int("max_position_embeddings", hi=1 << 40),
         source_format=sq.format if sq else None, source_experts_only=sq.experts_only if sq else True,
-        source_expert_format=sq.expert_format if sq else None, v4=v4)
+        source_expert_format=sq.expert_format if sq else None, v4=v4, k3=k3)
     if not family.tested:
         notes.append(f"model_type {mt!r}: not one of the families whose counts were checked against transformers "
                      f"({', '.join(tested_names())}); the generic rules apply (docs/budget.md)")
@@ -254,7 +265,8 @@ def _count(t: ConfigFields, key: str) -> int:
 
 
 def _shared(t: ConfigFields, width: int, per_layer: bool) -> tuple[int, bool]:
-    if n := _count(t, "n_shared_experts"):  # DeepSeek: one MLP of n x moe_intermediate_size
+    # DeepSeek (Kimi-K3: num_shared_experts, kimi_linear.py:35): one MLP of n x moe_intermediate_size
+    if n := _count(t, "n_shared_experts") or _count(t, "num_shared_experts"):
         return n * width, False
     if w := _count(t, "shared_expert_intermediate_size"):  # Qwen2-MoE (and vLLM's Qwen3-MoE)
         return w, True
@@ -317,8 +329,8 @@ def _kept_by_source(t: HFText, name: str, part: str) -> bool:
 def text_tensors(t: HFText) -> Iterator[tuple[str, str, str, tuple[int, ...]]]:
     """(name, part, split, shape) of every text tensor but the routed experts, under
     transformers' names without the model prefix. Splits as vLLM 0.33's generic layers shard them."""
-    if t.v4 is not None:
-        yield from deepseek_v4.tensors(t)
+    if t.v4 is not None or t.k3 is not None:
+        yield from (deepseek_v4 if t.v4 is not None else kimi_k3).tensors(t)
         return
     H, V = t.hidden_size, t.vocab_size
     yield "embed_tokens.weight", "embed", VOCAB, (V, H)       # VocabParallelEmbedding (qwen3_moe.py:468)
@@ -394,7 +406,7 @@ def param_counts(m: HFModel):
     from ..model.inkling2 import ParamCounts
 
     t = m.text
-    per_expert = 3 * t.hidden_size * t.moe_intermediate_size
+    per_expert = 3 * t.expert_hidden * t.moe_intermediate_size
     counts = {"embed": 0, "lm_head": 0, "other": 0}
     for name, part, _, shape in text_tensors(t):
         if not name.endswith("e_score_correction_bias") and not deepseek_v4.is_buffer(name):
@@ -410,8 +422,8 @@ def check_parallel(t: HFText, tp: int) -> None:
     """What vLLM's parallel layers assert of the text model at TP = tp."""
     if tp < 1:
         raise UsageError(f"--tp must be at least 1, got {tp}")
-    if t.v4 is not None:
-        return deepseek_v4.check_parallel(t, tp)
+    if t.v4 is not None or t.k3 is not None:
+        return (deepseek_v4 if t.v4 is not None else kimi_k3).check_parallel(t, tp)
     needs = [("num_attention_heads", t.num_attention_heads)]
     needs += [("dense MLP width (intermediate_size)", t.dense_width)] if t.dense_width else []
     needs += [("shared-expert width", t.shared_width)] if t.shared_width else []
@@ -453,9 +465,11 @@ def weight_bytes(m: HFModel, scheme_name: str, tp: int, ep: bool = True) -> Weig
 
 def _dtype_of(t: HFText, name: str, dtype):
     """The dtype a tensor the config does not quantize is held in: the config's, but DeepSeek-V4's
-    fp32 and int64 small tensors (plan.deepseek_v4)."""
+    fp32 and int64 small tensors, Kimi-K3's fp32 KDA parameters (their plan modules)."""
     import torch
 
+    if t.k3 is not None:
+        return torch.float32 if kimi_k3.is_fp32(name) else dtype
     if t.v4 is None:
         return dtype
     return torch.int64 if name.endswith("tid2eid") else torch.float32 if deepseek_v4.is_fp32(name) else dtype

@@ -38,7 +38,7 @@ from .hf import HFModel, is_hf_moe
 from .hf import check_parallel as hf_check_parallel
 from .hf import param_counts as hf_param_counts
 from .hf import weight_bytes as hf_weight_bytes
-from . import deepseek_v4
+from . import deepseek_v4, kimi_k3
 from .kvcache import DEFAULT_BLOCK_SIZE, KINDS, KVLayout, hf_layer_specs, kv_layout, layer_specs, packed_layout
 from .moe_checks import ARCHS, ENGINE, FAIL, Check, moe_checks
 from .placement import (HEADS, HIDDEN, KV_HEADS, REPLICATED, VOCAB, Weights, add_experts,  # noqa: F401
@@ -331,6 +331,7 @@ class ServingPlan:
                          "head_size_v": s.head_size_v, "block_size": s.block_size, "sliding_window": s.sliding_window,
                          "page_size_bytes": s.page_size_bytes, "bytes_per_token_per_layer": s.bytes_per_token,
                          "tokens_per_state": s.tokens_per_state, "state_bytes": s.state_size_bytes,
+                         "state_blocks": s.state_blocks,
                          "request_bytes": needed.get(kind, 0)}
         return out
 
@@ -438,6 +439,8 @@ def plan(cfg: Inkling2Config | HFModel, gpu: str = "gb200", tp: int = 4, *, ep: 
         if cfg.text.v4 is not None:  # vLLM resolves its backends' block size (256) where none is given
             block_size = deepseek_v4.BLOCK if block_size == DEFAULT_BLOCK_SIZE else block_size
             specs, layout = deepseek_v4.kv_specs(cfg.text, block_size), packed_layout
+        elif cfg.text.k3 is not None:  # the attention block vLLM aligns to the KDA state
+            specs, block_size = kimi_k3.kv_specs(cfg.text, tp, block_size)
         else:
             specs = hf_layer_specs(cfg.text, tp, block_size)
     else:

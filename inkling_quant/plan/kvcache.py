@@ -42,7 +42,8 @@ FULL, SLIDING, CONV, MLA = "full", "sliding", "conv", "mla"
 # are full-history MLA specs, the compressors' running states sliding-window ones
 CSA, HCA, INDEXER = "csa", "hca", "indexer"
 CSA_STATE, HCA_STATE, INDEXER_STATE = "csa state", "hca state", "indexer state"
-KINDS = (FULL, MLA, CSA, HCA, INDEXER, SLIDING, CSA_STATE, INDEXER_STATE, HCA_STATE, CONV)
+KDA = "kda state"  # Kimi-K3's KDA layers' recurrent state (plan.kimi_k3): a MambaSpec
+KINDS = (FULL, MLA, CSA, HCA, INDEXER, SLIDING, CSA_STATE, INDEXER_STATE, HCA_STATE, KDA, CONV)
 FULL_HISTORY = (FULL, MLA, CSA, HCA, INDEXER)  # FullAttentionSpec's admission rule; the rest a window's
 
 
@@ -94,6 +95,7 @@ class KVSpec:
     dtype_bytes: int = DTYPE_BYTES
     tokens_per_state: int = 1      # a compressed cache's tokens per stored state (DeepSeek-V4's 4, 128)
     state_bytes: int = 0           # one state's bytes where a layout fixes them (fp8_ds_mla's 584); 0: heads x dtype
+    state_blocks: int = 0          # a recurrent state's blocks per request, whatever its length (KDA)
 
     @property
     def state_size_bytes(self) -> int:
@@ -117,6 +119,8 @@ class KVSpec:
 
     def max_memory_usage_bytes(self, max_model_len: int, max_in_flight_tokens: int) -> int:
         """One request's admission cap (kv_cache_interface.py:643-648 full, 917-955 sliding)."""
+        if self.kind == KDA:  # MambaSpec: blocks per request fixed by its cache mode (kv_cache_interface.py:1135-1141)
+            return self.state_blocks * self.page_size_bytes
         if self.kind in FULL_HISTORY:  # MLAAttentionSpec is a FullAttentionSpec (kv_cache_interface.py:729)
             return cdiv(max_model_len, self.block_size) * self.page_size_bytes
         # the last sliding_window - 1 tokens plus every scheduled-but-unsettled token, capped by

@@ -44,7 +44,7 @@ class ExpertDims(Protocol):
     shares. A Protocol, so that this module imports neither plan."""
 
     @property
-    def hidden_size(self) -> int: ...
+    def expert_hidden(self) -> int: ...
     @property
     def moe_intermediate_size(self) -> int: ...
     @property
@@ -123,7 +123,7 @@ def moe_checks(cfg: MoEModel, tp: int, ep: bool, formats: set[str], recipe: bool
     TextConfig does (a standard HF config's `plan.hf.HFText` too); `recipe`: the EP advice cites
     Inkling's recipe."""
     t, a = cfg.text, arch_of(arch)
-    H, inter = t.hidden_size, t.moe_intermediate_size
+    H, inter = t.expert_hidden, t.moe_intermediate_size
     if not ep and inter % tp:
         return [Check(FAIL, f"TP{tp} does not divide moe_intermediate_size {inter}: experts cannot be "
                             f"TP-sharded; use EP", "expert width",
@@ -158,7 +158,7 @@ def _scale_groups(name: str, H: int, i_r: int, where: str, ep: bool) -> Check:
     from ..formats import FORMATS
 
     block = FORMATS[name].block_size
-    bad = [f"{dim} {n}" for dim, n in (("hidden_size", H), ("per-rank expert width", i_r)) if n % block]
+    bad = [f"{dim} {n}" for dim, n in (("expert hidden width", H), ("per-rank expert width", i_r)) if n % block]
     if bad:
         return Check(FAIL, f"{name}: {' and '.join(bad)} not a multiple of the {block}-value scale group ({where}): "
                            f"groups would straddle ranks, and no fix is in {ENGINE}", "scale groups",

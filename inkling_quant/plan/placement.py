@@ -79,7 +79,7 @@ def add_experts(w: Weights, text, scheme, layers, tp: int, ep: bool, dtype,
     fused_moe/expert_map_manager.py:67-69), else every expert's intermediate dim / TP."""
     from ..model.tensors import TensorName
 
-    H, inter, n = text.hidden_size, text.moe_intermediate_size, text.n_routed_experts
+    H, inter, n = text.expert_hidden, text.moe_intermediate_size, text.n_routed_experts
     for i in layers:
         fmt = scheme.format_for(text, TensorName(f"layers.{i}.mlp.experts", "expert", i))
         fmt = kept if kept is not None and fmt.name == "passthrough" else fmt
