@@ -365,8 +365,10 @@ def _ranges(per_layer: dict[int, tuple[str, int]]) -> list[dict]:
 
 
 def render(s: Summary) -> str:
+    source = (s.detected or {}).get("source_format")
     out = [f"{s.root}: {s.tensors:,} tensors in {s.shards} shard(s), {human_bytes(s.file_bytes, 2)}"
-           + (f", quant_algo {s.quant_algo}" if s.quant_algo else ", no quantization_config")]
+           + (f", quant_algo {s.quant_algo}" if s.quant_algo else
+              f", a source's quantization_config ({source})" if source else ", no quantization_config")]
     out.append("")
     if s.detected:
         out += _render_layout(s.detected)

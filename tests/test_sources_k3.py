@@ -230,6 +230,7 @@ def test_inspect_and_plan_read_the_k3_config(k3, converted):
     plan reads the config (tests/test_plan_k3.py holds its figures), the experts as stored."""
     src = inspect_cmd.summarize(k3)
     assert [r["format"] for r in src.expert_layers] == ["mxfp4_rows"] and not src.unrecognized
+    assert inspect_cmd.render(src).splitlines()[0].endswith("a source's quantization_config (mxfp4_rows)")
     out = inspect_cmd.summarize(converted[0])
     assert [r["format"] for r in out.expert_layers] == ["nvfp4"] and out.quant_algo == "MIXED_PRECISION"
     m = HFModel.from_dict(json.loads((k3 / "config.json").read_text()))
