@@ -94,6 +94,23 @@ def _params(stored) -> int:
     return n
 
 
+def test_without_ep_the_expert_width_is_padded_per_rank():
+    """vLLM pads an expert's width per rank up to 256 without EP (model.py:419-428): TP16's
+    3072 / 16 = 192 rows are held as 256, so the experts take 256 / 192 of the unpadded share."""
+    m = HFModel.from_dict(K3)
+    ep, tp = (plan(m, "b200", tp=16, ep=e, scheme="mxfp8").weights.per_gpu_part("expert") for e in (True, False))
+    assert tp * 3 == ep * 4
+
+
+def test_flash_kda_only_where_vllm_picks_it():
+    """FlashKDA's checkpoint block only for head_dim 128 with a gate_lower_bound: without one, 2
+    blocks a KDA group (kda.py:363-380)."""
+    k3 = json.loads(json.dumps(K3))
+    del k3["text_config"]["linear_attn_config"]["gate_lower_bound"]
+    p = plan(HFModel.from_dict(k3), "b200", tp=8, max_model_len=131072, scheme="nvfp4")
+    assert p.kv_needed_bytes == 24 * 768 * 1152 * (3 * 2 + cdiv(131072, 768))
+
+
 def test_tp_must_split_the_heads():
     with pytest.raises(UsageError, match="num_attention_heads"):
         plan(HFModel.from_dict(K3), "b200", tp=5, scheme="nvfp4")

@@ -131,8 +131,31 @@ def test_block_size_must_be_the_backends():
     assert plan(HFModel.from_dict(FLASH), "h200", tp=8, block_size=512, scheme="none").kv.bytes_per_block > 1002240
 
 
+def test_without_csa_layers_the_window_buckets_are_capped():
+    """No CSA layer, so no bucket mixes page sizes: vLLM 0.33 keeps the 43 HCA caches one group
+    (43 x 1,728 B a block) and splits each sliding-window bucket into groups of as many layers as
+    that block holds (kv_cache_planning.py:992-1024): 43 SWA groups of one, 22 HCA-state groups."""
+    p = plan(HFModel.from_dict({**FLASH, "compress_ratios": [128] * 44}), "h200", tp=8, max_model_len=65536,
+             scheme="none")
+    assert p.kv.bytes_per_block == 43 * 1728
+    assert sorted((g.spec.kind, g.num_layers) for g in p.kv.groups) == \
+        sorted([("sliding", 1)] * 43 + [("hca", 43)] + [("hca state", 2)] * 21 + [("hca state", 1)])
+
+
+def test_hash_layers_are_read_per_layer():
+    """mlp_layer_types names the hash-routed layers wherever they are: theirs hold tid2eid, the
+    others the router bias."""
+    m = HFModel.from_dict({**FLASH, "mlp_layer_types": ["moe", "hash_moe"] + ["moe"] * 41})
+    names = {n for n, *_ in text_tensors(m.text)}
+    assert "layers.1.ffn.gate.tid2eid" in names and "layers.0.ffn.gate.bias" in names
+    assert "layers.0.ffn.gate.tid2eid" not in names
+
+
 @pytest.mark.parametrize("edit, key", [({"compress_ratios": [0, 4, 64]}, "compress_ratios"),
+                                      ({"compress_ratios": [[4]] * 44}, "compress_ratios"),
                                       ({"compress_rates": {"compressed_sparse_attention": 8}}, "compress_rates"),
+                                      ({"compress_rates": [4, 128]}, "compress_rates"),
+                                      ({"mlp_layer_types": ["moe"]}, "mlp_layer_types"),
                                       ({"layer_types": ["full_attention"] * 43}, "layer_types")])
 def test_bad_v4_keys_are_config_errors(edit, key):
     with pytest.raises(ConfigError, match=key):

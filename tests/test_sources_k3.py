@@ -81,10 +81,22 @@ def test_layout_and_config_of_the_release(k3):
 
 
 def test_moe_layer_freq_skips_layers_as_vllm_does():
-    """MoE where i >= first_k_dense_replace and i % moe_layer_freq == 0 (vLLM 0.33
-    models/kimi_k3/nvidia/model.py; DeepSeek-V2's rule)."""
+    """MoE where i >= first_k_dense_replace (default 0) and i % moe_layer_freq == 0 (vLLM 0.33
+    models/kimi_k3/nvidia/model.py; DeepSeek-V2's rule); a null freq is 1."""
     cfg = MoEConfig.from_dict({**ref.K3_TEXT, "num_hidden_layers": 6, "moe_layer_freq": 2})
     assert cfg.dense_layers == {0, 1, 3, 5}
+    no_first = {k: v for k, v in ref.K3_TEXT.items() if k != "first_k_dense_replace"}
+    assert MoEConfig.from_dict({**no_first, "num_hidden_layers": 4, "moe_layer_freq": 2}).dense_layers == {1, 3}
+    assert MoEConfig.from_dict({**ref.K3_TEXT, "moe_layer_freq": None}).dense_layers == {0}
+
+
+def test_only_a_compressed_tensors_config_is_read_from_text_config():
+    """Kimi-K3 keeps its compressed-tensors config in text_config; another model's FP8 config
+    there is not read as a source (its converted output would keep it, describing tensors gone)."""
+    from inkling_quant.model.sources import source_quant
+    assert source_quant({"text_config": {"quantization_config": ref.K3_CONFIG}}, "c").method == "compressed-tensors"
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert source_quant({"text_config": {"quantization_config": fp8}}, "c") is None
 
 
 def test_k3_experts_are_modelopts_cast_in_its_k3_form(k3, converted):

@@ -142,12 +142,13 @@ def _dense_layers(t: ConfigFields, n: int) -> frozenset[int] | None:
     rule applies: a malformed one is refused, not skipped by the order of the rules."""
     o = t.obj
     first = t.int("first_k_dense_replace", lo=0, hi=n) if "first_k_dense_replace" in o else None  # DeepSeek-V3
-    freq = t.int("moe_layer_freq", 1)  # DeepSeek-V2, Kimi-K3: MoE where i >= first and i % freq == 0
+    # DeepSeek-V2, Kimi-K3: MoE where i >= first_k_dense_replace (default 0) and i % moe_layer_freq == 0
+    freq = t.int("moe_layer_freq") if o.get("moe_layer_freq") is not None else 1
     only, step = t.layer_list("mlp_only_layers", n), t.int("decoder_sparse_step", 1)  # Qwen2/3-MoE
     moe = t.layer_list("moe_layers", n) if o.get("moe_layers") is not None else None  # Llama 4
     every = t.int("interleave_moe_layer_step") if "interleave_moe_layer_step" in o else None
-    if first is not None:
-        return frozenset(i for i in range(n) if i < first or i % freq)
+    if first is not None or freq != 1:
+        return frozenset(i for i in range(n) if i < (first or 0) or i % freq)
     if "mlp_only_layers" in o or "decoder_sparse_step" in o:  # modeling_qwen3_moe.py
         return frozenset(i for i in range(n) if i in only or (i + 1) % step)
     if moe is not None:

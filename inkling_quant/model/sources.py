@@ -139,8 +139,9 @@ def source_quant(config: dict, path: str, names=()) -> SourceQuant | None:
     `scale`."""
     q = config.get("quantization_config") if isinstance(config, dict) else None
     text = config.get("text_config") if isinstance(config, dict) else None
-    if not isinstance(q, dict) and isinstance(text, dict):  # Kimi-K3 keeps it in text_config
-        q = text.get("quantization_config")
+    nested = text.get("quantization_config") if isinstance(text, dict) else None
+    if not isinstance(q, dict) and isinstance(nested, dict) and nested.get("quant_method") == COMPRESSED_TENSORS:
+        return _compressed_tensors(nested, path, "text_config.")  # Kimi-K3 keeps it there; only its is read so
     if not isinstance(q, dict):
         return None
     method = q.get("quant_method")
@@ -175,7 +176,7 @@ def source_quant(config: dict, path: str, names=()) -> SourceQuant | None:
                        scale=scale)
 
 
-def _compressed_tensors(q: dict, path: str) -> SourceQuant | None:
+def _compressed_tensors(q: dict, path: str, where: str = "") -> SourceQuant | None:
     """Kimi-K3's compressed-tensors MXFP4 experts (module doc); any other compressed-tensors
     format is not read here (None: convert refuses its tensors by name). ConfigError naming the
     key where an MXFP4 group is not the one vLLM 0.33 reads as MXFP4
@@ -189,7 +190,7 @@ def _compressed_tensors(q: dict, path: str) -> SourceQuant | None:
             continue
         got = {k: w.get(k) for k in ("num_bits", "type", "group_size")}
         if got != {"num_bits": 4, "type": "float", "group_size": 32}:
-            raise ConfigError(f"quantization_config.config_groups.{name}.weights is {_short(got)}: {CT_MXFP4} "
+            raise ConfigError(f"{where}quantization_config.config_groups.{name}.weights is {_short(got)}: {CT_MXFP4} "
                               f"is read as 4-bit float in groups of 32 (MXFP4)", path=path)
     return SourceQuant(COMPRESSED_TENSORS, MXFP4_ROWS, experts_only=True, scale="weight_scale",
                        packed="weight_packed")

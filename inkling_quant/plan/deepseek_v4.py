@@ -52,7 +52,7 @@ class V4Dims:
     index_head_dim: int
     hc_mult: int
     ratios: tuple[int, ...]     # per decoder layer: 0 sliding window only, 4 CSA, 128 HCA
-    hash_layers: int            # the first layers route by token (`ffn.gate.tid2eid`, no bias)
+    hash_layers: frozenset[int]  # the layers that route by token (`ffn.gate.tid2eid`, no bias)
     sliding_window: int
 
     def counts(self) -> tuple[int, int]:
@@ -70,16 +70,21 @@ def dims(t: ConfigFields, n: int) -> V4Dims:
     types = o.get("layer_types")
     if types is None and o.get("compress_ratios") is not None:
         ratios = o["compress_ratios"]
-        if not isinstance(ratios, list) or len(ratios) < n or any(r not in _LEGACY for r in ratios[:n]):
+        if not isinstance(ratios, list) or len(ratios) < n or any(type(r) is not int or r not in _LEGACY
+                                                                   for r in ratios[:n]):
             raise ConfigError(f"{t.where}compress_ratios must list one of 0, 4, 128 per layer, got {_short(ratios)}",
                               path=t.source)
         types = [_LEGACY[r] for r in ratios[:n]]
     if types is None:
         types = ["heavily_compressed_attention"] * min(n, 2) + [
             "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))]
-    if len(types) != n or any(x not in LAYER_TYPES for x in types):
+    if not isinstance(types, list) or len(types) != n or any(not isinstance(x, str) or x not in LAYER_TYPES
+                                                              for x in types):
         raise ConfigError(f"{t.where}layer_types must give one of {', '.join(LAYER_TYPES)} per layer, got "
                           f"{_short(types)}", path=t.source)
+    if not isinstance(o.get("compress_rates") or {}, dict):
+        raise ConfigError(f"{t.where}compress_rates must map a layer type to its rate, got "
+                          f"{_short(o['compress_rates'])}", path=t.source)
     rates = {**{k: v for k, v in LAYER_TYPES.items() if v}, **(o.get("compress_rates") or {})}
     rates.update({k: o[key] for k, key in (("compressed_sparse_attention", "compress_rate_csa"),
                                            ("heavily_compressed_attention", "compress_rate_hca")) if key in o})
@@ -88,7 +93,12 @@ def dims(t: ConfigFields, n: int) -> V4Dims:
         raise ConfigError(f"{t.where}compress_rates {_short(rates)}: vLLM 0.33's compressors take 4 (CSA) and 128 "
                           f"(HCA) only (compressor.py CompressorStateCache)", path=t.source)
     mlp = o.get("mlp_layer_types")
-    hashed = mlp.count("hash_moe") if isinstance(mlp, list) else t.int("num_hash_layers", 3, lo=0, hi=n)
+    if mlp is None:
+        mlp = ["hash_moe"] * t.int("num_hash_layers", 3, lo=0, hi=n) + ["moe"] * n
+    if not isinstance(mlp, list) or len(mlp) < n or any(x not in ("hash_moe", "moe") for x in mlp[:n]):
+        raise ConfigError(f"{t.where}mlp_layer_types must give 'hash_moe' or 'moe' per layer, got {_short(mlp)}",
+                          path=t.source)
+    hashed = frozenset(i for i, x in enumerate(mlp[:n]) if x == "hash_moe")
     return V4Dims(t.int("q_lora_rank"), t.int("o_groups", 8), t.int("o_lora_rank", 1024), t.int("index_n_heads", 64),
                   t.int("index_head_dim", 128), t.int("hc_mult", 4), tuple(LAYER_TYPES[x] for x in types), hashed,
                   t.int("sliding_window", 128))
@@ -141,7 +151,7 @@ def tensors(t) -> Iterator[tuple[str, str, str, tuple[int, ...]]]:
             yield from _compressor(a + "indexer.compressor.", r, ih, H)
         f = p + "ffn."
         yield f + "gate.weight", "router", REPLICATED, (t.n_routed_experts, H)
-        if i < v.hash_layers:  # token -> experts (int64): the hash-routed layers have no bias
+        if i in v.hash_layers:  # token -> experts (int64): the hash-routed layers have no bias
             yield f + "gate.tid2eid", "router", REPLICATED, (t.vocab_size, t.num_experts_per_tok)
         else:                  # the e_score_correction_bias (a buffer in transformers)
             yield f + "gate.bias", "router", REPLICATED, (t.n_routed_experts,)

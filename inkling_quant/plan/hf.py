@@ -163,7 +163,7 @@ def _text(d: dict, source: str) -> tuple[HFText, list[str]]:
                      "not with --max-model-len (docs/budget.md)")
     if k3 is not None:
         notes.append("Kimi-K3: its KDA layers' state as vLLM 0.33 keeps it with prefix caching on (its default for "
-                     "hybrid models: 3 blocks a request per group, FlashKDA's checkpoint included), its MLA layers' "
+                     "hybrid models: 2 blocks a request per group, 3 with FlashKDA's checkpoint), its MLA layers' "
                      "latent on every TP rank (docs/budget.md)")
     heads = t.int("num_attention_heads")
     kv = heads if o.get("num_key_value_heads") is None else t.int("num_key_value_heads", hi=heads)
@@ -443,6 +443,7 @@ def weight_bytes(m: HFModel, scheme_name: str, tp: int, ep: bool = True) -> Weig
     import torch
 
     from ..formats import FORMATS, get_format
+    from ..model.layout import PROJECTOR_PREFIXES
     from ..schemes import get_scheme
 
     scheme, t, w = get_scheme(scheme_name), m.text, Weights()
@@ -456,9 +457,10 @@ def weight_bytes(m: HFModel, scheme_name: str, tp: int, ep: bool = True) -> Weig
 
     # experts the scheme leaves alone stay as the source stores them
     kept = get_format(t.source_expert_format or t.source_format, source=True) if t.source_format else None
-    add_experts(w, t, scheme, t.moe_layers, tp, ep, dtype, kept=kept)
+    add_experts(w, t, scheme, t.moe_layers, tp, ep, dtype, kept=kept,
+                min_rank_width=kimi_k3.MIN_RANK_WIDTH if t.k3 is not None else 0)
     for name, shape, nbytes in m.vision or ():  # replicated: the upper bound
-        part = "projector" if name.startswith(("model.multi_modal_projector.", "multi_modal_projector.")) else "vision"
+        part = "projector" if name.startswith(PROJECTOR_PREFIXES) else "vision"
         w.add(part, stored.name, nbytes, nbytes, math.prod(shape), REPLICATED)
     return w
 

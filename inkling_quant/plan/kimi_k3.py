@@ -18,8 +18,8 @@ kv_lora_rank + qk_rope_head_dim per token in the model's dtype on every rank (ml
 vLLM sizes the attention block so one MLA page holds a KDA state (`_align_hybrid_block_size`,
 platforms/interface.py:940-1131: a multiple of 128 for MLA) and pads the KDA page to it; with
 prefix caching on (vLLM's default for hybrid models) the KDA state is kept in "align" mode,
-2 blocks a request plus FlashKDA's prefill checkpoint block (its prefill backend on SM90/SM100:
-kda.py:363-380, 901-909), whatever the length.
+2 blocks a request plus FlashKDA's prefill checkpoint block where vLLM picks FlashKDA (head_dim
+128 with a gate_lower_bound, bf16, SM90/SM100: kda.py:363-380, 901-909), whatever the length.
 """
 from __future__ import annotations
 
@@ -34,7 +34,10 @@ from .kvcache import KDA, MLA, KVSpec
 from .placement import HEADS, REPLICATED, TP_SPLIT, VOCAB
 
 MLA_ALIGN = 128          # interface.py:1086-1088: the block a hybrid MLA model's is a multiple of
-ALIGN_STATE_BLOCKS = 3   # "align" mode: 2 blocks and FlashKDA's prefill checkpoint (kv_cache_interface.py:1135-1141)
+# "align" mode: 2 blocks, and FlashKDA's prefill checkpoint where vLLM picks FlashKDA (kda.py:363-380:
+# head_dim 128, a gate_lower_bound, bf16; kv_cache_interface.py:1135-1141)
+ALIGN_STATE_BLOCKS = 2
+MIN_RANK_WIDTH = 256     # model.py:419-428: without EP, an expert's width per rank padded up to 256
 # held in fp32 by vLLM (kda.py: the conv weights, A_log, dt_bias; the router's bias)
 FP32_SUFFIXES = ("_conv1d.weight", ".A_log", ".dt_bias", ".e_score_correction_bias")
 
@@ -54,6 +57,7 @@ class K3Dims:
     latent: int                     # routed_expert_hidden_size
     latent_norm: bool
     attn_res: bool
+    flash_kda: bool                 # FlashKDA prefill (its checkpoint block): head_dim 128 with a gate_lower_bound
 
 
 def dims(t: ConfigFields, n: int) -> K3Dims:
@@ -76,7 +80,8 @@ def dims(t: ConfigFields, n: int) -> K3Dims:
                   a.int("short_conv_kernel_size", 4), t.int("q_lora_rank"), t.int("kv_lora_rank"),
                   t.int("qk_nope_head_dim"), t.int("qk_rope_head_dim", 0, lo=0), t.int("v_head_dim"),
                   t.bool("mla_use_output_gate", False), latent, t.bool("latent_moe_use_norm", False),
-                  t.obj.get("attn_res_block_size") is not None)
+                  t.obj.get("attn_res_block_size") is not None,
+                  a.int("head_dim") == 128 and lin.get("gate_lower_bound") is not None)
 
 
 def is_fp32(name: str) -> bool:
@@ -165,15 +170,16 @@ def kv_specs(t, tp: int, block_size: int) -> tuple[list[KVSpec], int]:
     (interface.py:1098-1112); every page that size, the KDA one padded up (l.1118-1131)."""
     k = t.k3
     token = (k.kv_lora_rank + k.qk_rope_head_dim) * t.dtype_bytes   # mla.py:160: the latent and the rope slice
-    conv = (k.conv_kernel - 1) * 3 * k.kda_heads * k.kda_head_dim // tp * 2   # bf16: mamba_cache_dtype auto
-    state = k.kda_heads // tp * k.kda_head_dim ** 2 * 4                     # fp32: mamba_ssm_cache_dtype auto
+    conv = (k.conv_kernel - 1) * 3 * k.kda_heads * k.kda_head_dim // tp * t.dtype_bytes  # mamba_cache_dtype auto
+    state = k.kda_heads // tp * k.kda_head_dim ** 2 * 4                                # mamba_ssm_cache_dtype auto: fp32
     align = max(MLA_ALIGN, block_size)
-    block = max(block_size, align * cdiv(conv + state, align * token))
+    block = max(block_size, align * cdiv(conv + state, align * token)) if k.kda_layers else block_size
+    blocks = ALIGN_STATE_BLOCKS + (k.flash_kda and t.dtype == "bfloat16")
     page = block * token
     out = []
     for i in range(t.num_hidden_layers):
         if i in k.kda_layers:
-            out.append(KVSpec(KDA, 1, 0, 0, block, None, page, 1, block, conv + state, ALIGN_STATE_BLOCKS))
+            out.append(KVSpec(KDA, 1, 0, 0, block, None, page, 1, block, conv + state, blocks))
         else:
             out.append(KVSpec(MLA, 1, k.kv_lora_rank + k.qk_rope_head_dim, 0, block, dtype_bytes=t.dtype_bytes))
     return out, block

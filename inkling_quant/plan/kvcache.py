@@ -309,25 +309,32 @@ def packed_layout(specs: list[KVSpec], max_in_flight_tokens: int) -> KVLayout:
     no page unification; layers bucketed by block size and kind of window; a bucket with as many
     layers of each page size (one pattern of them per repeat) split into groups of the same number
     of repeats, `_approximate_gcd` of the balanced buckets' counts at least the largest mixed one's;
-    any other bucket one group. A block holds one page of each layer of a group, side by side: its
-    bytes are the largest group's (`_get_kv_cache_bytes_per_block`, l.574-605). The sliding-window
-    state buckets' cap (l.992-1024) applies only where no bucket mixes page sizes, which
-    DeepSeek-V4's CSA layers always make."""
-    if not specs:
-        raise UsageError("the model has no attention layers: nothing to plan a KV cache for")
+    any other bucket one group; where no bucket mixes page sizes (no CSA layer), each sliding-window
+    bucket is split into groups of as many layers as the widest bucket's page bytes hold (l.992-1024).
+    A block holds one page of each layer of a group, side by side: its bytes are the largest
+    group's (`_get_kv_cache_bytes_per_block`, l.574-605)."""
+    if len({s.page_size_bytes for s in specs}) <= 1:  # nothing to pack (l.930-932): the usual grouping
+        return kv_layout(specs, max_in_flight_tokens)
     buckets: dict[tuple, dict[int, list[KVSpec]]] = {}
     for s in specs:  # UniformTypeKVCacheSpecs.is_uniform_type: one block size, one kind of window
         by_page = buckets.setdefault((s.block_size, s.kind in FULL_HISTORY, s.sliding_window), {})
         by_page.setdefault(s.page_size_bytes, []).append(s)
     info = [(b, len({len(v) for v in b.values()}) == 1, max(len(v) for v in b.values())) for b in buckets.values()]
     floor = max((n for b, balanced, n in info if balanced and len(b) > 1), default=0)
-    if not floor:
-        raise UsageError("no bucket of the KV caches mixes page sizes: the packed layout is DeepSeek-V4's (its CSA "
-                         "layers), not this model's")
-    repeats = _approximate_gcd([n for _, balanced, n in info if balanced], floor)
+    repeats = _approximate_gcd([n for _, balanced, n in info if balanced], floor) if floor else None
+
+    def state(b) -> bool:  # a bucket split down to one layer a group where no pattern repeats
+        return repeats is None and next(iter(b.values()))[0].kind not in FULL_HISTORY
+
+    def count_of(b, balanced, n) -> int:
+        return cdiv(n, repeats) if balanced and repeats is not None else 1
+    anchor = max(sum(cdiv(len(v), sum(map(len, b.values())) if state(b) else count_of(b, bal, n)) * page
+                     for page, v in b.items()) for b, bal, n in info)
     groups = []
     for b, balanced, n in info:
-        count = cdiv(n, repeats) if balanced else 1
+        count = count_of(b, balanced, n)
+        if state(b):
+            count = max(count, cdiv(sum(map(len, b.values())), max(anchor // next(iter(b)), 1)))
         pattern = list(zip(*b.values())) if balanced else [tuple(s for v in b.values() for s in v)]
         for i in range(count):
             layers = tuple(s for rep in pattern[i::count] for s in rep)

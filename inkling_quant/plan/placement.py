@@ -70,13 +70,14 @@ def module_expert_bytes(fmt, inter: int, hidden: int, dtype) -> int:
 
 
 def add_experts(w: Weights, text, scheme, layers, tp: int, ep: bool, dtype,
-                expert_bytes: Callable = module_expert_bytes, kept=None) -> None:
+                expert_bytes: Callable = module_expert_bytes, kept=None, min_rank_width: int = 0) -> None:
     """The routed experts of `layers` into `w`, each layer in the format the scheme names for it
     (where it leaves them alone and a quantized source stores them in `kept`, that format),
     `expert_bytes(fmt, width, hidden, dtype)` bytes per expert (the format asked for its own size,
     in the checkpoint's layout; `dtype`: what passthrough stores). Per rank: whole experts with
     EP (the fullest rank cdiv(E, EP): vLLM's expert map, Inkling's moe.py:440,
-    fused_moe/expert_map_manager.py:67-69), else every expert's intermediate dim / TP."""
+    fused_moe/expert_map_manager.py:67-69), else every expert's intermediate dim / TP, padded up
+    to `min_rank_width` where the model pads it so (Kimi-K3)."""
     from ..model.tensors import TensorName
 
     H, inter, n = text.expert_hidden, text.moe_intermediate_size, text.n_routed_experts
@@ -84,8 +85,9 @@ def add_experts(w: Weights, text, scheme, layers, tp: int, ep: bool, dtype,
         fmt = scheme.format_for(text, TensorName(f"layers.{i}.mlp.experts", "expert", i))
         fmt = kept if kept is not None and fmt.name == "passthrough" else fmt
         per_expert = expert_bytes(fmt, inter, H, dtype)
-        on_rank = per_expert * cdiv(n, tp) if ep else _tp_expert_bytes(fmt, expert_bytes, inter, H, per_expert, tp,
-                                                                      dtype) * n
+        padded = min_rank_width * tp if inter // tp < min_rank_width else inter
+        on_rank = per_expert * cdiv(n, tp) if ep else _tp_expert_bytes(
+            fmt, expert_bytes, padded, H, expert_bytes(fmt, padded, H, dtype), tp, dtype) * n
         w.add("expert", fmt.name, per_expert * n, on_rank, 3 * H * inter * n, f"EP{tp}" if ep else "TP intermediate")
         w.fmt_layers[fmt.name].append(i)
 

@@ -315,18 +315,19 @@ def _compare_source_config(c: Check, root: Path, conf: Conf, n_shards: int, n_te
             c.error(p.file, p.message)  # the source is an input: unreadable means exit 2
         return
     if conf.config is not None:
-        for k, a, b in _differences(_unquantized(conf.config), _unquantized(src_cfg)):
+        nested = conf.cfg is not None and conf.cfg.family.modelopt_aliases  # Kimi-K3's form drops the text_config one
+        for k, a, b in _differences(_unquantized(conf.config, nested), _unquantized(src_cfg, nested)):
             c.fail(conf.root / "config.json", None, f"key {k!r} differs from the source's config.json "
                    f"({short_repr(a, 60)} vs {short_repr(b, 60)})")
     c.figures.update(shards=n_shards, tensors=n_tensors)
     return src_cfg
 
 
-def _unquantized(config: dict) -> dict:
-    """A config.json object without what a conversion rewrites: its quantization_config, at the
-    top level or in text_config (Kimi-K3's source keeps it there; its ModelOpt form removes it)."""
+def _unquantized(config: dict, nested: bool) -> dict:
+    """A config.json object without what a conversion rewrites: its quantization_config, and with
+    `nested` text_config's (Kimi-K3's source keeps it there; its ModelOpt form removes it)."""
     out = {k: v for k, v in config.items() if k != "quantization_config"}
-    if isinstance(out.get("text_config"), dict):
+    if nested and isinstance(out.get("text_config"), dict):
         out["text_config"] = {k: v for k, v in out["text_config"].items() if k != "quantization_config"}
     return out
 
