@@ -27,7 +27,6 @@ _EXCLUDES = ["*block_sparse_moe.gate*", "*block_sparse_moe.routed_expert_up_proj
              "*self_attn.v_conv1d*", "*self_attn.f_b_proj*", "*self_attn.o_norm*", "*self_attn.q_a_layernorm*",
              "*self_attn.kv_a_layernorm*", "*_res_proj*", "*_res_norm*", "*layernorm*"]
 _EXCLUDES_AFTER_DENSE = ["language_model.lm_head", "vision_tower*", "mm_projector*"]
-PRODUCER_VERSION = "0.47.0"   # the script stamps the installed modelopt's version
 QUANT_METHOD = "modelopt_mixed"
 
 
@@ -55,11 +54,12 @@ def configs(cfg, q: dict, converter: dict, encoder: str, config_json_form: Calla
     excludes = list(dict.fromkeys(a for p in (*_EXCLUDES, *dense, *_EXCLUDES_AFTER_DENSE) for a in aliases(p)))
     quantization = {"quant_algo": q["quant_algo"], "kv_cache_quant_algo": None, "group_size": 16,
                     "quantized_layers": layers, "exclude_modules": excludes}
-    hq = {"producer": {"name": "modelopt", "version": PRODUCER_VERSION}, "quantization": quantization}
+    qc = config_json_form(quantization)
+    hq = {"producer": dict(qc["producer"]), "quantization": quantization}   # the script stamps modelopt's version
     if converter.get("encoder", encoder) != encoder:
         hq["converter"] = converter
     raw = copy.deepcopy(cfg.raw)
     if isinstance(raw.get("text_config"), dict):
         raw["text_config"].pop("quantization_config", None)
-    raw["quantization_config"] = {**config_json_form(quantization), "quant_method": QUANT_METHOD}
+    raw["quantization_config"] = {**qc, "quant_method": QUANT_METHOD}
     return {HF_QUANT_CONFIG: hq, CONFIG_NAME: raw}

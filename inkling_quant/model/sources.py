@@ -2,7 +2,7 @@
 names its stored tensors have. The bits belong to the formats (`fp8_block`, `mxfp4` in
 formats.SOURCE_FORMATS); the names and the config keys are the checkpoint's, so they are here.
 
-Three kinds of source are read (docs/convert.md, "Sources we accept"):
+Four kinds of source are read (docs/convert.md, "Sources we accept"):
 
 - **FP8 block-scaled** (`quantization_config.quant_method` "fp8" with `weight_block_size`
   [128, 128]: DeepSeek-V3/R1, Kimi-K2, Qwen3's FP8 releases). A Linear weight `X.weight` is
@@ -141,7 +141,7 @@ def source_quant(config: dict, path: str, names=()) -> SourceQuant | None:
     text = config.get("text_config") if isinstance(config, dict) else None
     nested = text.get("quantization_config") if isinstance(text, dict) else None
     if not isinstance(q, dict) and isinstance(nested, dict) and nested.get("quant_method") == COMPRESSED_TENSORS:
-        return _compressed_tensors(nested, path, "text_config.")  # Kimi-K3 keeps it there; only its is read so
+        return _compressed_tensors(nested, path, "text_config.")  # Kimi-K3's place: only such a config is read there
     if not isinstance(q, dict):
         return None
     method = q.get("quant_method")
