@@ -258,3 +258,16 @@ def test_lora_merge_refuses_the_k3_release_pointing_at_convert(k3, tmp_path):
     with pytest.raises(UsageError, match="'compressed-tensors'.*routed experts NVFP4/MXFP8") as e:
         check(k3, tmp_path / "no-adapter")
     assert str(e.value.path).endswith("config.json")
+
+
+def test_an_mtp_layers_mxfp4_experts_are_refused_naming_the_layer(k3, tmp_path):
+    """A layer past num_hidden_layers (vLLM 0.33's Kimi-K3 MTP layers are numbered so) whose
+    experts are MXFP4: refused before writing, naming the tensor and saying it is past the decoder
+    (the release's MTP layers, if it ships them, are not converted here: docs/convert.md)."""
+    def add_layer(sd):
+        for k in [k for k in sd if k.startswith(LM + "2.")]:
+            sd[LM + "3." + k[len(LM + "2."):]] = sd[k].clone()
+    bad = _tamper(k3, tmp_path / "mtp", add_layer)
+    with pytest.raises(CheckpointError, match="past the config's 3 decoder layers") as e:
+        _convert(bad, tmp_path / "o", scheme="nvfp4")
+    assert e.value.tensor.startswith(LM + "3.") and not (tmp_path / "o").exists()

@@ -130,6 +130,11 @@ def _source_dtype_problem(layout: Layout, name: str, dtype: str, shape: tuple, s
     if missing and own is None and DTYPES[dtype].itemsize == 1:
         return f"{dtype} {list(shape)}, but its {src} companion {missing[0]!r} is missing ({q.describe()})"
     if spec is None and q.experts_only:
+        rec = layout.part_of(weight)
+        if rec is not None and rec.part == "draft" and rec.layer is not None:  # an MTP layer past the decoder's
+            return (f"{dtype} {list(shape)}: stored {src} in layer {rec.layer}, past the config's "
+                    f"{layout.num_layers} decoder layers (an MTP layer?); convert reads a quantized source's "
+                    f"routed experts in the decoder layers only ({q.describe()})")
         return f"{dtype} {list(shape)}: stored {src} outside the routed experts, where only they are ({q.describe()})"
     if spec is None or (own is None and spec.dtype in FLOAT_SOURCES):
         return None
