@@ -55,10 +55,6 @@ class V4Dims:
     hash_layers: frozenset[int]  # the layers that route by token (`ffn.gate.tid2eid`, no bias)
     sliding_window: int
 
-    def counts(self) -> tuple[int, int]:
-        """(CSA layers, HCA layers)."""
-        return sum(r == 4 for r in self.ratios), sum(r == 128 for r in self.ratios)
-
 
 def dims(t: ConfigFields, n: int) -> V4Dims:
     """The V4 keys as transformers 5.25's DeepseekV4Config reads them (`__post_init__`): layer_types,
@@ -115,8 +111,14 @@ def fp8_bytes(fmt, shape: tuple[int, ...]) -> int:
     return math.prod(shape) + math.prod(fmt.scale_shape(shape))
 
 
-def is_fp32(name: str) -> bool:
-    return name.endswith(FP32_SUFFIXES) and not name.endswith(".weight")
+def held_dtype(name: str, dtype):
+    """The dtype the tensor `name` (not quantized) is held in: the hash table's int64, the small
+    fp32 tensors' (FP32_SUFFIXES), else the config's `dtype`."""
+    import torch
+
+    if name.endswith("tid2eid"):
+        return torch.int64
+    return torch.float32 if name.endswith(FP32_SUFFIXES) and not name.endswith(".weight") else dtype
 
 
 def tensors(t) -> Iterator[tuple[str, str, str, tuple[int, ...]]]:

@@ -99,6 +99,12 @@ class HFText:
         return DTYPES[self.dtype]
 
     @property
+    def rules(self):
+        """The plan module of a family planned by its own rules (plan.deepseek_v4, plan.kimi_k3:
+        its tensors, TP checks and held dtypes), else None."""
+        return deepseek_v4 if self.v4 is not None else kimi_k3 if self.k3 is not None else None
+
+    @property
     def expert_hidden(self) -> int:
         """The width routed experts act on (Kimi-K3's latent MoE: routed_expert_hidden_size)."""
         return self.k3.latent if self.k3 is not None else self.hidden_size
@@ -329,8 +335,8 @@ def _kept_by_source(t: HFText, name: str, part: str) -> bool:
 def text_tensors(t: HFText) -> Iterator[tuple[str, str, str, tuple[int, ...]]]:
     """(name, part, split, shape) of every text tensor but the routed experts, under
     transformers' names without the model prefix. Splits as vLLM 0.33's generic layers shard them."""
-    if t.v4 is not None or t.k3 is not None:
-        yield from (deepseek_v4 if t.v4 is not None else kimi_k3).tensors(t)
+    if t.rules is not None:
+        yield from t.rules.tensors(t)
         return
     H, V = t.hidden_size, t.vocab_size
     yield "embed_tokens.weight", "embed", VOCAB, (V, H)       # VocabParallelEmbedding (qwen3_moe.py:468)
@@ -422,8 +428,8 @@ def check_parallel(t: HFText, tp: int) -> None:
     """What vLLM's parallel layers assert of the text model at TP = tp."""
     if tp < 1:
         raise UsageError(f"--tp must be at least 1, got {tp}")
-    if t.v4 is not None or t.k3 is not None:
-        return (deepseek_v4 if t.v4 is not None else kimi_k3).check_parallel(t, tp)
+    if t.rules is not None:
+        return t.rules.check_parallel(t, tp)
     needs = [("num_attention_heads", t.num_attention_heads)]
     needs += [("dense MLP width (intermediate_size)", t.dense_width)] if t.dense_width else []
     needs += [("shared-expert width", t.shared_width)] if t.shared_width else []
@@ -451,7 +457,7 @@ def weight_bytes(m: HFModel, scheme_name: str, tp: int, ep: bool = True) -> Weig
     src = get_format(t.source_format, source=True) if t.source_format else None
     for name, part, split, shape in text_tensors(t):
         fmt = src if _kept_by_source(t, name, part) else stored
-        nbytes = deepseek_v4.fp8_bytes(fmt, shape) if t.v4 and fmt is src else fmt.nbytes(shape, _dtype_of(t, name, dtype))
+        nbytes = deepseek_v4.fp8_bytes(fmt, shape) if t.v4 and fmt is src else fmt.nbytes(shape, t.rules.held_dtype(name, dtype) if t.rules else dtype)
         w.add(part, fmt.name, nbytes, rank_bytes(nbytes, shape[0], split, tp, t.num_key_value_heads),
               math.prod(shape), split)
 
@@ -464,14 +470,3 @@ def weight_bytes(m: HFModel, scheme_name: str, tp: int, ep: bool = True) -> Weig
         w.add(part, stored.name, nbytes, nbytes, math.prod(shape), REPLICATED)
     return w
 
-
-def _dtype_of(t: HFText, name: str, dtype):
-    """The dtype a tensor the config does not quantize is held in: the config's, but DeepSeek-V4's
-    fp32 and int64 small tensors, Kimi-K3's fp32 KDA parameters (their plan modules)."""
-    import torch
-
-    if t.k3 is not None:
-        return torch.float32 if kimi_k3.is_fp32(name) else dtype
-    if t.v4 is None:
-        return dtype
-    return torch.int64 if name.endswith("tid2eid") else torch.float32 if deepseek_v4.is_fp32(name) else dtype

@@ -84,8 +84,11 @@ def dims(t: ConfigFields, n: int) -> K3Dims:
                   a.int("head_dim") == 128 and lin.get("gate_lower_bound") is not None)
 
 
-def is_fp32(name: str) -> bool:
-    return name.endswith(FP32_SUFFIXES)
+def held_dtype(name: str, dtype):
+    """The dtype the tensor `name` (not quantized) is held in: fp32 for FP32_SUFFIXES, else `dtype`."""
+    import torch
+
+    return torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
 
 
 def tensors(t) -> Iterator[tuple[str, str, str, tuple[int, ...]]]:
