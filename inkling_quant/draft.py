@@ -60,8 +60,11 @@ def open_source(src: str | Path) -> Source:
         if draft:
             raise ConfigError(f"missing key 'dspark_config', but the checkpoint has {len(draft)} {dspark.PREFIX}* "
                               f"tensors (e.g. {draft[0][1].name!r} in {draft[0][0]})", path=config_path)
-        raise CheckpointError(f"no DSpark draft: config.json has no 'dspark_config' and no "
-                              f"tensor name starts with {dspark.PREFIX!r} (already stripped?)", path=ckpt.root)
+        why = (f"`draft strip` removed it (config.json's {STRIPPED_KEY!r} records that)" if STRIPPED_KEY in config
+               else "this checkpoint never held one (transformers' save_pretrained writes none; the release ships "
+                    "its draft in mtp.safetensors)")
+        raise CheckpointError(f"no DSpark draft: config.json has no 'dspark_config' and no tensor name starts with "
+                              f"{dspark.PREFIX!r}: {why}", path=ckpt.root)
     if not draft:
         raise CheckpointError(f"no DSpark draft tensors: config.json has a 'dspark_config' "
                               f"but no tensor name starts with {dspark.PREFIX!r}", path=ckpt.root)

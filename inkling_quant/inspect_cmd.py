@@ -191,7 +191,8 @@ def _summarize_moe(root: Path, ckpt: Checkpoint, config: MoEConfig | Inkling2Con
     cfg = MoEConfig.of(config)
     headers = ckpt.headers(max_tensors(cfg))
     entries = [e for h in headers.values() for e in h.tensors.values()]
-    lay = oriented(detect([e.name for e in entries], cfg, str(root)), {e.name: tuple(e.shape) for e in entries}, cfg)
+    lay = oriented(detect([e.name for e in entries], config, str(root)), {e.name: tuple(e.shape) for e in entries},
+                   config)  # an Inkling 2 config: its naming detected too, its tensors classified by its own table
     q = read_quantization(root, cfg.raw)
     s = Summary(str(root), len(headers), sum(h.file_size for h in headers.values()), len(entries),
                 q["quant_algo"] if q else None, layout=str(cfg.raw.get("model_type") or cfg.model_type),

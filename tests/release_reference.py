@@ -134,6 +134,22 @@ def _resolve_amax(x: np.ndarray, amax) -> np.float32:
 
 
 # ------------------------------------------------------------------------------ NVFP4
+def _invertible_global(a: np.float32, den: float) -> bool:
+    with np.errstate(over="ignore", divide="ignore"):
+        g = F32(a) / F32(den)
+        return bool(g > 0 and np.isfinite(F32(1.0) / g))
+
+
+def min_amax(den: float = DENOMINATOR) -> np.float32:
+    """The smallest fp32 amax whose global scale fp32(amax / den) has a finite fp32 reciprocal:
+    a bisection over the fp32 bit patterns (the predicate grows with the amax)."""
+    lo, hi = 0, int(np.array(1.0, dtype=F32).view(np.uint32))
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _invertible_global(np.array(mid, dtype=np.uint32).view(F32), den) else (mid, hi)
+    return np.array(hi, dtype=np.uint32).view(F32)
+
+
 def nvfp4_block_scale_prescale(x: np.ndarray, amax: np.float32, den: float = DENOMINATOR) -> np.ndarray:
     """fp32( fp32(bmax / 6) * fp32(den / amax) ) per 16-block, before the 448 cap and the E4M3
     rounding (exposed so that tests can check that an adversarial input hits what it aims at)."""
@@ -149,6 +165,9 @@ def nvfp4_nearest(w, amax=None, den: float = DENOMINATOR):
     if x.ndim == 0 or x.shape[-1] % NVFP4_BLOCK:
         raise ValueError(f"NVFP4 needs a last dimension divisible by {NVFP4_BLOCK}, got {tuple(x.shape)}")
     a = _resolve_amax(x, amax)
+    if 0 < a < min_amax(den) and (x.size == 0 or np.abs(x).max() <= a):
+        # OUR choice: a weight below the smallest amax NVFP4 encodes is written as the all-zero weight
+        x, a = np.zeros_like(x), F32(0.0)
     blocks = x.reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
     negative = np.signbit(blocks)  # the sign bit: -0.0 included
     sign_code = np.where(negative, 8, 0).astype(np.uint8)

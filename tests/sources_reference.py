@@ -285,6 +285,15 @@ def edited_copy(src: Path, dst: Path, file: str, edit) -> Path:
     return dst
 
 
+def tampered_copy(src: Path, dst: Path, edit) -> Path:
+    """A copy of the one-file checkpoint `src` at `dst` whose state dict `edit(sd)` changed in place."""
+    shutil.copytree(src, dst)
+    sd = load_file(dst / "model.safetensors")
+    edit(sd)
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
 def mxfp4_dequantize(packed: torch.Tensor, e8: torch.Tensor) -> torch.Tensor:
     """transformers 5.25 integrations/finegrained_fp8.py `Fp8Dequantize._dequantize_one` on an
     int8-packed FP4 weight and its e8m0 scale, in fp32 (its own code, not ours)."""

@@ -176,8 +176,9 @@ def test_variant_from_the_declared_quantization(tmp_path, ref, capsys):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {f"{experts_module(i)}.w13_weight": "model-00001.safetensors"
                                         for i in range(LAYERS)}}))
-    assert stored_variant(tmp_path, ref) == ("mxfp8", "read from the quantization config: "
-                                                      "thinkingmachines/Inkling-2-Small-MXFP8")
+    assert stored_variant(tmp_path, ref) == ("mxfp8", "routed experts stored as variant 'mxfp8' "
+                                                      "(thinkingmachines/Inkling-2-Small-MXFP8) stores them, read "
+                                                      "from the quantization config")
     with pytest.raises(UsageError, match="disagrees"):
         choose_variant(ref, str(tmp_path), "default", None)           # the directory holds the mxfp8 variant
     assert choose_variant(ref, str(tmp_path), None, "default")[:2] == (None, "default")  # --scheme: as asked

@@ -568,8 +568,9 @@ _MAGNITUDES = {
     "mxfp8-flat-5.56": (["--scheme", "mxfp8"], _flat(5.56), True),                  # error 0.0791 <= 0.08
     "mxfp8-flat-5.55": (["--scheme", "mxfp8"], _flat(5.55), False),                 # error 0.0811 > 0.08
     "nvfp4-amax-min": (["--scheme", "nvfp4", "--output-format", "modelopt-hf"], _amax_of(NVFP4_MIN_AMAX), True),
+    # below it: the all-zero weight (formats/nvfp4.py "Below the smallest amax"), which verify expects
     "nvfp4-amax-below-min": (["--scheme", "nvfp4", "--output-format", "modelopt-hf"],
-                             _amax_of(float(np.nextafter(_F32(NVFP4_MIN_AMAX), _F32(0)))), False),
+                             _amax_of(float(np.nextafter(_F32(NVFP4_MIN_AMAX), _F32(0)))), True),
     "default-all-zero": ([], torch.zeros_like, True),
     "default-zero-block": ([], _zero_block, True),
     "mxfp8-all-zero": (["--scheme", "mxfp8"], torch.zeros_like, True),
@@ -579,9 +580,9 @@ _MAGNITUDES = {
 @pytest.mark.parametrize("case", list(_MAGNITUDES))
 def test_convert_writes_only_what_its_verify_passes(case, small, tmp_path):
     """Class 3: routed experts too small for their format (MXFP8 blocks at e8m0's smallest scale
-    with an error past verify's limit; an NVFP4 amax whose global scale amax/2688 has no finite
-    reciprocal) are refused, exit 2 naming the file, the tensor and the expert; whatever converts,
-    `verify OUT --against SRC` passes. On the refused side, the same conversion with the check
+    with an error past verify's limit) are refused, exit 2 naming the file, the tensor and the
+    expert; an NVFP4 amax whose global scale amax/2688 has no finite reciprocal converts as the
+    all-zero weight (round 4); whatever converts, `verify OUT --against SRC` passes. On the refused side, the same conversion with the check
     switched off is what verify fails: the boundary is verify's own."""
     args, fn, converts = _MAGNITUDES[case]
     args = args + ([] if "mxfp8" in args else ["--default-activation-amax", "4"])

@@ -113,6 +113,10 @@ def print_summary(r: dict, file=None) -> None:
     for layer, b in (r.get("mxfp4_to_nvfp4_blocks") or {}).items():
         print(f"  MXFP4 -> NVFP4 layer {layer}: {b['lossless']} blocks cast losslessly, {b['rerounded']} re-rounded",
               file=file)
+    if r.get("flushed_to_zero"):
+        z = r["flushed_to_zero"]
+        print(f"  written as zero: {len(z)} weight(s) below their format's smallest amax, zero at any precision that serves "
+              f"(docs/formats.md), {z[0]}{' and more (--json)' if len(z) > 1 else ''}", file=file)
     print(f"  time: {r['seconds']:.2f} s, {r['source_mb_per_s']:.0f} MB/s of source, peak RSS {r['peak_rss_mb']:.0f} MB,"
           f" {r['workers']} worker(s)", file=file)
 

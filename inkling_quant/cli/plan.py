@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
+from pathlib import Path
 
 from ..errors import UsageError
 from ..plan.inkling2 import (ASYNC_BATCHES, DEFAULT_BLOCK_SIZE, DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION, GPUS,
@@ -55,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from ..io.output import check_paths, write_report
-    from ..plan.variants import choose_variant, cookbook_rows
+    from ..plan.variants import choose_variant, cookbook_rows, held_draft_bytes
 
     check_paths(None, [args.checkpoint, args.config], reports=[args.json])
     if args.checkpoint and args.config:
@@ -63,12 +64,17 @@ def run(args) -> int:
     source = args.checkpoint or args.config
     cfg = load_config(source)
     variant, scheme, notes = choose_variant(cfg, source, args.variant, args.scheme)
+    # a checkpoint directory is planned as it is: its own draft (or none), not the recipe's
+    held = held_draft_bytes(args.checkpoint) if args.checkpoint and Path(args.checkpoint).is_dir() else None
+    if held == 0 and not args.no_draft and cfg.family.strict:
+        notes += ("the checkpoint holds no DSpark draft (no mtp.* tensors, as inspect says): none is counted",)
     p = plan(cfg, args.gpu, args.tp, ep=not args.no_ep, max_model_len=args.max_model_len,
              max_num_seqs=args.max_num_seqs, utilization=args.gpu_memory_utilization,
              max_num_batched_tokens=args.max_num_batched_tokens,
              concurrent_batches=1 if args.no_async_scheduling else ASYNC_BATCHES, scheme=scheme,
              variant=variant, reserve_gib=args.reserve_gib, block_size=args.block_size,
-             include_draft=not args.no_draft, notes=notes)
+             include_draft=not args.no_draft and held != 0, notes=notes, draft_bytes=held,
+             checkpoint=args.checkpoint if variant is not None and args.checkpoint else None)
     rows = []
     if not p.hf:
         try:  # the recipe's TP4/TP8 comparisons need a config both TPs can serve
@@ -106,7 +112,7 @@ def render_weights(p: ServingPlan) -> list[str]:
         for j, (f, b) in enumerate(fmts):
             layers = w.fmt_layers.get(f) if part == "expert" else None
             label = f"{f} {layers[0]}-{layers[-1]}" if layers else f
-            elems = "(recipe)" if part == "draft" else f"{w.elements[part] / 1e9:.3f}B"
+            elems = f"({f})" if part == "draft" else f"{w.elements[part] / 1e9:.3f}B"
             split = _split_label(p, w.splits[part]) if j == 0 else ""
             out.append(f"{part if j == 0 else '':<{pw}} {elems if j == 0 else '':>9} {label:<15} "
                        f"{in_units(b, 'GB'):>8}  {split:<35} {in_units(w.per_gpu[(part, f)], 'GiB'):>7}")
@@ -182,11 +188,14 @@ def _disk_line(p: ServingPlan) -> str:
         return (f"On disk: {in_units(w.disk_total, 'GB')} GB computed (routed experts in the scheme's formats, "
                 f"every other tensor as stored, {p.cfg.text.dtype})")
     draft = w.disk_part("draft")
-    form = (f" ({VARIANTS[p.variant].repo}: routed experts stacked as the official checkpoint stores them)"
-            if p.variant else f" (as `convert --scheme {p.scheme}` writes it, ModelOpt's per-module form)")
+    own = ("the checkpoint's own mtp.* tensors" if ("draft", "stored") in w.disk else
+           "the recipe's figure: its definition is not published")
+    form = (f" ({p.checkpoint}: routed experts stacked as {VARIANTS[p.variant].repo} stores them)" if p.checkpoint
+            and p.variant else f" ({VARIANTS[p.variant].repo}: routed experts stacked as the official checkpoint "
+            f"stores them)" if p.variant else f" (as `convert --scheme {p.scheme}` writes it, ModelOpt's per-module form)")
     return f"On disk: {in_units(w.disk_total - draft, 'GB')} GB computed{form}" + (
-        f" + {in_units(draft, 'GB')} GB DSpark draft (the recipe's figure: its definition is not published; assumed "
-        f"replicated on every GPU) = {in_units(w.disk_total, 'GB')} GB" if draft else " (without the draft)")
+        f" + {in_units(draft, 'GB')} GB DSpark draft ({own}; assumed replicated on every GPU) = "
+        f"{in_units(w.disk_total, 'GB')} GB" if draft else " (without the draft)")
 
 
 def render_checks(p: ServingPlan) -> list[str]:
@@ -200,7 +209,8 @@ def render_checks(p: ServingPlan) -> list[str]:
 
 
 def _title(p: ServingPlan) -> str:
-    what = f"variant {p.variant!r} ({VARIANTS[p.variant].repo})" if p.variant else f"scheme {p.scheme!r}"
+    what = (f"checkpoint {p.checkpoint} (routed experts as variant {p.variant!r} stores them)" if p.checkpoint and
+            p.variant else f"variant {p.variant!r} ({VARIANTS[p.variant].repo})" if p.variant else f"scheme {p.scheme!r}")
     return (f"inkling-quant plan: {what}, {p.where()}, TP{p.tp} attention + "
             f"{f'EP{p.tp}' if p.ep else f'TP{p.tp} (no EP)'} experts, max_model_len {p.max_model_len:,}")
 

@@ -32,7 +32,8 @@ from ..io.safetensors import fsync_files, sha256_file
 from ..model.layout import max_tensors
 from ..schemes import get_scheme
 from .calibration import load_activation_amax, load_calibration
-from .planner import FLOAT_SOURCES, Options, Prepared, ShardJob, SrcTensor, Unit, list_source, load_config, plan
+from .planner import (FLOAT_SOURCES, Options, Prepared, ShardJob, SrcTensor, Unit, kept_encoders, list_source, load_config,
+                      plan)
 from .validation import validate_source
 from .runner import (CONVERSION_KEY, MANIFEST, MANIFEST_GLOB, SOURCE_KEY, confirm_complete, confirm_finalized,
                      fingerprint, finished, manifest_path, manifests, part_jobs, previous_output, recorded_checksums,
@@ -59,7 +60,8 @@ def prepare(src: str, opts: Options) -> Prepared:
     calibrated = {} if opts.weight_only else load_calibration(opts.activation_scales, tensors, layout, src)
     jobs = plan(cfg, layout, tensors, scheme, form, opts, calibrated, str(src))
     return Prepared(root, repo, revision, cfg, layout, jobs, other_files, fingerprint(jobs, opts, scheme, stat),
-                    fingerprint(jobs, opts, scheme, {}), source_id(stat), form, scheme)
+                    fingerprint(jobs, opts, scheme, {}), source_id(stat), form, scheme,
+                    kept_encoders(root, cfg, layout, jobs))
 
 
 def convert(src: str, out: str | Path, opts: Options, *, resume: bool = False, overwrite: bool = False,
@@ -167,8 +169,12 @@ def _write_configs(out: Path, prep: Prepared, opts: Options) -> list[str]:
     """The output form's quantization config files (with who converted it where the form records
     it); a conversion that quantizes nothing (scheme `none`) writes config.json as the source has
     it, as ModelOpt leaves an unquantized model. Returns the names written."""
+    encoder = opts.encoder or prep.form.encoder
     converter = {"name": "inkling-quant", "version": __version__, "scheme": _applied_scheme(prep).record(),
-                 "weight_only": opts.weight_only, "encoder": opts.encoder or prep.form.encoder}
+                 "weight_only": opts.weight_only, "encoder": encoder}
+    kept = {m: e for m, e in prep.kept_encoders.items() if e != encoder}  # copied layers another encoder wrote
+    if kept:
+        converter["layers"] = kept
     files = prep.form.config_files(prep.cfg, quantized_layers(prep), opts.weight_only, converter,
                                    unquantized_modules(prep)) or {CONFIG_NAME: prep.cfg.raw}
     for name, obj in files.items():

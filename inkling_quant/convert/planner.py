@@ -5,6 +5,7 @@ scale, or a stacked expert tensor converted expert by expert) and the units are 
 output shards."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,8 +13,9 @@ from pathlib import Path
 from .. import hub
 from ..errors import ConfigError, FormatError, UsageError
 from ..export import Copy, OutputForm, Writing
-from ..formats import FORMATS, get_format
-from ..io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child, shard_name
+from ..export.inkling import declared_encoder
+from ..formats import FORMATS, get_format, source_value_rule
+from ..io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG, Checkpoint, read_json, safe_child, shard_name
 from ..io.safetensors import DTYPE_NAMES, DTYPES
 from ..io.shards import plan_files, plan_shards
 from ..model.inkling2 import RELEASE_EXPERT_FORMAT, Inkling2Config
@@ -61,6 +63,9 @@ class Unit:
     # each weight's name as a float checkpoint has it (`<module>.weight`) where its stored weight
     # tensor is named otherwise (Kimi-K3's `<module>.weight_packed`); () : the stored names
     weight_names: tuple[str, ...] = ()
+    # a quantized source's tensor copied as it is: the value rule its source format puts on its bytes
+    # (formats.source_value_rule: a scale's, FP8 positive, MXFP4 e8m0), which verify holds the copy to
+    value_rule: str | None = None
 
     @property
     def activation_scale(self) -> bool:
@@ -138,6 +143,34 @@ class Prepared:
     source_id: str    # the source files' identity (runner.source_id), which a finished OUT records too
     form: OutputForm  # settled: the one asked for, else the source's own (export.form_for)
     scheme: Scheme
+    # output experts module -> the encoder whose bytes a layer copied as the source stores it holds
+    kept_encoders: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def kept_encoders(root: Path, cfg, layout: Layout, jobs: list[ShardJob]) -> dict[str, str]:
+    """Output experts module -> the encoder ("release", "modelopt") that wrote each quantized layer
+    convert copies as the source stores it (the MXFP8 release's layers a scheme keeps MXFP8): what
+    the source's quantization config declares for it (export.inkling.declared_encoder), the
+    release's where it declares none, as verify reads such a layer. The output names it, so a
+    copied layer carries the encoder of its bytes, not the run's. ConfigError naming the file
+    for a rule no format here has."""
+    kept = [u for j in jobs for u in j.units if u.stacked and u.source_format is not None and u.source_format == u.format]
+    if not kept:
+        return {}
+    path = root / HF_QUANT_CONFIG
+    hq = read_json(safe_child(root, HF_QUANT_CONFIG), HF_QUANT_CONFIG, ConfigError) if path.is_file() else None
+    out = {}
+    for u in kept:
+        fmt = FORMATS[u.format]
+        module = layout.experts_modules[layout.classify(u.sources[0].name).layer]
+        rule = declared_encoder(cfg.raw, hq, module, fmt)
+        by_rule = {r: e for e, r in fmt.encoders.items()}
+        if rule is not None and rule not in by_rule:
+            raise ConfigError(f"the quantization config names encoder {rule!r} for {module!r}, whose {fmt.name} "
+                              f"experts convert copies as stored; {fmt.name}'s encoders are "
+                              f"{sorted(fmt.encoders.values())}", path=path if hq is not None else root / CONFIG_NAME)
+        out[u.writing.quantized_module(u, layout)] = by_rule.get(rule, "release")
+    return out
 
 
 # --------------------------------------------------------------------------- the source
@@ -192,8 +225,9 @@ def _units(cfg: Inkling2Config | MoEConfig, layout: Layout, tensors: list[SrcTen
     for t in tensors:
         if t.name in done:
             continue
-        if copy:  # a quantized source the scheme leaves alone: every tensor as it is
-            units.append(Unit((t,), "passthrough", (None,), (None,), writing=Copy()))
+        if copy:  # a quantized source the scheme leaves alone: every tensor as it is, its values checked
+            units.append(Unit((t,), "passthrough", (None,), (None,), writing=Copy(),
+                              value_rule=source_value_rule(layout, t.name)))
             continue
         rec = layout.classify(t.name)
         fmt = scheme.format_name(cfg, rec)

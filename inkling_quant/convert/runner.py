@@ -289,6 +289,7 @@ def run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: d
     needs = [[s.shard for u in j.units for s in u.sources] for j in todo]  # what a hub source prefetches
     stages: dict[str, float] = {}
     blocks: dict[str, list[int]] = {}  # source tensor -> [MXFP4 blocks, of them lossless] (worker.ShardResult)
+    flushed: list[str] = []            # weights written as their format's all-zero weight (worker.Tallies)
     with _progress_bars(jobs, todo, done, quiet) as (bar_bytes, bar_shards), \
             hub.shard_source(prep.repo, prep.revision, needs, pooled) as source:
         def record(r: ShardResult):
@@ -299,6 +300,7 @@ def run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: d
             for k, (n, ok) in r.source_blocks.items():
                 got = blocks.setdefault(k, [0, 0])
                 got[0], got[1] = got[0] + n, got[1] + ok
+            flushed.extend(r.flushed)
             bar_shards.update(1)
             source.finished(r)
 
@@ -326,7 +328,8 @@ def run_jobs(prep: Prepared, todo: list[ShardJob], jobs: list[ShardJob], done: d
         except BaseException:
             _stop(pool, out, todo, done)
             raise
-    return source.report() | {"stage_seconds": stages} | ({"source_blocks": blocks} if blocks else {})
+    return source.report() | {"stage_seconds": stages} | ({"source_blocks": blocks} if blocks else {}) | \
+        ({"flushed_to_zero": sorted(flushed)} if flushed else {})
 
 
 @contextmanager

@@ -18,7 +18,7 @@ import torch
 from .. import hub
 from ..errors import FormatError
 from ..export.form import Outputs
-from ..formats import FORMATS, get_format
+from ..formats import FORMATS, VALUE_RULES, get_format, value_violation
 from ..formats.fp8_block import has_nan_byte
 from ..formats.transcode import STATS
 from ..io.safetensors import DTYPES, ShardWriter, TensorBuffer
@@ -41,6 +41,31 @@ class ShardResult:
     stages: dict[str, float] = field(default_factory=dict)
     # source tensor -> [MXFP4 blocks read, of them cast losslessly] (MXFP4 -> NVFP4: transcode.STATS)
     source_blocks: dict[str, list[int]] = field(default_factory=dict)
+    flushed: list[str] = field(default_factory=list)  # weights written as zero (Format.flushes), named
+
+
+@dataclass
+class Tallies:
+    """What a shard's steps count as they convert: units per format, a cast's block figures per
+    source tensor (transcode.STATS), and the weights written as the format's all-zero weight."""
+    counts: dict[str, int] = field(default_factory=dict)
+    blocks: dict[str, list[int]] = field(default_factory=dict)
+    flushed: list[str] = field(default_factory=list)
+
+    def count(self, fmt: str, n: int = 1) -> None:
+        self.counts[fmt] = self.counts.get(fmt, 0) + n
+
+    def take_stats(self, name: str, q: dict[str, torch.Tensor]) -> None:
+        """Take a transcoder's figures (transcode.STATS) out of its tensors, adding them to `blocks`."""
+        if STATS[0] in q:
+            got = self.blocks.setdefault(name, [0, 0])
+            for i, k in enumerate(STATS):
+                got[i] += int(q.pop(k))
+
+    def flush(self, fmt, amax, what: str) -> None:
+        """Note `what` when a weight of this amax is written as `fmt`'s all-zero weight."""
+        if amax is not None and fmt.flushes(float(amax)):
+            self.flushed.append(what)
 
 
 def _sources(root: Path, repo: str | None, revision: str | None) -> ShardReaders:
@@ -62,12 +87,11 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
     largest tensor. `stop` is called before each step (it raises to stop the shard: a signal in
     the converting process)."""
     start, fetched = time.perf_counter(), hub.fetch_seconds()
-    counts: dict[str, int] = {}
-    blocks: dict[str, list[int]] = {}
+    tallies = Tallies()
     writer = ShardWriter(Path(out_dir) / job.file, [(n, DTYPES[d], s) for n, d, s in job.specs], SHARD_METADATA,
                          direct=not buffered_io)
     sources = _sources(Path(src_root), repo, revision)
-    steps = _ReadAhead(_job_steps(job, sources, device, (counts, blocks), progress, Path(out_dir)))
+    steps = _ReadAhead(_job_steps(job, sources, device, tallies, progress, Path(out_dir)))
     io = cf.ThreadPoolExecutor(1, thread_name_prefix="inkling-quant-write")
     pending: cf.Future | None = None
     busy = {"read": 0.0, "convert": 0.0, "write": 0.0}
@@ -95,8 +119,9 @@ def convert_shard(job: ShardJob, src_root: str, repo: str | None, revision: str 
             sha = writer.commit(durable=False)
     finally:
         sources.close()
-    return ShardResult(job.file, sha, job.out_bytes, job.src_bytes, counts, time.perf_counter() - start,
-                       hub.fetch_seconds() - fetched, {k: round(v, 3) for k, v in busy.items()}, blocks)
+    return ShardResult(job.file, sha, job.out_bytes, job.src_bytes, tallies.counts, time.perf_counter() - start,
+                       hub.fetch_seconds() - fetched, {k: round(v, 3) for k, v in busy.items()}, tallies.blocks,
+                       tallies.flushed)
 
 
 # ---------------------------------------------------------------------------- the pipeline
@@ -190,25 +215,20 @@ class _ReadAhead:
                 _SPARE_SETS.append(self._sets)
 
 
-def _job_steps(job: ShardJob, sources: ShardReaders, device: str, tallies: tuple[dict, dict],
+def _job_steps(job: ShardJob, sources: ShardReaders, device: str, tallies: Tallies,
                progress, out_dir: Path) -> Iterator[_Step]:
-    counts = tallies[0]
     for u in job.units:
         if u.storage is None and u.source_format is not None:
-            yield _kept_step(u, sources, counts, progress)
+            yield _kept_step(u, sources, tallies, progress)
         elif u.storage is None:
-            yield from _passthrough_steps(u, sources, counts, progress)
+            yield from _passthrough_steps(u, sources, tallies, progress)
         elif u.stacked:
             yield from _stacked_steps(u, sources, device, tallies, progress, out_dir)
         else:
             yield _per_expert_unit(u, sources, device, tallies, progress)
 
 
-def _count(counts: dict[str, int], fmt: str) -> None:
-    counts[fmt] = counts.get(fmt, 0) + 1
-
-
-def _passthrough_steps(u: Unit, sources: ShardReaders, counts: dict[str, int], progress) -> Iterator[_Step]:
+def _passthrough_steps(u: Unit, sources: ShardReaders, tallies: Tallies, progress) -> Iterator[_Step]:
     """A pass-through tensor, checked finite, under the name its writing gives (export.Copy), in
     pieces of whole rows of at most PIECE bytes (a row larger than that is a piece); only the
     leading rows the writing keeps, where it cuts them (only those bytes are read)."""
@@ -222,10 +242,13 @@ def _passthrough_steps(u: Unit, sources: ShardReaders, counts: dict[str, int], p
         per = max(1, PIECE // row) if row else max(rows, 1)
         pieces = [(r, min(rows, r + per)) for r in range(0, max(rows, 1), per)]
 
-    def compute(t: list[torch.Tensor], first: bool) -> Outputs:
-        _check_finite(t[0], reader.path, src.name)
+    def compute(t: list[torch.Tensor], first: bool, lo: int | None) -> Outputs:
+        if u.value_rule is None:
+            _check_finite(t[0], reader.path, src.name)
+        else:
+            _check_values(t[0], reader.path, src.name, u.value_rule, (lo or 0) * math.prod(src.shape[1:]))
         if first:
-            _count(counts, u.format)
+            tallies.count(u.format)
         if progress is not None:
             progress(t[0].numel() * t[0].element_size())
         return [(name, t[0], False)]
@@ -233,10 +256,10 @@ def _passthrough_steps(u: Unit, sources: ShardReaders, counts: dict[str, int], p
     for k, (lo, hi) in enumerate(pieces):
         read = (lambda b: reader.get(src.name, b)) if lo is None else \
             (lambda b, lo=lo, hi=hi: reader.get_rows(src.name, hi, b, start=lo))
-        yield _Step([read], lambda t, first=k == 0: compute(t, first))
+        yield _Step([read], lambda t, first=k == 0, lo=lo: compute(t, first, lo))
 
 
-def _kept_step(u: Unit, sources: ShardReaders, counts: dict[str, int], progress) -> _Step:
+def _kept_step(u: Unit, sources: ShardReaders, tallies: Tallies, progress) -> _Step:
     """A quantized source's module written without requantizing (`OutputForm.kept`: ModelOpt's
     FP8_PB_WO, the bytes kept; or dequantized to BF16): its stored tensors read whole and checked
     (NaN bytes, scales not finite and > 0, a wrong scale grid: named), then the writing's tensors."""
@@ -250,7 +273,7 @@ def _kept_step(u: Unit, sources: ShardReaders, counts: dict[str, int], progress)
             src.check_stored(stored, w.name, _stored_names(u)[0])
         except FormatError as e:
             raise FormatError(e.message, path=sources.get(_blamed(u, e).shard).path, tensor=e.tensor or w.name) from None
-        _count(counts, u.format)
+        tallies.count(u.format)
         if progress is not None:
             progress(sum(t.numel() * t.element_size() for t in ts))
         return u.writing.write_kept(u, stored, path)
@@ -263,7 +286,7 @@ def _blamed(u: Unit, e: FormatError):
     return next((s for s in u.sources if s.name == e.tensor), u.sources[0])
 
 
-def _stacked_steps(u: Unit, sources: ShardReaders, device: str, tallies: tuple[dict, dict],
+def _stacked_steps(u: Unit, sources: ShardReaders, device: str, tallies: Tallies,
                    progress, out_dir: Path) -> Iterator[_Step]:
     """A stacked expert tensor ([E, ...]), one expert at a time: read only its slice, quantize it
     as stored (gate/up rows stay as the source holds them: every block scale lies along a row) and
@@ -287,14 +310,13 @@ def _slab_reads(u: Unit, sources: ShardReaders, e: int) -> list[Callable[[Tensor
     return [lambda b, s=s: sources.get(s.shard).get_slice(s.name, e, b) for s in u.sources]
 
 
-def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, tallies: tuple[dict, dict],
+def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, tallies: Tallies,
                    progress) -> dict[str, torch.Tensor]:
     """Expert e's slab of a stacked unit in the unit's format, as `Format.quantize` returns it:
     a float slab quantized as stored; a quantized source's slab (the MXFP8 release, MXFP4) copied
     bit-exact when its format is kept, else requantized (`Format.requantize`: exactly what its
     dequantized weight gives, or the encoder's published cast: transcode.py). A cast's figures
     (transcode.STATS) are tallied per source tensor."""
-    counts, blocks = tallies
     src, slab = u.sources[0], t[0]
     nbytes = sum(x.numel() * x.element_size() for x in t)
     if u.storage.transposed:  # an [in, out] slab: quantized as [out, in], blocks along `in`
@@ -309,16 +331,16 @@ def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, ta
             _check_finite(slab, path, src.name)
         try:
             if stored is not None:
-                get_format(u.source_format, source=True).check_stored(
+                a = get_format(u.source_format, source=True).check_stored(
                     stored, src.name, dict(zip(u.stored_suffixes, (x.name for x in u.sources))))
                 q = fmt.requantize({k: v.to(device) for k, v in stored.items()},
                                    get_format(u.source_format, source=True), input_amax=u.input_amax[0],
                                    encoder=u.encoder, name=src.name, parts=_gate_up_rows(u, slab))
-                _tally(blocks, src.name, q)
+                tallies.take_stats(src.name, q)
             else:
                 x = slab if device == "cpu" else slab.to(device)
-                q = fmt.quantize(x, global_amax=fmt.fused_global_amax([x]), input_amax=u.input_amax[0],
-                                 encoder=u.encoder)
+                a = fmt.fused_global_amax([x])
+                q = fmt.quantize(x, global_amax=a, input_amax=u.input_amax[0], encoder=u.encoder)
         except FormatError as err:
             blamed = err.tensor if err.tensor in {x.name for x in u.sources} else src.name
             where = next((x for x in u.sources if x.name == blamed), src)
@@ -327,7 +349,8 @@ def _quantize_slab(u: Unit, t: list[torch.Tensor], e: int, path, device: str, ta
                               tensor=blamed) from None
         q = {k: v.cpu() for k, v in q.items()}
         _check_magnitude(u, fmt, q, None if stored is not None else slab, path, f"tensor {src.name!r}, expert {e}")
-    _count(counts, u.format)
+        tallies.flush(fmt, a, f"{src.name} expert {e}")
+    tallies.count(u.format)
     if progress is not None:
         progress(nbytes)
     return q
@@ -342,22 +365,13 @@ def _gate_up_rows(u: Unit, slab: torch.Tensor) -> tuple | None:
     return tuple(u.storage.split_gate_up(rows, slab.shape[0] // 2))
 
 
-def _tally(blocks: dict[str, list[int]], name: str, q: dict[str, torch.Tensor]) -> None:
-    """Take a transcoder's figures (transcode.STATS) out of its tensors, adding them to `blocks`."""
-    if STATS[0] in q:
-        got = blocks.setdefault(name, [0, 0])
-        for i, k in enumerate(STATS):
-            got[i] += int(q.pop(k))
-
-
-def _per_expert_unit(u: Unit, sources: ShardReaders, device: str, tallies: tuple[dict, dict], progress) -> _Step:
+def _per_expert_unit(u: Unit, sources: ShardReaders, device: str, tallies: Tallies, progress) -> _Step:
     """One unit of a per-expert source (an expert's gate and up sharing one global scale, or one
     projection): read, quantize, written under the source's names. A quantized source's weights
     (FP8: weight and scale) are checked, their shared amax taken from the stored bytes (exact), and
     each requantized alone: one expert's projection in fp32 at a time."""
     fmt = FORMATS[u.format]
     paths = [sources.get(s.shard).path for s in u.weights]
-    counts = tallies[0]
 
     def compute(ts: list[torch.Tensor]) -> Outputs:
         if u.source_format is not None:
@@ -368,19 +382,22 @@ def _per_expert_unit(u: Unit, sources: ShardReaders, device: str, tallies: tuple
             if u.format == "passthrough":  # the quantizers check their own input
                 _check_finite(w, path, src.name)
             ws.append(w if device == "cpu" else w.to(device))
-        global_amax = fmt.fused_global_amax(ws) if len(ws) > 1 else None
+        shared = fmt.fused_global_amax(ws) if len(ws) > 1 else None
         outputs = []
         for src, w, path, ia in zip(u.sources, ws, paths, u.input_amax):
             try:
+                # gate and up's shared amax, or the weight's own (what quantize would take): either says a flush
+                global_amax = shared if shared is not None else fmt.fused_global_amax([w])
                 out = fmt.quantize(w, global_amax=global_amax, input_amax=ia, encoder=u.encoder)
             except FormatError as e:
                 raise FormatError(f"tensor {src.name!r}: {e.message}", path=path, tensor=src.name) from None
             _refuse_too_small(fmt, {k: t.cpu() for k, t in out.items()}, w.cpu(), path, src.name)
+            tallies.flush(fmt, global_amax, src.name)
             # the format's own tensors: what a per-module (ModelOpt) form names; an encoder's extra
             # (the release rule's weight_amax) is for the stacked form, and weight_scale_2 carries it here
             outputs += [(fmt.tensor_name(src.name, suffix), t.cpu() if device != "cpu" else t, True)
                         for suffix, t in out.items() if suffix in fmt.suffixes]
-            _count(counts, u.format)
+            tallies.count(u.format)
             if progress is not None:
                 progress(w.numel() * w.element_size())
         return outputs
@@ -389,7 +406,7 @@ def _per_expert_unit(u: Unit, sources: ShardReaders, device: str, tallies: tuple
 
 
 def _requantize_expert(u: Unit, fmt, ts: list[torch.Tensor], path_of: dict, device: str,
-                       tallies: tuple[dict, dict], progress) -> Outputs:
+                       tallies: Tallies, progress) -> Outputs:
     """A per-expert unit of a quantized source (an FP8 expert's gate and up, or its down): each
     weight's stored tensors checked (errors name the weight or its scale and its file), the
     amax gate and up share taken from the bytes (`Format.amax`: exact, no dequantized copy), then
@@ -397,7 +414,6 @@ def _requantize_expert(u: Unit, fmt, ts: list[torch.Tensor], path_of: dict, devi
     dequantization). The checks' amax (one pass over the bytes) is the global amax passed on: the
     weight's own, or gate and up's larger, so no pass is made twice. A source whose blocks lie
     along rows (MXFP4) is requantized as a stacked source's slab is instead (`_requantize_rows`)."""
-    counts, blocks = tallies
     src = get_format(u.source_format, source=True)
     stored = [{k: v if device == "cpu" else v.to(device) for k, v in st.items()} for st in u.stored(ts)]
     amax = []
@@ -407,8 +423,9 @@ def _requantize_expert(u: Unit, fmt, ts: list[torch.Tensor], path_of: dict, devi
         except FormatError as e:
             raise FormatError(e.message, path=path_of.get(e.tensor, path_of[w.name]), tensor=e.tensor) from None
     if src.row_blocked:
-        outputs = _requantize_rows(u, fmt, src, stored, path_of, blocks)
-        counts[u.format] = counts.get(u.format, 0) + len(u.weights)
+        outputs = _requantize_rows(u, fmt, src, stored, path_of, tallies)
+        tallies.flush(fmt, max(amax), u.weights[0].name)
+        tallies.count(u.format, len(u.weights))
         if progress is not None:
             progress(sum(t.numel() * t.element_size() for t in ts))
         return outputs
@@ -421,14 +438,15 @@ def _requantize_expert(u: Unit, fmt, ts: list[torch.Tensor], path_of: dict, devi
         except FormatError as e:
             raise FormatError(f"tensor {w.name!r}: {e.message}", path=path_of[w.name], tensor=w.name) from None
         _refuse_too_small(fmt, out, None, path_of[w.name], w.name)  # from stored bytes: only the scales are asked
+        tallies.flush(fmt, g if g is not None else a, w.name)
         outputs += [(fmt.tensor_name(u.weight_name(i), k), t.cpu(), True) for k, t in out.items() if k in fmt.suffixes]
-        _count(counts, u.format)
+        tallies.count(u.format)
     if progress is not None:
         progress(sum(t.numel() * t.element_size() for t in ts))
     return outputs
 
 
-def _requantize_rows(u: Unit, fmt, src, stored: list[dict], path_of: dict, blocks: dict) -> Outputs:
+def _requantize_rows(u: Unit, fmt, src, stored: list[dict], path_of: dict, tallies: Tallies) -> Outputs:
     """A per-expert unit of a row-blocked source (DeepSeek-V4's MXFP4) requantized as a stacked
     source's slab is (gpt-oss): one call, gate and up's rows stacked (`parts`), no global amax
     given, so the target's encoder takes its own rule over the pair (ModelOpt's MXFP4 cast: one
@@ -443,7 +461,7 @@ def _requantize_rows(u: Unit, fmt, src, stored: list[dict], path_of: dict, block
         q = fmt.requantize(slab, src, input_amax=u.input_amax[0], encoder=u.encoder, name=gate.name, parts=parts)
     except FormatError as e:
         raise FormatError(f"tensor {gate.name!r}: {e.message}", path=path_of[gate.name], tensor=gate.name) from None
-    _tally(blocks, gate.name, q)
+    tallies.take_stats(gate.name, q)
     _refuse_too_small(fmt, q, None, path_of[gate.name], gate.name)
     outputs: Outputs = []
     for i in range(len(u.weights)):
@@ -489,6 +507,16 @@ def _check_stored(fmt, stored: dict[str, torch.Tensor], path, name: str, e: int)
     if not fmt.all_finite(stored):
         raise FormatError(f"tensor {name!r}, expert {e}: holds NaN or Inf (an e4m3 NaN byte or an e8m0 255 "
                           f"scale)", path=path, tensor=name)
+
+
+def _check_values(t: torch.Tensor, path, name: str, rule: str, start: int) -> None:
+    """A copied quantized source's tensor held to its source format's value rule (a scale finite
+    and positive with a finite reciprocal, an e8m0 byte not 255): the copy verify would fail ends
+    the run, naming the tensor and its first bad element (`start`: the piece's first element)."""
+    bad = value_violation(t, rule)
+    if bad is not None:
+        raise FormatError(f"tensor {name!r}: must be {VALUE_RULES[rule]}, as its source format stores it: element "
+                          f"{start + bad[0]} is {bad[1]}", path=path, tensor=name)
 
 
 def _check_finite(t: torch.Tensor, path, name: str) -> None:

@@ -64,6 +64,28 @@ def check_units(layout: Layout, units: list) -> None:
                          f"other as MXFP4): use --scheme nvfp4 without --weight-only", tensor=odd.sources[0].name)
 
 
+def config_problems(config: dict) -> list[str]:
+    """What the form's loader would misread in a checkpoint's config.json (the read side of
+    `configs`): vLLM 0.33's DeepseekV4FP8Config (vllm/models/deepseek_v4/quant_config.py) builds
+    NVFP4 experts and UE8M0 Linear scales only where `expert_dtype` is "fp4" (transformers 5.25
+    reads a missing one as "fp8"), and reads the Linears as 128x128-block e4m3 FP8 with dynamic
+    activations (its Fp8Config; transformers' FineGrainedFP8Config with `scale_fmt` "ue8m0" for
+    the power-of-two scales the form keeps as stored). Each problem names its key."""
+    q = config.get("quantization_config") if isinstance(config.get("quantization_config"), dict) else {}
+    problems = []
+    experts = q.get("expert_dtype", config.get("expert_dtype"))
+    if experts != "fp4":
+        problems.append(f"expert_dtype is {experts!r}: this form's loader reads NVFP4 experts (moe_quant_algo) and "
+                        f"UE8M0 Linear scales only with expert_dtype 'fp4' (transformers reads a missing one as 'fp8')")
+    wanted = {"weight_block_size": [128, 128], "fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "ue8m0"}
+    optional = {"fmt", "activation_scheme"}  # absent: the readers' defaults, which are these
+    for key, want in wanted.items():
+        if q.get(key, want if key in optional else None) != want:
+            problems.append(f"quantization_config.{key} is {q.get(key)!r}, expected {want!r}: the FP8 Linears the "
+                            f"form keeps as stored are 128x128-block e4m3 with UE8M0 scales and dynamic activations")
+    return problems
+
+
 # The modules ModelOpt's DeepSeek-V4 export leaves as the source has them (quantize_to_nvfp4.py
 # `_build_moe_quantization`): attention and shared experts FP8, the head BF16, the MTP block in
 # the source format

@@ -88,7 +88,7 @@ from ..model.layout import Layout
 from .form import ExpertWriter, OutputForm, Outputs, Spec, Writing, row_suffixes
 from .modelopt import QUANT_METHOD, quantization, recipe_quant_cfg
 
-__all__ = ["PROJECTIONS", "OUTER_SCALE_DENOMINATOR", "INKLING", "InklingForm", "InklingStacked", "stacked_specs",
+__all__ = ["declared_encoder", "PROJECTIONS", "OUTER_SCALE_DENOMINATOR", "INKLING", "InklingForm", "InklingStacked", "stacked_specs",
            "projection_specs", "expert_slices", "slab_slices", "stored_projection", "write_expert", "stack_experts",
            "unstack_expert",
            "unstack_experts", "value_rule"]
@@ -302,6 +302,29 @@ EXCLUDE_MODULES_ORIGINAL = ["model.llm.unembed", "model.llm.embed", "model.llm.l
 
 
 
+def declared_encoder(config: dict | None, hf_quant: dict | None, module: str, fmt: Format) -> str | None:
+    """The encoder rule a checkpoint's quantization config declares for the experts `module`
+    (`nvfp4_nearest`, "modelopt", or whatever another writer put there): its quantized_layers
+    entry's in hf_quant_config.json or config.json (in the one-format form the entry's keys stand
+    at the top), else inkling-quant's converter record (a layer it names under `layers`, else its
+    run's `encoder`; ModelOpt's rule adds nothing to an entry); None when none names one (another
+    writer's checkpoint, which the release's rules are the only documented fixed points for)."""
+    for q in (hf_quant.get("quantization") if isinstance(hf_quant, dict) else None,
+              (config or {}).get("quantization_config")):
+        if not isinstance(q, dict):
+            continue
+        layers = q.get("quantized_layers")
+        entry = layers.get(module) if isinstance(layers, dict) else q  # one format: its entry at the top
+        if isinstance(entry, dict) and entry.get("encoder") is not None:
+            return str(entry["encoder"])
+    conv = hf_quant.get("converter") if isinstance(hf_quant, dict) else None
+    if not isinstance(conv, dict):
+        return None
+    per = conv.get("layers")
+    name = per.get(module) if isinstance(per, dict) and per.get(module) is not None else conv.get("encoder")
+    return fmt.encoders.get(name) if isinstance(name, str) else None
+
+
 def config_with_quantization(config: dict, q: dict) -> dict:
     """config.json with `quantization_config` as vLLM's ModelOpt loader reads it."""
     return {**config, "quantization_config": {"quant_method": QUANT_METHOD, **q}}
@@ -421,7 +444,8 @@ class InklingForm(OutputForm):
         encoder, with the recipe as the first Inkling generation's loaders read it
         (`modelopt_quant_config`: recipe_quant_cfg); hf_quant_config.json adds a `converter`
         entry naming who wrote it. MIXED_PRECISION even for one format: why, docs/formats.md."""
-        q = quantization(layers.items(), weight_only, EXCLUDE_MODULES_ORIGINAL, converter.get("encoder", self.encoder))
+        q = quantization(layers.items(), weight_only, EXCLUDE_MODULES_ORIGINAL, converter.get("encoder", self.encoder),
+                         converter.get("layers", {}))
         if not q["quantized_layers"]:
             return {}
         q["modelopt_quant_config"] = {"quant_cfg": recipe_quant_cfg(q["quantized_layers"])}

@@ -40,10 +40,19 @@ QUANT_METHOD = "modelopt"
 PRODUCER_VERSION = "0.47.0"  # the ModelOpt export whose layout we write (docs/formats.md)
 _NVFP4 = FORMATS["nvfp4"]
 def quantization(module_formats: Iterable[tuple[str, Format]], weight_only: bool,
-                 exclude: Iterable[str] = (), encoder: str = "modelopt") -> dict:
+                 exclude: Iterable[str] = (), encoder: str = "modelopt", encoders: Mapping[str, str] = {}) -> dict:
     """The MIXED_PRECISION config: every quantized module listed with its format's entry (which
-    names the encoder where it is not ModelOpt's)."""
-    layers = {m: e for m, f in module_formats if (e := f.layer_config(weight_only, encoder)) is not None}
+    names the encoder where it is not ModelOpt's). `encoders`: a module whose bits another encoder
+    than the run's `encoder` wrote (a layer kept as the source stores it) -> that encoder, named
+    in its entry, ModelOpt's too where the run's is another."""
+    layers = {}
+    for m, f in module_formats:
+        enc = encoders.get(m, encoder)
+        e = f.layer_config(weight_only, enc)
+        if e is not None and enc != encoder and "encoder" not in e:
+            e = {**e, "encoder": f.encoder_rule(enc)}
+        if e is not None:
+            layers[m] = e
     return {"quant_algo": MIXED_PRECISION, "kv_cache_quant_algo": None, "exclude_modules": list(exclude),
             "quantized_layers": dict(sorted(layers.items(), key=lambda kv: natural_key(kv[0])))}
 
@@ -567,8 +576,8 @@ class ModelOptForm(OutputForm):
         wrapped += [] if any(m.rsplit(".", 1)[-1] == "lm_head" for m in wrapped) else ["lm_head"]
         q = one_format(q, summarize_exclusions(wrapped, q["quantized_layers"]))
         hq = modelopt_hf_quant_config(q)
-        if converter.get("encoder", self.encoder) != self.encoder:
-            hq["converter"] = converter
+        if converter.get("encoder", self.encoder) != self.encoder or converter.get("layers"):
+            hq["converter"] = converter  # whose rules wrote the bits, where ModelOpt's did not
         return {HF_QUANT_CONFIG: hq,
                 CONFIG_NAME: {**cfg.raw, "quantization_config": modelopt_quantization_config(hq["quantization"])}}
 

@@ -24,6 +24,53 @@ VALUE_RULES = {"positive": "finite and positive, with a finite fp32 reciprocal (
                "e8m0": "e8m0 exponent in range (not 0xFF)"}
 
 
+def value_violation(x, rule: str | None):
+    """(flat index, the value as shown) of the first element of tensor `x` its value rule
+    (VALUE_RULES' key, or None: finite only) refuses, or None. Every float dtype is held to
+    finiteness on its bits (an e4m3 NaN byte, an e8m0 255); "e8m0" holds uint8 exponent bytes to
+    not 0xFF; "positive" and "nonnegative" hold scales. What verify's values[F] and convert's
+    copies of a quantized source's tensors ask alike (one pass; on a failure, a second)."""
+    import torch
+
+    if x.dtype == torch.uint8 or x.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
+        b = x.contiguous().view(torch.uint8).reshape(-1)
+        if x.dtype == torch.float8_e4m3fn:
+            bad = {"positive": (b - 1) > 0x7D, "nonnegative": b > 0x7E}.get(rule, (b & 0x7F) == 0x7F)
+        elif x.dtype == torch.float8_e8m0fnu or rule == "e8m0":
+            bad = b == 0xFF
+        else:
+            return None  # codes: any byte
+    elif x.dtype.is_floating_point:
+        f = x.reshape(-1).float()
+        bad = ~torch.isfinite(f)
+        if rule == "positive":
+            bad |= ~(f >= MIN_INVERTIBLE_SCALE)
+        elif rule == "nonnegative":
+            bad |= f < 0
+    else:
+        return None
+    if not bool(bad.any()):
+        return None
+    idx = int(bad.nonzero()[0, 0])
+    v = x.reshape(-1)[idx]
+    shown = f"0x{int(v.view(torch.uint8)):02X}" if v.dtype in (torch.uint8, torch.float8_e4m3fn,
+                                                                 torch.float8_e8m0fnu) else f"{float(v)}"
+    if v.dtype == torch.float8_e4m3fn:
+        shown += f" ({float(v.float())})"
+    return idx, shown
+
+
+def source_value_rule(layout, name: str) -> str | None:
+    """The value rule (VALUE_RULES' key) a quantized source's format puts on its stored tensor
+    `name` (the layout's `owner` / `source_format` say which weight and format): FP8 block scales
+    finite and positive, MXFP4's e8m0 bytes not 0xFF; None for the weight's own bytes (its dtype's
+    finiteness) and for a float tensor."""
+    own = layout.owner(name)
+    weight, suffix = own if own is not None else (name, "weight")
+    fmt = layout.source_format(weight)
+    return None if fmt is None else get_format(fmt, source=True).value_rule(suffix)
+
+
 def format_for_quant_algo(quant_algo, *, source: bool = False) -> Format | None:
     """The format a ModelOpt `quant_algo` string names (NVFP4, W4A16_NVFP4, MXFP8; with `source`
     also a source format written as it is stored: fp8_pb_wo, FP8Block), or None."""
@@ -48,4 +95,4 @@ def get_format(name: str, *, source: bool = False) -> Format:
 
 __all__ = ["FORMATS", "Format", "MIN_INVERTIBLE_SCALE", "OutSpec", "Passthrough", "NVFP4", "MXFP8", "SCALE_SUFFIXES",
            "VALUE_RULES", "invertible", "SOURCE_FORMATS", "FP8Block", "MXFP4", "MXFP4Rows", "TRANSCODERS", "transcode",
-           "detect", "format_for_quant_algo", "get_format"]
+           "detect", "format_for_quant_algo", "get_format", "source_value_rule", "value_violation"]

@@ -280,6 +280,13 @@ class Format:
         `weight` None: a weight requantized from stored bytes, not at hand."""
         return None
 
+    def flushes(self, amax: float) -> bool:
+        """Whether a weight of this largest magnitude is written as the format's all-zero weight
+        (`quantize` does it, and verify expects it): a nonzero amax below anything the format's
+        scales can encode, whose values are zero at any precision that serves. No format but
+        NVFP4 has such a floor (MXFP8's smallest scale holds every bf16 subnormal)."""
+        return False
+
     def value_rule(self, suffix: str, encoder: str = "modelopt") -> str | None:
         """What the values of the tensor `suffix` must be when `encoder` wrote them, as one of
         VALUE_RULES' keys (the checks live in verify/values.py), or None when only finiteness applies."""

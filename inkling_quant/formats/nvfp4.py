@@ -48,9 +48,18 @@ documented rule and these to an implementation written apart from this one): ``d
 path writes for it: a global scale with a finite reciprocal; any amax decodes zero scales to 0); a
 block whose scale rounds to 0 holds zero codes of its values' signs (they decode to +-0 whatever
 the codes; these codes are the fixed point); an amax whose ``den / amax`` or ``448 * amax``
-overflows fp32 is refused. The output carries ``weight_amax`` (the amax the rule divided by,
+overflows fp32 is refused (only an amax past ~7.6e35 does: the floor below comes first). The output carries ``weight_amax`` (the amax the rule divided by,
 which the Inkling form stores) beside ModelOpt's tensors, whose ``weight_scale_2`` = fp32(amax /
 den) is what a ModelOpt-form reader needs.
+
+**Below the smallest amax** (both encoders, every source): a weight whose largest magnitude is
+nonzero but below ``MIN_AMAX`` (~7.9e-36; a BF16 expert of fp32 subnormals, an MXFP4 expert whose
+e8m0 bytes are all 0) has no NVFP4 encoding: its global scale ``amax / 2688`` has no finite fp32
+reciprocal (the release rule's ``den / amax`` overflows; ModelOpt would write a scale serving
+engines cannot divide by). It is zero at any precision that serves (at activations a model
+produces, its output is some 30 orders of magnitude below the residual stream it is added to,
+which bf16 resolves to 8 significant bits), so it is written as the encoder's all-zero weight (``flushes``), convert's report lists it, and verify expects exactly
+that encoding of it.
 """
 from __future__ import annotations
 
@@ -404,6 +413,10 @@ class NVFP4(Format):
             g = _as_amax(global_amax, "global_amax", name)
             if g == 0 and float(amax(w, name)) != 0.0:
                 raise FormatError(f"{_where(name)}global_amax is 0 but the tensor is not all zero", tensor=name or None)
+        # below MIN_AMAX: the all-zero weight (module doc, "Below the smallest amax"); a caller's global
+        # amax only where it is the weight's bound (a smaller one is an error the kernels report)
+        if self.flushes(float(g)) and (global_amax is None or float(amax(w, name)) <= float(g)):
+            w, g = torch.zeros_like(w), np.float32(0.0)
         rel = release_rule(g, denominator, name) if release else _MODELOPT
         s2 = _global_scale(g, name, denominator if release else GLOBAL_DIV)
         packed, scale = (_nvfp4_cpu if w.device.type == "cpu" else _nvfp4_torch)(w, s2, rel, name)
@@ -449,6 +462,10 @@ class NVFP4(Format):
         keep = ((sc != 1) & (sc != 2)).cpu()
         return _misses({k: _blocks(v, keep, k) for k, v in stored.items() if k in ("weight", "weight_scale")},
                        {k: _blocks(v, keep, k) for k, v in again.items() if k in ("weight", "weight_scale")})
+
+    def flushes(self, amax):
+        """A weight whose amax is below MIN_AMAX (~7.9e-36) is written as the all-zero weight."""
+        return 0.0 < float(amax) < MIN_AMAX
 
     def magnitude_problem(self, tensors, weight=None):
         """The global scale verify refuses: an amax below MIN_AMAX (an all-zero weight's is 1/2688)."""

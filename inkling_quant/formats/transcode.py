@@ -90,6 +90,8 @@ def nvfp4_from_mxfp8(tensors: Mapping[str, torch.Tensor], source: Format, target
     g = amax_before_reading(q, e8)
     if not np.isfinite(g):
         raise _nonfinite(name)
+    if target.flushes(g):
+        return _zero_weight(target, shape, input_amax, name, encoder)
     release = target.encoder_rule(encoder) != "modelopt"
     rel = release_rule(g, RELEASE_DENOMINATOR, name) if release else _MODELOPT
     s2 = _global_scale(g, name, RELEASE_DENOMINATOR if release else GLOBAL_DIV)
@@ -140,13 +142,18 @@ def nvfp4_from_mxfp4(tensors: Mapping[str, torch.Tensor], source: Format, target
     MXFP4 blocks and those ModelOpt counts lossless (``(k >= k_max - 17) | (e8m0 == 0)``).
     Per-projection calls with the shared k_max give the same bytes (per_block_amax's window is
     the projection's own there, but a block outside the shared window clamps to 2^-9 whichever
-    amax it takes). None (the plain path: quantize the dequantized weight) for the release's
-    encoder or a caller's shared amax."""
+    amax it takes). One departure: a weight below NVFP4's smallest amax (`NVFP4.flushes`: e8m0
+    bytes all 0, or tiny ones) is NVFP4's all-zero weight, as every other path writes it; ModelOpt's
+    cast gives it a global scale 2^(k_max - 8) (2^-8 for all-zero bytes, a deep subnormal for tiny
+    ones, which no engine can divide by) over codes that decode to +-0 or nearly. None (the plain
+    path: quantize the dequantized weight) for the release's encoder or a caller's shared amax."""
     if target.encoder_rule(encoder) != "modelopt" or global_amax is not None:
         return None
-    source.check_stored(tensors, name)
+    amax = source.check_stored(tensors, name)
     b, e8 = source._stored(tensors, name)
     shape = source.weight_shape({k: tuple(v.shape) for k, v in (("weight", b), ("weight_scale", e8))})
+    if target.flushes(float(amax)):  # ModelOpt's cast would write a global scale 2^(k_max - 8) of no reciprocal
+        return _zero_weight(target, shape, input_amax, name, encoder)
     k = e8.to(torch.int32) - 127
     nonzero = e8 > 0
     k_max = max(_mxfp4_kmax(e8[p]) for p in parts) if parts else _mxfp4_kmax(e8)  # build_w13_kmax_overrides
@@ -170,6 +177,12 @@ def nvfp4_from_mxfp4(tensors: Mapping[str, torch.Tensor], source: Format, target
         out["input_scale"] = nvfp4_input_scale(input_amax, name)
     out[STATS[0]], out[STATS[1]] = torch.tensor(e8.numel()), torch.tensor(lossless)
     return out
+
+
+def _zero_weight(target: Format, shape, input_amax, name: str, encoder: str) -> dict[str, torch.Tensor]:
+    """The target's encoding of an all-zero weight of `shape`: what it writes for a weight below
+    its smallest amax (`Format.flushes`), whichever path reads the source."""
+    return target.quantize(torch.zeros(shape, dtype=torch.bfloat16), input_amax=input_amax, name=name, encoder=encoder)
 
 
 def _requantize_blocks(b: torch.Tensor, e8: torch.Tensor, k: torch.Tensor, in_range: torch.Tensor,
@@ -247,6 +260,8 @@ def nvfp4_from_fp8_block(tensors: Mapping[str, torch.Tensor], source: Format, ta
         if g == 0 and float(true_amax) != 0.0:
             raise FormatError(f"{_where(name)}global_amax is 0 but the tensor is not all zero", tensor=name or None)
         g = np.float32(true_amax.item()) if g is None else g
+    if target.flushes(g):
+        return _zero_weight(target, (m, n), input_amax, name, encoder)
     rel = release_rule(g, RELEASE_DENOMINATOR, name) if release else _MODELOPT
     s2 = _global_scale(g, name, RELEASE_DENOMINATOR if release else GLOBAL_DIV)
     factor, gn, band = s.numpy().reshape(-1), s.shape[1], FP8_TILE * n // BLOCK_SIZE   # band: a tile row's blocks

@@ -26,6 +26,7 @@ SINGLE_NAME = "model.safetensors"
 DRAFT_FILE = "mtp.safetensors"
 CONFIG_NAME = "config.json"
 HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's export record (export.py reads and writes it)
+MERGE_RECORD_KEY = "lora_merged"  # config.json: the adapters `lora merge` merged (a record, not the model's config)
 CHECKSUMS = "checksums.sha256"
 RESUME_MANIFEST = ".inkling-quant-convert.json"  # convert's, present only while a conversion is unfinished
 # In every index we write: who wrote it (verify holds such an index's total_size to the exact sum).

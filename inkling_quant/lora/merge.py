@@ -15,7 +15,7 @@ from .. import __version__
 from ..errors import UsageError
 from ..export.modelopt import read_quantization
 from ..model.sources import source_quant
-from ..io.checkpoint import HF_QUANT_CONFIG, INDEX_NAME, Checkpoint, read_json, safe_child, write_json_atomic
+from ..io.checkpoint import HF_QUANT_CONFIG, INDEX_NAME, MERGE_RECORD_KEY, Checkpoint, read_json, safe_child, write_json_atomic
 from ..io.derive import carry_checksums, copy_other_files, rewrite_shard, source_checksums
 from ..io.output import link_or_copy, staged_output
 from ..io.safetensors import Header, ShardReader, TensorEntry
@@ -32,7 +32,7 @@ from .peft import Adapter, open_adapter, read_lora
 QUANT_CONFIG = HF_QUANT_CONFIG
 NAMINGS = {INKLING2: Inkling2Naming}  # a family's own adapter naming; every other family's is HFNaming (lora/hf.py)
 DELTA_LIMIT = float(torch.finfo(torch.bfloat16).max) / 2  # a merged weight W + delta stays finite in BF16
-PROVENANCE_KEY = "lora_merged"          # config.json: the adapters merged into this checkpoint
+PROVENANCE_KEY = MERGE_RECORD_KEY       # config.json: the adapters merged into this checkpoint
 
 
 # --------------------------------------------------------------------------- plan

@@ -23,7 +23,7 @@ import torch
 from . import dspark, inkling2
 from .families import FAMILIES, GENERIC, Family, family_of
 from .fields import MAX_LAYERS, ConfigFields
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, InklingQuantError
 from ..errors import short_repr as _short
 from .inkling2 import Inkling2Config
 from .naming import MODELOPT, Naming, naming_of
@@ -286,6 +286,17 @@ class Layout:
 
 
 def _classify(lay: Layout, name: str) -> TensorName | None:
+    rec = _classify_generic(lay, name)
+    if rec is None or lay.naming is None or rec.part in ("expert", "lm_head"):
+        return rec
+    try:  # Inkling 2: every tensor by its own table, whichever naming holds it (inspect's parts alike)
+        own = lay.naming.classify(name)
+    except InklingQuantError:
+        return rec
+    return replace(rec, part=own.part) if own.part != "expert" else rec
+
+
+def _classify_generic(lay: Layout, name: str) -> TensorName | None:
     if name == lay.lm_head:
         return TensorName(name, "lm_head")
     if name.startswith(DRAFT_PREFIXES):

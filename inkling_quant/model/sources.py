@@ -184,10 +184,15 @@ def _compressed_tensors(q: dict, path: str, where: str = "") -> SourceQuant | No
     if q.get("format") != CT_MXFP4:
         return None
     groups = q.get("config_groups")
-    for name, group in (groups.items() if isinstance(groups, dict) else ()):
+    key = f"{where}quantization_config.config_groups"
+    if not isinstance(groups, dict) or not groups:
+        raise ConfigError(f"{key} is {_short(groups)}: {CT_MXFP4} needs an object of groups, each with its "
+                          f"'weights' (vLLM 0.33 compressed_tensors.py reads the scheme from them)", path=path)
+    for name, group in groups.items():
         w = group.get("weights") if isinstance(group, dict) else None
         if not isinstance(w, dict):
-            continue
+            raise ConfigError(f"{key}.{name} is {_short(group)}: a group is an object whose 'weights' is an object "
+                              f"(num_bits, type, group_size)", path=path)
         got = {k: w.get(k) for k in ("num_bits", "type", "group_size")}
         if got != {"num_bits": 4, "type": "float", "group_size": 32}:
             raise ConfigError(f"{where}quantization_config.config_groups.{name}.weights is {_short(got)}: {CT_MXFP4} "

@@ -177,7 +177,7 @@ def _text(d: dict, source: str) -> tuple[HFText, list[str]]:
         raise ConfigError(f"{t.where}num_attention_heads {heads} does not divide hidden_size {moe.hidden_size} and "
                           f"there is no head_dim: the attention's width is not in the config", path=source)
     head_dim = moe.hidden_size // heads if o.get("head_dim") is None else t.int("head_dim")
-    if o.get("moe_layer_freq", 1) != 1:
+    if o.get("moe_layer_freq") not in (None, 1):  # null is 1, as convert, verify and the layout read it
         raise ConfigError(f"{t.where}moe_layer_freq {_short(o['moe_layer_freq'])}: MoE layers other than "
                           f"every layer after first_k_dense_replace are not modelled", path=source)
     dense = moe.dense_layers or frozenset()

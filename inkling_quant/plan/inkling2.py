@@ -194,10 +194,11 @@ def check_parallel(cfg: Inkling2Config, tp: int) -> None:
 
 # --------------------------------------------------------------------------- bytes
 def weight_bytes(cfg: Inkling2Config, scheme_name: str, tp: int, ep: bool = True,
-                 include_draft: bool = True, expert_bytes=module_expert_bytes) -> Weights:
+                 include_draft: bool = True, expert_bytes=module_expert_bytes, draft_bytes: int | None = None) -> Weights:
     """Checkpoint bytes per (part, format), each format asked for its own size (routed experts:
     `expert_bytes`, the layout they are stored in), and the fullest rank's bytes at TP = tp
-    (experts: EP = tp, or TP-sharded without EP)."""
+    (experts: EP = tp, or TP-sharded without EP). The draft: `draft_bytes` where a checkpoint's
+    own draft tensors were counted, else the recipe's figure."""
     import torch
 
     from ..model.inkling2 import TEXT_PREFIX, checkpoint_tensors
@@ -213,9 +214,9 @@ def weight_bytes(cfg: Inkling2Config, scheme_name: str, tp: int, ep: bool = True
         w.add(part, fmt.name, nbytes, rank_bytes(nbytes, s.shape[0], split, tp), s.numel, split)
     add_experts(w, t, scheme, range(t.num_hidden_layers), tp, ep, torch.bfloat16, expert_bytes)
     if include_draft:
-        draft = round(RECIPE_DRAFT_GB * GB)
-        w.disk[("draft", "recipe")] += draft
-        w.per_gpu[("draft", "recipe")] += draft
+        draft, where = (round(RECIPE_DRAFT_GB * GB), "recipe") if draft_bytes is None else (draft_bytes, "stored")
+        w.disk[("draft", where)] += draft
+        w.per_gpu[("draft", where)] += draft
         w.splits["draft"].add(REPLICATED)
     return w
 
@@ -246,6 +247,7 @@ class ServingPlan:
     hf: bool = False              # a standard HF MoE config (plan.hf), not Inkling 2's
     notes: tuple[str, ...] = ()   # what the plan assumes or leaves out, for this config
     variant: str | None = None    # the official checkpoint planned (VARIANTS), or None: `scheme` converted
+    checkpoint: str | None = None  # the directory planned, whose experts are stored as `variant` stores them
 
     @property
     def requested_bytes(self) -> int:
@@ -345,6 +347,7 @@ class ServingPlan:
         v = VARIANTS.get(self.variant) if self.variant else None
         d["variant"] = None if v is None else {"name": v.name, "repo": v.repo, "scheme": v.scheme,
                                                "experts": v.experts, "expert_layout": "stacked (original names)"}
+        d["checkpoint"] = self.checkpoint
         return d
 
     def _dict(self) -> dict:
@@ -364,7 +367,8 @@ class ServingPlan:
                        "active_counts": "text model with num_experts_per_tok of n_routed_experts, "
                                         "without the embedding tables"},
             "disk": {"total_bytes": w.disk_total, "computed_bytes": w.disk_total - w.disk_part("draft"),
-                     "draft_bytes_recipe_figure": w.disk_part("draft"),
+                     "draft_bytes_recipe_figure": w.disk.get(("draft", "recipe"), 0),
+                     "draft_bytes_in_checkpoint": w.disk.get(("draft", "stored"), 0),
                      "by_part_format": [{"part": p, "format": f, "bytes": b} for (p, f), b in sorted(w.disk.items())]},
             "per_gpu": {"weights_bytes": w.per_gpu_total,
                         "weights_by_part": {p: w.per_gpu_part(p) for p in w.parts()},
@@ -406,11 +410,14 @@ def plan(cfg: Inkling2Config | HFModel, gpu: str = "gb200", tp: int = 4, *, ep: 
          max_model_len: int | None = None, max_num_seqs: int | None = None, utilization: float = DEFAULT_UTILIZATION,
          max_num_batched_tokens: int | None = None, concurrent_batches: int = ASYNC_BATCHES,
          scheme: str | None = None, variant: str | None = None, reserve_gib: float = DEFAULT_RESERVE_GIB,
-         block_size: int = DEFAULT_BLOCK_SIZE, include_draft: bool = True, notes: tuple[str, ...] = ()) -> ServingPlan:
+         block_size: int = DEFAULT_BLOCK_SIZE, include_draft: bool = True, notes: tuple[str, ...] = (),
+         draft_bytes: int | None = None, checkpoint: str | None = None) -> ServingPlan:
     """The plan at TP = tp on `gpu`: of the official checkpoint `variant` (VARIANTS; Inkling 2
     only), or of the checkpoint `scheme` would convert; with neither, Inkling 2's default variant
     (a standard HF config: the default scheme). A standard HF config has no DSpark draft
-    (include_draft is ignored for it). `notes` are added to the plan's own."""
+    (include_draft is ignored for it). `notes` are added to the plan's own. `checkpoint`: the
+    directory planned (its experts stored as `variant` stores them); `draft_bytes` its draft's
+    bytes as its headers count them (None: the recipe's figure)."""
     from ..model.inkling2 import param_counts
 
     if gpu not in GPUS:
@@ -446,13 +453,13 @@ def plan(cfg: Inkling2Config | HFModel, gpu: str = "gb200", tp: int = 4, *, ep: 
     else:
         check_parallel(cfg, tp)
         form = release_expert_bytes if variant else module_expert_bytes
-        w, params = weight_bytes(cfg, scheme, tp, ep, include_draft, form), param_counts(cfg)
+        w, params = weight_bytes(cfg, scheme, tp, ep, include_draft, form, draft_bytes), param_counts(cfg)
         specs = layer_specs(cfg.text, tp, block_size)
     kv = layout(specs, concurrent_batches * batched)
     return ServingPlan(cfg=cfg, gpu=g, tp=tp, ep=ep, scheme=scheme, max_model_len=length, max_num_seqs=max_num_seqs,
                 utilization=utilization, max_num_batched_tokens=batched, concurrent_batches=concurrent_batches,
                 reserve_bytes=round(reserve_gib * GiB), include_draft=include_draft, block_size=block_size,
-                params=params, weights=w, kv=kv, hf=hf, variant=variant,
+                params=params, weights=w, kv=kv, hf=hf, variant=variant, checkpoint=checkpoint,
                 checks=moe_checks(cfg, tp, ep, set(w.fmt_layers), recipe=not hf, arch=g.arch),
                 notes=(cfg.notes if hf else ()) + tuple(notes))
 

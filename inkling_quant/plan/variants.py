@@ -41,12 +41,28 @@ def stored_variant(root, cfg: Inkling2Config) -> tuple[str | None, str]:
         scheme = get_scheme(v.scheme)
         if all(scheme.format_name(t, TensorName(f"layers.{i}.mlp.experts", "expert", i)) == f
                for i, f in found.items()):
-            return v.name, f"read from {where}: {v.repo}"
+            return v.name, f"routed experts stored as variant {v.name!r} ({v.repo}) stores them, read from {where}"
     spans: dict[str, list[int]] = {}
     for i, f in found.items():
         spans.setdefault(f, []).append(i)
     held = ", ".join(f"{f} in {len(ls)} layer(s) from {ls[0]}" for f, ls in spans.items())
     return None, f"{where} give routed experts {held}: not an official variant"
+
+
+def held_draft_bytes(root) -> int | None:
+    """The bytes of the DSpark draft tensors (`mtp.*`) a checkpoint directory's shard headers
+    list, 0 when it holds none; None when the directory lists no weights (a config alone, or an
+    index whose shards are not there yet)."""
+    from ..errors import CheckpointError
+    from ..io.checkpoint import Checkpoint
+    from ..model.dspark import is_draft
+
+    try:
+        ck = Checkpoint.open(Path(root))
+        headers = ck.headers()
+    except CheckpointError:
+        return None
+    return sum(e.nbytes for h in headers.values() for n, e in h.tensors.items() if is_draft(n))
 
 
 def _header_formats(root, t) -> dict[int, str] | None:

@@ -9,7 +9,7 @@ from typing import Callable, Mapping
 
 from ..errors import ConfigError, InklingQuantError, UsageError
 from ..export.modelopt import MIXED_PRECISION, modelopt_quantization_config, quantization_problems
-from ..export import kimi_k3
+from ..export import fp8_release, kimi_k3
 from ..io.checkpoint import HF_QUANT_CONFIG as QUANT_CONFIG
 from ..model.inkling2 import experts_module, modelopt_experts_module
 from ..model.layout import model_config
@@ -179,6 +179,8 @@ def _check_fp8_release(c: Check, conf: Conf, qc: dict, tensors: tuple[dict[str, 
     if algos and qc.get("moe_quant_algo") != algos[0]:
         c.fail(path, None, f"quantization_config.moe_quant_algo is {qc.get('moe_quant_algo')!r}, the routed "
                f"experts' tensors are {algos[0]!r}")
+    for problem in fp8_release.config_problems(conf.config):
+        c.fail(path, None, problem)
     q = conf.hf_quant.get("quantization") if isinstance(conf.hf_quant, dict) else None
     if not isinstance(q, dict):
         c.fail(qpath, None, f"{QUANT_CONFIG} missing or without its 'quantization' object (the experts' manifest)")

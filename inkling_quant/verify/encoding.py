@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from ..errors import FormatError
-from ..export.inkling import PROJECTIONS, stored_projection
+from ..export.inkling import PROJECTIONS, declared_encoder, stored_projection
 from ..formats import FORMATS
 from ..io.safetensors import ShardReader
 from ..model.layout import MoEConfig
@@ -42,20 +42,8 @@ def read_stacked_expert(reader_of, inv: Inventory, module: str, names: list[str]
 
 
 def _declared(inv: Inventory, fmt, module: str) -> str | None:
-    """The encoder rule the quantization config names for `module`: its quantized_layers entry's
-    (in the one-format form, the entry's keys stand at the top), else the one inkling-quant's
-    converter record names (ModelOpt's rule adds nothing to an entry); None when neither names
-    one (another writer's checkpoint)."""
-    for q in (inv.conf.hf_quant.get("quantization") if isinstance(inv.conf.hf_quant, dict) else None,
-              (inv.conf.config or {}).get("quantization_config")):
-        if not isinstance(q, dict):
-            continue
-        layers = q.get("quantized_layers")
-        entry = layers.get(module) if isinstance(layers, dict) else q  # one format: its entry at the top
-        if isinstance(entry, dict) and entry.get("encoder") is not None:
-            return str(entry["encoder"])
-    conv = inv.conf.converter
-    return fmt.encoders.get(conv.get("encoder")) if isinstance(conv, dict) else None
+    """The encoder rule the checkpoint's quantization config names for `module` (export.inkling.declared_encoder)."""
+    return declared_encoder(inv.conf.config, inv.conf.hf_quant, module, fmt)
 
 
 def encoder_of(inv: Inventory) -> Callable[[TensorName | None], str]:

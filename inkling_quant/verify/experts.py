@@ -445,16 +445,29 @@ def _check_layer(run: Recorder, c: Check, inv: Inventory, gemm: Gemm, layer: int
         if per is None:
             continue
         mods = {}
+        flushed = _flushed(fmt, {p: w for p, (w, _) in weights.items()})
         for proj, mod in lay.experts.projections(e):
             (w, what), (tensor, blame, tail) = weights[proj], _judged(lay, module, e, mod, proj)
+            zero = fmt.dequantize(per[mod]).count_nonzero() == 0 if proj in flushed else None
             judge(run, c, inv, fmt, (layer, e, mod), tensor, gemm.errors(f"{module}.{e}.{mod}", w, per[mod], fmt),
-                  blame, f"expert {e} {mod} ({fmt.name}) y = x @ W^T vs the source ({what})", tail)
+                  blame, f"expert {e} {mod} ({fmt.name}) y = x @ W^T vs the source ({what})", tail,
+                  flushed=None if zero is None else bool(zero))
             mods[proj] = per[mod]
         layer_src.append({p: weights[p][0] for p in CANONICAL})
         layer_q.append({p: mods[p] for p in CANONICAL})
     layer_figures(c, run.report.numerics[first:], experts)
     if layer_q and len(layer_q) == len(experts) and fmt.kernel is not None:
         moe_figures(c, gemm, fmt, module, layer_src, layer_q, inv.conf.cfg.family.expert_activation)
+
+
+def _flushed(fmt: Format, weights: dict[str, torch.Tensor]) -> set[str]:
+    """The projections of one expert that convert writes as the format's all-zero weight
+    (`Format.flushes`), judged by the amax their encoding takes: gate and up's larger where the
+    format fuses them (NVFP4's shared global scale, the stacked w13's slab), else each its own."""
+    amax = {p: float(w.abs().amax()) if w.numel() else 0.0 for p, w in weights.items()}
+    if fmt.fuses_gate_up:
+        amax["gate"] = amax["up"] = max(amax["gate"], amax["up"])
+    return {p for p, a in amax.items() if fmt.flushes(a)}
 
 
 def _judged(lay: Layout, module: str, e: int, mod: str, proj: str) -> tuple[str, str, str]:

@@ -23,6 +23,7 @@ from .report import Check, Recorder
 from .stream import Seen
 
 ACT_ROWS = 32              # rows of the deterministic activations for the numerics check
+_SCALE_ABOVE = 2.0 ** 64   # a weight past this is judged on activations scaled down by a power of two
 PASSTHROUGH = FORMATS["passthrough"]
 
 
@@ -264,6 +265,9 @@ class Gemm:
         """(relative error, cosine) of y = x @ W^T from the quantized tensors `q` (by suffix)
         against the source weight `w`, x the module's deterministic activations."""
         x = activations(module, ACT_ROWS, w.shape[-1])
+        top = float(w.abs().amax()) if w.numel() else 0.0
+        if top > _SCALE_ABOVE:  # products near fp32's top would overflow: a power of two scales both sides exactly
+            x = x * 2.0 ** -(math.frexp(top)[1] - math.frexp(_SCALE_ABOVE)[1])
         ref = x.float() @ w.float().T
         y = self._quantized(x, q, fmt).float().cpu().double()
         r64 = ref.double()
@@ -301,19 +305,28 @@ class Gemm:
 
 
 def judge(run: Recorder, c: Check, inv: Inventory, fmt: Format, where: tuple[int, int, str], tensor: str,
-          errors: tuple[float, float], blame: str, head: str, tail: str) -> None:
+          errors: tuple[float, float], blame: str, head: str, tail: str, flushed: bool | None = None) -> None:
     """One module's (relative error, cosine) against `fmt`'s thresholds: a numerics entry for
     `tensor` (expert `where` = (layer, expert, module)), and on failure a problem naming `blame`:
-    "<head>: relative error ... cosine ...: <tail>"."""
+    "<head>: relative error ... cosine ...: <tail>". A source weight below the format's smallest
+    amax (`Format.flushes`) is held instead to the encoding convert writes for it, the all-zero
+    weight: `flushed` says whether its tensors decode to zero (None: not such a weight)."""
     (layer, e, mod), (rel, cos) = where, errors
-    ok = rel <= fmt.max_rel_error and cos >= fmt.min_cosine
-    run.report.numerics.append({"tensor": tensor, "expert": e, "module": mod, "format": fmt.name, "layer": layer,
-                                "rel_error": rel, "cosine": cos, "max_rel_error": fmt.max_rel_error,
-                                "min_cosine": fmt.min_cosine, "pass": ok, "shard": inv.files.tensors[tensor].shard})
-    if not ok:
+    ok = rel <= fmt.max_rel_error and cos >= fmt.min_cosine if flushed is None else flushed
+    entry = {"tensor": tensor, "expert": e, "module": mod, "format": fmt.name, "layer": layer, "rel_error": rel,
+             "cosine": cos, "max_rel_error": fmt.max_rel_error, "min_cosine": fmt.min_cosine, "pass": ok,
+             "shard": inv.files.tensors[tensor].shard}
+    run.report.numerics.append(entry | ({} if flushed is None else {"written_as_zero": True}))
+    if ok:
+        return
+    if flushed is None:
         c.fail(inv.root / inv.files.tensors[blame].shard, blame,
                f"{head}: relative error {rel:.4g} (max {fmt.max_rel_error:g}), cosine {cos:.6f} "
                f"(min {fmt.min_cosine:g}): {tail}")
+    else:
+        c.fail(inv.root / inv.files.tensors[blame].shard, blame,
+               f"{head}: the source weight is below {fmt.name}'s smallest amax, which convert writes as the "
+               f"all-zero weight, but its tensors decode to nonzero values: {tail}")
 
 
 def moe_figures(c: Check, gemm: "Gemm", fmt: Format, module: str, source: list[dict[str, torch.Tensor]],
@@ -336,6 +349,10 @@ def moe_figures(c: Check, gemm: "Gemm", fmt: Format, module: str, source: list[d
     ref = kernels.reference.fused_moe(
         "passthrough", x, ids, weights, {"weight": torch.stack([torch.cat((w["gate"], w["up"])) for w in source])},
         {"weight": torch.stack([w["down"] for w in source])}, activation=activation).double()
+    if not bool(torch.isfinite(ref).all()):  # the source's own layer overflows on unit activations: nothing to judge
+        c.figures.update(moe_rel_error=None, moe_note="the BF16 source's own MoE output overflows fp32 on these "
+                         "activations: the per-GEMM figures judge its experts")
+        return
     gate_up, down = ({k: torch.stack([_fused(q, mods, k) for q in quantized]).to(gemm.dev) for k in fmt.kernel_inputs}
                      for mods in ((0, 1), (2,)))
     y = kernels.fused_moe(fmt.name, x.to(gemm.dev), ids.to(gemm.dev), weights.to(gemm.dev), gate_up, down,

@@ -22,7 +22,7 @@ import torch
 from ..convert.validation import validate_source  # the one validator of a quantized source's tensors
 from ..errors import CheckpointError, InklingQuantError
 from ..export.modelopt import read_quantization
-from ..formats import FORMATS, Format, format_for_quant_algo, get_format
+from ..formats import FORMATS, Format, format_for_quant_algo, get_format, source_value_rule
 from ..io.safetensors import DTYPE_NAMES
 from ..model.sources import SourceQuant, scale_beside, source_quant
 from ..model.layout import Layout
@@ -165,11 +165,9 @@ def _copy_format(lay: Layout, name: str, tensors: dict[str, Shape]) -> str:
 
 def copy_value_rules(lay: Layout, name: str) -> set[str]:
     """The value rules (formats.VALUE_RULES keys) the source format puts on stored tensor `name`
-    (its scale: finite and positive for FP8, e8m0 not 0xFF for MXFP4); a weight's own bytes are
-    held to its dtype's rule (no e4m3 NaN)."""
-    own = lay.owner(name)
-    weight, suffix = own if own is not None else (name, "weight")
-    rule = get_format(lay.source_format(weight), source=True).value_rule(suffix)
+    (formats.source_value_rule: its scale finite and positive for FP8, e8m0 not 0xFF for MXFP4);
+    a weight's own bytes are held to its dtype's rule (no e4m3 NaN)."""
+    rule = source_value_rule(lay, name)
     return {rule} if rule is not None else set()
 
 

@@ -7,8 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import InklingQuantError, short_repr
-from ..io.checkpoint import (CONFIG_NAME, CONVERSION_KEY, HF_QUANT_CONFIG, INDEX_NAME, PRODUCER, RESUME_MANIFEST,
-                             SINGLE_NAME, Checkpoint, add_unlisted, read_json, safe_child, unlisted_draft_file)
+from ..io.checkpoint import (CONFIG_NAME, CONVERSION_KEY, HF_QUANT_CONFIG, INDEX_NAME, MERGE_RECORD_KEY, PRODUCER,
+                             RESUME_MANIFEST, SINGLE_NAME, Checkpoint, add_unlisted, read_json, safe_child, unlisted_draft_file)
 from ..io.safetensors import Header, check_count, read_header
 from ..model.layout import Layout, detect, max_tensors, model_config, oriented
 from ..model.sources import source_quant
@@ -325,8 +325,10 @@ def _compare_source_config(c: Check, root: Path, conf: Conf, n_shards: int, n_te
 
 def _unquantized(config: dict, nested: bool) -> dict:
     """A config.json object without what a conversion rewrites: its quantization_config, and with
-    `nested` text_config's (Kimi-K3's source keeps it there; its ModelOpt form removes it)."""
-    out = {k: v for k, v in config.items() if k != "quantization_config"}
+    `nested` text_config's (Kimi-K3's source keeps it there; its ModelOpt form removes it); and
+    without `lora merge`'s record of the adapters merged (`lora_merged`), which a merge writes on
+    purpose: a checkpoint merged by us and one merged by PEFT hold the same model."""
+    out = {k: v for k, v in config.items() if k not in ("quantization_config", MERGE_RECORD_KEY)}
     if nested and isinstance(out.get("text_config"), dict):
         out["text_config"] = {k: v for k, v in out["text_config"].items() if k != "quantization_config"}
     return out

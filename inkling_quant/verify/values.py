@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..export import value_rules
-from ..formats import FORMATS, MIN_INVERTIBLE_SCALE, VALUE_RULES, invertible
+from ..formats import FORMATS, VALUE_RULES, invertible, value_violation
 from ..io.checkpoint import INDEX_NAME
 from ..io.safetensors import TensorEntry
 from ..model.layout import CANONICAL
@@ -152,26 +152,7 @@ def _u8_op(b: memoryview, op, value: int) -> np.ndarray:
 
 def _first_bad(x: torch.Tensor, rule: str) -> tuple[int, str]:
     """Index and value of the first offending element of a Rule `rule` (only on the failure path)."""
-    if x.dtype == torch.uint8 or rule == "e8m0":
-        b = x.view(torch.uint8).reshape(-1)
-        bad = (b == 0xFF)
-    elif x.dtype == torch.float8_e4m3fn:
-        b = x.view(torch.uint8).reshape(-1)
-        bad = {"positive": (b - 1) > 0x7D, "nonnegative": b > 0x7E}.get(rule, (b & 0x7F) == 0x7F)
-    else:
-        f = x.reshape(-1).float()
-        bad = ~torch.isfinite(f)
-        if rule == "positive":
-            bad |= f < MIN_INVERTIBLE_SCALE
-        elif rule == "nonnegative":
-            bad |= f < 0
-    idx = int(bad.nonzero()[0, 0]) if bool(bad.any()) else 0
-    v = x.reshape(-1)[idx]
-    shown = f"0x{int(v.view(torch.uint8)):02X}" if v.dtype in (torch.uint8, torch.float8_e4m3fn,
-                                                                 torch.float8_e8m0fnu) else f"{float(v)}"
-    if v.dtype == torch.float8_e4m3fn:
-        shown += f" ({float(v.float())})"
-    return idx, shown
+    return value_violation(x, None if rule == "finite" else rule) or (0, "?")
 
 
 # ============================================================================ gate_up
