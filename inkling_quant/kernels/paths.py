@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from ..errors import KernelError
+from .errors import KernelError
 from . import gemm_kernels
 from .triton_ops import TRITON_IMPORT_ERROR, triton
 
