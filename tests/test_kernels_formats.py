@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import inkling_quant.kernels as K
+import inkling_kernels as K
 from inkling_quant.errors import InklingQuantError
 from inkling_quant.errors import KernelError as OurKernelError
 from inkling_quant.formats import FORMATS, mxfp8, nvfp4
-from inkling_quant.kernels import formats as KF
-from inkling_quant.kernels import launch_table as LT
-from inkling_quant.kernels import reference as R
+from inkling_kernels import formats as KF
+from inkling_kernels import launch_table as LT
+from inkling_kernels import reference as R
 
 CONFIG = Path(__file__).resolve().parents[1] / "inkling_quant" / "configs" / "inkling-2-small.json"
 

@@ -224,7 +224,7 @@ class _SameDequantized:
 def kernel_errors():
     """The kernels' own KernelError (a ValueError) raised as ours, errors.KernelError: a check
     reports it, and the command line prints it, as a message, never a traceback."""
-    from .. import kernels
+    import inkling_kernels as kernels
 
     try:
         yield
@@ -248,7 +248,7 @@ def start(run: Recorder, inv: Inventory, device: str) -> "Gemm | None":
             f"the checkpoint is stored as the source stores it ({inv.expected.stored_as}): nothing quantized by "
             f"convert to compare; `passthrough` holds every tensor to the source's bytes")
         return None
-    from .. import kernels
+    import inkling_kernels as kernels
 
     dev = torch.device(device)
     # cpu: the torch reference. cuda: the Triton kernel, weight-only (dequantize in registers,
@@ -292,7 +292,7 @@ class Gemm:
         return rel, cos
 
     def _quantized(self, x: torch.Tensor, q: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
-        from .. import kernels
+        import inkling_kernels as kernels
 
         if fmt.kernel is not None:  # the kernel the format names, on the tensors it names
             gemm = getattr(kernels, fmt.kernel)
@@ -341,7 +341,7 @@ def moe_figures(c: Check, gemm: "Gemm", fmt: Format, module: str, source: list[d
     down modules' tensors (in that order). The error compounds gate/up's and down's through the
     activation: a figure, a failure only past twice the format's per-GEMM bound (a broken kernel
     or layout, not the format's own error)."""
-    from .. import kernels
+    import inkling_kernels as kernels
 
     S, H = len(source), source[0]["gate"].shape[-1]
     top_k = min(S, 8)

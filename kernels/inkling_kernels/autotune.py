@@ -1,6 +1,6 @@
 """Regenerate the launch table (launch_table.json) by measurement on the GPU this runs on.
 
-    python -m inkling_quant.kernels.autotune --out launch_table.json [--quick]
+    python -m inkling_kernels.autotune --out launch_table.json [--quick]
     (tools/gpu_check.sh --tune runs it and keeps the table under $OUT)
 
 For each path, format, kind (dense: one expert; moe: 8 experts of m rows each, one launch), real
@@ -148,7 +148,7 @@ def tune(quick: bool = False, log=print) -> dict:
                         if e is not None:
                             entries.append(e)
     log(f"tuned {len(entries)} entries in {time.time() - t0:.0f} s")
-    return dict(version=1, device=name, note=f"tuned by inkling_quant.kernels.autotune (quick={quick})",
+    return dict(version=1, device=name, note=f"tuned by inkling_kernels.autotune (quick={quick})",
                 entries=entries)
 
 

@@ -2,7 +2,8 @@
 grouped over the experts of a layer, and the fused MoE layer (gate_up, gated activation, down,
 top-k combine).
 
-``inkling_quant.kernels``. See docs/kernels.md.
+``inkling_kernels``, the repository's top-level ``kernels/``: a package of its own, which imports
+nothing of inkling_quant (inkling_quant's verify imports it). See docs/kernels.md.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ what the CPU interpreter cannot (layouts, dot shapes, fp8 types, register and sh
 limits) and shows what the GPU will execute: ``wide_loads`` counts the 16-byte vector loads
 (``ld.global.v4.b32`` or 16-byte ``cp.async``) that the decode kernels' packed-weight rows should compile to.
 
-    python -m inkling_quant.kernels.compile_check [--arch 90] [--quick] [--ptx-dir DIR]
+    python -m inkling_kernels.compile_check [--arch 90] [--quick] [--ptx-dir DIR]
 
 Must run without TRITON_INTERPRET (the kernels must be decorated as GPU kernels); the tests
 start it in a subprocess. Exit status 0 when every variant compiled.

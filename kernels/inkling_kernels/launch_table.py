@@ -233,6 +233,6 @@ def write_table(table: dict, path: Path) -> None:
     Path(path).write_text("\n".join(lines + [" ]", "}"]) + "\n")
 
 
-if __name__ == "__main__":  # python -m inkling_quant.kernels.launch_table: rewrite the heuristic table
+if __name__ == "__main__":  # python -m inkling_kernels.launch_table: rewrite the heuristic table
     write_table(heuristic_table(), TABLE_FILE)
     print(f"wrote {TABLE_FILE}")
