@@ -21,10 +21,13 @@ UNQUANTIZED = "passthrough"
 
 
 # --- dequantization --------------------------------------------------------------------------------
-def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    """fp32 value of each 4-bit e2m1 code (uint8 0..15): bit 3 the sign (code 8 is -0.0)."""
-    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=codes.device)[(codes & 7).long()]
-    return torch.where((codes & 8) != 0, -mags, mags)
+def _e2m1_pairs(device) -> torch.Tensor:
+    """fp32 [256, 2]: the two e2m1 values of each packed byte, low nibble first; in a nibble
+    bit 3 is the sign (code 8 is -0.0)."""
+    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
+    values = torch.cat((mags, -mags))
+    byte = torch.arange(256, device=device)
+    return torch.stack((values[byte & 0x0F], values[byte >> 4]), dim=-1)
 
 
 def _e8m0_pow2(e8: torch.Tensor) -> torch.Tensor:
@@ -48,9 +51,8 @@ def dequantize_nvfp4(w_packed: torch.Tensor, w_scale: torch.Tensor, w_scale_2: t
     s2 = torch.as_tensor(w_scale_2).to(device=packed.device, dtype=torch.float32)
     s2 = s2.reshape(()) if s2.numel() == 1 else s2.reshape(*s2.shape, *([1] * (sc.dim() - s2.dim())))
     per_block = sc.to(torch.float32) * s2
-    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], k)
-    vals = _e2m1_values(codes).view(*packed.shape[:-1], -1, block)
-    return (vals * per_block.unsqueeze(-1)).reshape(*packed.shape[:-1], k)
+    vals = _e2m1_pairs(packed.device)[packed.long()].view(*packed.shape[:-1], -1, block)
+    return vals.mul_(per_block.unsqueeze(-1)).view(*packed.shape[:-1], k)
 
 
 def dequantize_mxfp8(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -62,8 +64,8 @@ def dequantize_mxfp8(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     if e8.shape[-1] * block != q.shape[-1] or e8.shape[:-1] != q.shape[:-1]:
         raise KernelError(f"mxfp8 dequantize: weight {tuple(q.shape)} and weight_scale "
                           f"{tuple(e8.shape)} do not match")
-    vals = q.to(torch.float32).view(*q.shape[:-1], -1, block)
-    return (vals * _e8m0_pow2(e8).unsqueeze(-1)).reshape(q.shape)
+    vals = q.to(torch.float32, copy=True).reshape(*q.shape[:-1], -1, block)  # mul_ below: never the caller's
+    return vals.mul_(_e8m0_pow2(e8).unsqueeze(-1)).view(q.shape)
 
 
 def dequantize(fmt: str, tensors) -> torch.Tensor:
