@@ -105,5 +105,6 @@ class WorkerDied(InklingQuantError):
 
 
 class KernelError(InklingQuantError, ValueError):
-    """A kernel called with inputs it cannot take (shapes, devices, a path this machine lacks).
-    Also a ValueError, which callers of the kernels caught before they raised our errors."""
+    """A kernel called with inputs it cannot take (shapes, devices, a path this machine lacks):
+    the kernels' own KernelError, which verify re-raises as this (verify.numerics.kernel_errors).
+    Also a ValueError, as the kernels' is."""

@@ -1,13 +1,20 @@
 """The package's imports run one way (docs/architecture.md): each module imports only from its
-own layer or the layers below, and no two modules import each other, directly or round about.
-Read from the source with `ast` (nothing is imported), lazy imports inside functions included,
-`if TYPE_CHECKING:` blocks excluded (they never run). Cheap: part of the test suite, so CI runs it."""
+own layer or the layers below, and no two modules import each other, directly or round about;
+the kernels' own package (inkling_kernels, the top-level kernels/) imports nothing of
+inkling_quant. Read from the source with `ast` (nothing is imported; one test also imports the
+kernels' package, in a subprocess), lazy imports inside functions included, `if TYPE_CHECKING:`
+blocks excluded (they never run). Cheap: part of the test suite, so CI runs it."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "inkling_quant"
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "inkling_quant"
+KERNELS = ROOT / "kernels" / "inkling_kernels"  # the kernels' own package: layer 4 to inkling_quant
+OURS = ("inkling_quant", "inkling_kernels")
 
 # bottom to top; a module's layer is that of the longest prefix listed; the rest are commands
 LAYERS = [
@@ -15,7 +22,7 @@ LAYERS = [
     ("inkling_quant.io", "inkling_quant.hub"),
     ("inkling_quant.model",),
     ("inkling_quant.formats",),
-    ("inkling_quant.kernels",),
+    ("inkling_kernels",),  # imports nothing of inkling_quant (test_the_kernels_import_nothing_of_inkling_quant)
     ("inkling_quant.schemes",),
     ("inkling_quant.export",),
     # plan/: on model knowledge, formats and schemes (the `plan` command: cli/plan.py, with the others)
@@ -37,8 +44,13 @@ def layer_of(module: str) -> int:
     return layer
 
 
+def _root(path: Path) -> Path:
+    """The directory `path`'s top-level package sits in (the repository, or kernels/)."""
+    return KERNELS.parent if path.is_relative_to(KERNELS) else PKG.parent
+
+
 def module_name(path: Path) -> str:
-    rel = path.relative_to(PKG.parent).with_suffix("")
+    rel = path.relative_to(_root(path)).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -52,8 +64,8 @@ def _is_type_checking(node: ast.If) -> bool:
 
 
 def imports_of(path: Path, type_only: bool = False) -> set[str]:
-    """Every inkling_quant module `path` imports (absolute names); `type_only`: those under
-    `if TYPE_CHECKING:` too."""
+    """Every inkling_quant or inkling_kernels module `path` imports (absolute names);
+    `type_only`: those under `if TYPE_CHECKING:` too."""
     me = module_name(path)
     package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
     out: set[str] = set()
@@ -71,12 +83,12 @@ def imports_of(path: Path, type_only: bool = False) -> set[str]:
                     mod = ".".join(base + ([child.module] if child.module else []))
                 else:
                     mod = child.module or ""
-                if mod.startswith("inkling_quant"):
+                if mod.startswith(OURS):
                     for alias in child.names:  # `from . import kernels` imports a module
                         sub = f"{mod}.{alias.name}"
                         out.add(sub if _exists(sub) else mod)
             elif isinstance(child, ast.Import):
-                out.update(a.name for a in child.names if a.name.startswith("inkling_quant"))
+                out.update(a.name for a in child.names if a.name.startswith(OURS))
             visit(child)
 
     visit(ast.parse(path.read_text(), str(path)))
@@ -85,12 +97,16 @@ def imports_of(path: Path, type_only: bool = False) -> set[str]:
 
 
 def _exists(module: str) -> bool:
-    p = PKG.parent / Path(*module.split("."))
+    p = (KERNELS.parent if module.startswith("inkling_kernels") else PKG.parent) / Path(*module.split("."))
     return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
 
 
+def sources() -> list[Path]:
+    return sorted(PKG.rglob("*.py")) + sorted(KERNELS.rglob("*.py"))
+
+
 def graph(type_only: bool = False) -> dict[str, set[str]]:
-    return {module_name(p): imports_of(p, type_only) for p in sorted(PKG.rglob("*.py"))}
+    return {module_name(p): imports_of(p, type_only) for p in sources()}
 
 
 def test_imports_run_downward():
@@ -124,10 +140,33 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
+def test_the_kernels_import_nothing_of_inkling_quant():
+    """inkling_kernels is a lower-level library of its own (as sgl-kernel is to sglang): not one
+    of its modules imports inkling_quant, type-only imports included, and importing it loads
+    none; and kernels/ is no package itself, so that a process started in the repository cannot
+    take it for PyPI's `kernels` (which transformers imports)."""
+    g = graph(type_only=True)
+    mods = [m for m in g if m.startswith("inkling_kernels")]
+    assert "inkling_kernels.reference" in mods and "inkling_kernels" in mods
+    bad = [f"{m} imports {d}" for m in mods for d in sorted(g[m]) if not d.startswith("inkling_kernels")]
+    assert not bad, "inkling_kernels must not import inkling_quant:\n" + "\n".join(bad)
+    code = ("import sys, importlib.util, inkling_kernels, inkling_kernels.autotune, inkling_kernels.compile_check; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'inkling_quant')); "
+            "s = importlib.util.find_spec('kernels'); print(s and s.origin)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    loaded, kernels_origin = (r.stdout.splitlines() + ["", ""])[:2]
+    assert r.returncode == 0 and loaded == "[]", r.stdout + r.stderr
+    assert not (ROOT / "kernels" / "__init__.py").exists()
+    assert not kernels_origin.startswith(str(ROOT / "kernels")), kernels_origin  # None: PyPI's is not installed
+
+
 def test_the_checker_sees_imports():
     """The checker itself: it finds a relative, an absolute and a lazy import, and skips TYPE_CHECKING."""
     g = graph()
     assert "inkling_quant.formats" in g["inkling_quant.schemes"]
+    assert "inkling_kernels" in g["inkling_quant.verify.numerics"]  # `import inkling_kernels as kernels`, lazy
+    assert {"inkling_kernels.errors", "inkling_kernels.formats"} <= g["inkling_kernels.reference"]
+    assert layer_of("inkling_quant.formats") < layer_of("inkling_kernels.reference") < layer_of("inkling_quant.schemes")
     assert "inkling_quant.io.checkpoint" in g["inkling_quant.model.inkling2"]  # lazy, inside a function
     assert "inkling_quant.model.inkling2" not in g["inkling_quant.plan.kvcache"]  # under TYPE_CHECKING
     assert layer_of("inkling_quant.io.output") < layer_of("inkling_quant.model.layout") < layer_of("inkling_quant.formats")
@@ -162,7 +201,7 @@ def form_switches(path: Path) -> list[str]:
 
 
 def test_the_checkpoint_form_is_asked_not_switched_on():
-    bad = [s for p in sorted(PKG.rglob("*.py")) if not module_name(p).startswith(FORM_HOMES)
+    bad = [s for p in sources() if not module_name(p).startswith(FORM_HOMES)
            for s in form_switches(p)]
     assert not bad, "form or family switches outside model/ and export/ (ask the Layout, the family or the form):\n" \
         + "\n".join(bad)

@@ -1,4 +1,4 @@
-"""Kernels (inkling_quant/kernels/) against the torch reference (kernels/reference.py).
+"""Kernels (inkling_kernels, the top-level kernels/) against the torch reference (reference.py).
 
 Without a GPU, conftest.py sets TRITON_INTERPRET=1 and the kernels run in the Triton CPU
 interpreter; the sm100 ``tl.dot_scaled`` kernels are emulated there too, and
@@ -9,7 +9,7 @@ Shapes: Inkling 2 Small's experts (hidden 4608, moe_intermediate 2304: gate_up N
 K = 4608; down N = 4608, K = 2304; 384 experts, top-8), with K or the intermediate size reduced
 in the interpreter where it would be slow; plus small edge shapes (K tails, ragged N).
 
-Tolerances: inkling_quant/kernels/checks.py (docs/kernels.md, "Error bounds").
+Tolerances: inkling_kernels/checks.py (docs/kernels.md, "Error bounds").
 """
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import inkling_quant.kernels as K
+import inkling_kernels as K
 from inkling_quant.formats import FORMATS
-from inkling_quant.kernels import checks as C
-from inkling_quant.kernels import dequant_gemm as dg
-from inkling_quant.kernels import launch_table as LT
-from inkling_quant.kernels import paths as P
-from inkling_quant.kernels import reference as R
+from inkling_kernels import checks as C
+from inkling_kernels import dequant_gemm as dg
+from inkling_kernels import launch_table as LT
+from inkling_kernels import paths as P
+from inkling_kernels import reference as R
 
 BACKEND = K.backend()
 INTERP = BACKEND == "triton-interpreter"
@@ -537,8 +537,8 @@ def test_kernels_compile_for_hopper():
     """The GPU kernels compile for sm90 (Triton's NVIDIA backend and the wheel's ptxas, no GPU
     needed), and the decode kernels' packed weights load 16 bytes at a time."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-m", "inkling_quant.kernels.compile_check", "--arch", "90", "--quick"],
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1] / "kernels"), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-m", "inkling_kernels.compile_check", "--arch", "90", "--quick"],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all compiled" in r.stdout

@@ -243,7 +243,7 @@ def test_numerics_runs_the_sampled_experts_as_one_moe_layer(pair):
     pytest.importorskip("triton")
     from types import SimpleNamespace
 
-    from inkling_quant import kernels
+    import inkling_kernels as kernels
     from inkling_quant.verify.numerics import moe_figures
     from inkling_quant.verify.report import Check
 

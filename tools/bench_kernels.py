@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "kernels"))  # inkling_kernels, the repository's kernels/, installed or not
 
 CONFIG = ROOT / "inkling_quant" / "configs" / "inkling-2-small.json"
 PEAK_HBM = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12}   # bytes/s by device-name substring
@@ -118,8 +118,8 @@ def _row(kind, fmt, proj, m, n, k, t_graph, t_eager, t_base, base_eager, nbytes,
 def bench_dense(fmt, proj, n, k, ms, timer, dev, peak) -> list[dict]:
     import torch
 
-    from inkling_quant import kernels as K
-    from inkling_quant.kernels import checks
+    import inkling_kernels as K
+    from inkling_kernels import checks
 
     t = checks.random_encoded(fmt, None, n, k, device=dev, seed=n + k)
     args = [t[s] for s in (("weight", "weight_scale", "weight_scale_2") if fmt == "nvfp4" else ("weight", "weight_scale"))]
@@ -169,8 +169,8 @@ def _bf16_grouped(x8, w13, w2, h8):
 def bench_moe(fmt, shp, ms, timer, dev, peak, smoke) -> list[dict]:
     import torch
 
-    from inkling_quant import kernels as K
-    from inkling_quant.kernels import checks
+    import inkling_kernels as K
+    from inkling_kernels import checks
 
     E, H, I, top_k = shp["num_experts"], shp["hidden_size"], shp["moe_intermediate_size"], shp["num_experts_per_tok"]
     gu = checks.random_encoded(fmt, E, 2 * I, H, device=dev, seed=1)
@@ -225,7 +225,7 @@ def judge(rows: list[dict]) -> list[dict]:
 def run(args) -> int:
     import torch
 
-    from inkling_quant.kernels import backend, backend_note
+    from inkling_kernels import backend, backend_note
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"

@@ -10,7 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"  # inkling_quant, inkling_kernels
 export TRITON_DEFAULT_FP_FUSION=1
 unset TRITON_INTERPRET
 rc=0
@@ -18,12 +18,12 @@ rc=0
   date -u
   nvidia-smi --query-gpu=name,compute_cap,memory.total,clocks.max.sm --format=csv 2>&1 || true
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-  python3 -c "import inkling_quant.kernels as K; print(K.backend(), K.select_path('cuda'), K.select_path('cuda', 1))"
+  python3 -c "import inkling_kernels as K; print(K.backend(), K.select_path('cuda'), K.select_path('cuda', 1))"
 } 2>&1 | tee "$OUT/env.txt"
-python3 -c "import inkling_quant.kernels" || { echo "gpu_check: inkling_quant.kernels does not import here" | tee -a "$OUT/env.txt"; exit 3; }
+python3 -c "import inkling_kernels" || { echo "gpu_check: inkling_kernels does not import here" | tee -a "$OUT/env.txt"; exit 3; }
 
 if [ "${1:-}" = "--tune" ]; then
-  timeout 420 python3 -m inkling_quant.kernels.autotune --quick --out "$OUT/launch_table.json" 2>&1 | tee "$OUT/tune.log"
+  timeout 420 python3 -m inkling_kernels.autotune --quick --out "$OUT/launch_table.json" 2>&1 | tee "$OUT/tune.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] && export INKLING_KERNEL_TABLE="$OUT/launch_table.json" || rc=1
 fi
 

@@ -79,7 +79,7 @@ class Format:
     source_only: bool = False  # only ever read from a source (formats.SOURCE_FORMATS)
     #: suffix -> the dtypes a source may store that tensor in, where more than out_specs' one
     stored_dtypes: Mapping[str, tuple[torch.dtype, ...]] = {}
-    kernel: str | None = None  # the inkling_quant.kernels entry point computing x @ dequant(W)^T
+    kernel: str | None = None  # the inkling_kernels entry point computing x @ dequant(W)^T
     kernel_inputs: tuple[str, ...] = ()  # the tensors (suffixes) it takes after x, in order
     fuses_gate_up: bool = False        # an expert's gate and up share a scale (`fused_global_amax`)
     global_scale: str | None = None    # the suffix of that shared per-tensor scale

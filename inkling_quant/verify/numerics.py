@@ -9,12 +9,13 @@ import math
 import os
 import random
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, KernelError
 from ..formats import FORMATS, Format
 from ..io.checkpoint import safe_child
 from ..io.safetensors import DTYPE_NAMES, Header, ShardReader, TensorBuffer
@@ -220,6 +221,18 @@ class _SameDequantized:
 
 
 # ============================================================================ numerics[layer L]
+@contextmanager
+def kernel_errors():
+    """The kernels' own KernelError (a ValueError) raised as ours, errors.KernelError: a check
+    reports it, and the command line prints it, as a message, never a traceback."""
+    import inkling_kernels as kernels
+
+    try:
+        yield
+    except kernels.KernelError as e:
+        raise KernelError(str(e)) from e
+
+
 def start(run: Recorder, inv: Inventory, device: str) -> "Gemm | None":
     """What the numerics checks compute with, or None when they cannot run (no source: no
     check; a failed source check or no usable config: a skipped `numerics` check)."""
@@ -236,13 +249,14 @@ def start(run: Recorder, inv: Inventory, device: str) -> "Gemm | None":
             f"the checkpoint is stored as the source stores it ({inv.expected.stored_as}): nothing quantized by "
             f"convert to compare; `passthrough` holds every tensor to the source's bytes")
         return None
-    from .. import kernels
+    import inkling_kernels as kernels
 
     dev = torch.device(device)
     # cpu: the torch reference. cuda: the Triton kernel, weight-only (dequantize in registers,
     # bf16 MMA); the sm100 path also quantizes the activations (W4A4/W8A8), an error the
     # thresholds (weights vs their BF16 source) do not budget for.
-    path = kernels.PATH_REFERENCE if dev.type == "cpu" else kernels.select_path(dev)
+    with kernel_errors():
+        path = kernels.PATH_REFERENCE if dev.type == "cpu" else kernels.select_path(dev)
     if path == kernels.PATH_SM100:
         path = kernels.PATH_BF16_MMA
     run.report.kernel_path = path
@@ -282,12 +296,13 @@ class Gemm:
         return rel, cos
 
     def _quantized(self, x: torch.Tensor, q: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
-        from .. import kernels
+        import inkling_kernels as kernels
 
         if fmt.kernel is not None:  # the kernel the format names, on the tensors it names
             gemm = getattr(kernels, fmt.kernel)
-            return gemm(x.to(self.dev), *(q[s].to(self.dev) for s in fmt.kernel_inputs), out_dtype=torch.float32,
-                        path=self.path)
+            with kernel_errors():
+                return gemm(x.to(self.dev), *(q[s].to(self.dev) for s in fmt.kernel_inputs),
+                            out_dtype=torch.float32, path=self.path)
         # a format without a kernel: its own dequantize (formats/) and a plain matmul
         return x.float() @ fmt.dequantize(q, torch.float32).T
 
@@ -339,24 +354,27 @@ def moe_figures(c: Check, gemm: "Gemm", fmt: Format, module: str, source: list[d
     down modules' tensors (in that order). The error compounds gate/up's and down's through the
     activation: a figure, a failure only past twice the format's per-GEMM bound (a broken kernel
     or layout, not the format's own error)."""
-    from .. import kernels
+    import inkling_kernels as kernels
 
     S, H = len(source), source[0]["gate"].shape[-1]
     top_k = min(S, 8)
     ids = (torch.arange(ACT_ROWS)[:, None] + torch.arange(top_k)[None, :]) % S
     weights = torch.full((ACT_ROWS, top_k), 1.0 / top_k)
     x = activations(f"{module}.moe", ACT_ROWS, H)
-    ref = kernels.reference.fused_moe(
-        "passthrough", x, ids, weights, {"weight": torch.stack([torch.cat((w["gate"], w["up"])) for w in source])},
-        {"weight": torch.stack([w["down"] for w in source])}, activation=activation).double()
+    with kernel_errors():
+        ref = kernels.reference.fused_moe(
+            kernels.reference.UNQUANTIZED, x, ids, weights,
+            {"weight": torch.stack([torch.cat((w["gate"], w["up"])) for w in source])},
+            {"weight": torch.stack([w["down"] for w in source])}, activation=activation).double()
     if not bool(torch.isfinite(ref).all()):  # the source's own layer overflows on unit activations: nothing to judge
         c.figures.update(moe_rel_error=None, moe_note="the BF16 source's own MoE output overflows fp32 on these "
                          "activations: the per-GEMM figures judge its experts")
         return
     gate_up, down = ({k: torch.stack([_fused(q, mods, k) for q in quantized]).to(gemm.dev) for k in fmt.kernel_inputs}
                      for mods in ((0, 1), (2,)))
-    y = kernels.fused_moe(fmt.name, x.to(gemm.dev), ids.to(gemm.dev), weights.to(gemm.dev), gate_up, down,
-                          activation=activation, path=gemm.path).double().cpu()
+    with kernel_errors():
+        y = kernels.fused_moe(fmt.name, x.to(gemm.dev), ids.to(gemm.dev), weights.to(gemm.dev), gate_up, down,
+                              activation=activation, path=gemm.path).double().cpu()
     num, den = float(torch.linalg.vector_norm(y - ref)), float(torch.linalg.vector_norm(ref))
     rel = num / den if den > 0 else (0.0 if num == 0 else math.inf)
     c.figures.update(moe_rel_error=round(rel, 6), moe_experts=S, moe_top_k=top_k, moe_path=gemm.path)

@@ -32,7 +32,7 @@ from typing import Mapping
 
 import torch
 
-from ..errors import KernelError
+from .errors import KernelError
 from . import gemm_kernels as gk
 from . import paths as _paths
 from . import reference as _ref

@@ -46,7 +46,7 @@ def random_encoded(fmt: str, experts: int | None, n: int, k: int, device="cpu", 
 
 
 def dequantized(fmt: str, tensors: dict, expert: int | None = None) -> torch.Tensor:
-    """fp32 W [n, k] (of one expert of a stack) through inkling_quant.formats."""
+    """fp32 W [n, k] (of one expert of a stack) through the reference's dequantization."""
     if expert is not None:
         tensors = {s: (t.reshape(-1)[expert] if s == "weight_scale_2" else t[expert]) for s, t in tensors.items()}
     if fmt == "nvfp4":

@@ -1,6 +1,6 @@
 """Regenerate the launch table (launch_table.json) by measurement on the GPU this runs on.
 
-    python -m inkling_quant.kernels.autotune --out launch_table.json [--quick]
+    python -m inkling_kernels.autotune --out launch_table.json [--quick]
     (tools/gpu_check.sh --tune runs it and keeps the table under $OUT)
 
 For each path, format, kind (dense: one expert; moe: 8 experts of m rows each, one launch), real
@@ -23,13 +23,14 @@ from . import checks
 from .dequant_gemm import choose_config, mxfp8_grouped_gemm, nvfp4_grouped_gemm
 from .launch_table import (DECODE_MAX_M, KINDS, M_BUCKETS, MOE_DECODE_EXPERTS, LaunchConfig, _block_k,
                            heuristic_config, real_shapes, table_entry, write_table)
+from .formats import scale_block
 from .paths import PATH_BF16_MMA, PATH_SM100, PATH_SPLITK, device_facts
 
 
 def candidates(path: str, fmt: str, kind: str, n: int, k: int, m: int, sm_count: int, quick: bool) -> list:
     """The heuristic's config first, then variations of it (deduplicated, all valid)."""
     base = heuristic_config(path, fmt, kind, n, k, m, sm_count)
-    sb = 16 if fmt == "nvfp4" else 32
+    sb = scale_block(fmt)
     out = [base]
     bks = sorted({_block_k(k, w) for w in (128, 256, 512)})
     if path == PATH_SPLITK:
@@ -147,7 +148,7 @@ def tune(quick: bool = False, log=print) -> dict:
                         if e is not None:
                             entries.append(e)
     log(f"tuned {len(entries)} entries in {time.time() - t0:.0f} s")
-    return dict(version=1, device=name, note=f"tuned by inkling_quant.kernels.autotune (quick={quick})",
+    return dict(version=1, device=name, note=f"tuned by inkling_kernels.autotune (quick={quick})",
                 entries=entries)
 
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import KernelError
-from ..formats import mxfp8, nvfp4
 from . import gemm_kernels as gk
 from . import paths as _paths
 from . import reference as _ref
+from .errors import KernelError
+from .formats import E4M3_MAX, MXFP8, NVFP4, NVFP4_MIN_SCALE, kernel_format
 from .launch_table import LaunchConfig, launch_config
 from .paths import (DECODE_MAX_M, PATH_BF16_MMA, PATH_INTERPRETER, PATH_REFERENCE, PATH_SM100, PATH_SPLITK,
                     PATHS, backend, backend_note, device_facts, path_for, resolve_path,
@@ -42,13 +42,11 @@ __all__ = [
     "tile_config",
 ]
 
-# The formats own block sizes and maxima; the launchers pass them to the jitted bodies as
-# constexpr arguments (SB: elements per scale, VMAX: largest element, SMAX/SMIN: block-scale range).
-NVFP4_BLOCK = nvfp4.BLOCK_SIZE
-MXFP8_BLOCK = mxfp8.BLOCK_SIZE
-E2M1_MAX = nvfp4.E2M1_MAX
-E4M3_MAX = nvfp4.E4M3_MAX
-NVFP4_MIN_SCALE = nvfp4.MIN_BLOCK_SCALE
+# Block sizes and maxima come from the kernels' format table (formats.py); the launchers pass
+# them to the jitted bodies as constexpr arguments (SB: elements per scale, VMAX: largest
+# element, SMAX/SMIN: block-scale range).
+NVFP4_BLOCK = NVFP4.scale_block
+MXFP8_BLOCK = MXFP8.scale_block
 
 
 # ----------------------------------------------------------------------------------------------
@@ -104,7 +102,7 @@ class QuantWeight:
 
     @property
     def scale_block(self) -> int:
-        return NVFP4_BLOCK if self.fmt == "nvfp4" else MXFP8_BLOCK
+        return kernel_format(self.fmt).scale_block
 
     @classmethod
     def nvfp4(cls, w_packed, w_scale, w_scale_2, stacked: bool) -> "QuantWeight":
@@ -176,7 +174,7 @@ def run_gemm(x: torch.Tensor, qw: QuantWeight, rows: Rows, out: torch.Tensor, cf
     # decode, bytes for tl.dot_scaled, which takes the packed operand as it is
     epu_bytes = 1 if inner == gk.INNER_DOT_SCALED else 4
     wv = qw.w if epu_bytes == 1 else qw.w.view(torch.int32)
-    epu = epu_bytes * (2 if qw.fmt == "nvfp4" else 1)
+    epu = epu_bytes * kernel_format(qw.fmt).codes_per_byte
     dummy = qw.ws2 if qw.ws2 is not None else qw.ws
     as2 = act_scale if (act_scale is not None and inner == gk.INNER_DOT_SCALED) else dummy
     idx = rows.expert if rows.expert is not None else dummy
@@ -192,7 +190,7 @@ def run_gemm(x: torch.Tensor, qw: QuantWeight, rows: Rows, out: torch.Tensor, cf
         FMT=gk.FMT_NVFP4 if qw.fmt == "nvfp4" else gk.FMT_MXFP8, INNER=inner, ROWS=rows.mode,
         X_ROW_DIV=rows.x_row_div, EPU=epu, EVEN_K=qw.k % cfg.block_k == 0,
         ROUND_BF16=_paths.interpreted() and out.dtype == torch.bfloat16,
-        SB=qw.scale_block, VMAX=E2M1_MAX if qw.fmt == "nvfp4" else E4M3_MAX, SMAX=E4M3_MAX, SMIN=NVFP4_MIN_SCALE,
+        SB=qw.scale_block, VMAX=kernel_format(qw.fmt).vmax, SMAX=E4M3_MAX, SMIN=NVFP4_MIN_SCALE,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return splits

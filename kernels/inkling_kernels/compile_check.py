@@ -5,7 +5,7 @@ what the CPU interpreter cannot (layouts, dot shapes, fp8 types, register and sh
 limits) and shows what the GPU will execute: ``wide_loads`` counts the 16-byte vector loads
 (``ld.global.v4.b32`` or 16-byte ``cp.async``) that the decode kernels' packed-weight rows should compile to.
 
-    python -m inkling_quant.kernels.compile_check [--arch 90] [--quick] [--ptx-dir DIR]
+    python -m inkling_kernels.compile_check [--arch 90] [--quick] [--ptx-dir DIR]
 
 Must run without TRITON_INTERPRET (the kernels must be decorated as GPU kernels); the tests
 start it in a subprocess. Exit status 0 when every variant compiled.
@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import gemm_kernels as gk
+from .formats import E4M3_MAX, MXFP8, NVFP4, NVFP4_MIN_SCALE
 
 _ARGS_PTR = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "ws2_ptr": "*fp32", "as2_ptr": "*fp32",
              "blk_expert_ptr": "*i32", "blk_rows_ptr": "*i32", "blk_end_ptr": "*i32",
@@ -46,11 +47,11 @@ class Variant:
 
 def _gemm(name, fmt, inner, rows, bm, bn, bk, even_k=True, warps=4, stages=3, out="*bf16", archs=(80, 90, 100),
           wide=False, quick=False):
-    nv = fmt == gk.FMT_NVFP4
-    epu = (1 if inner == gk.INNER_DOT_SCALED else 4) * (2 if nv else 1)
+    kf = NVFP4 if fmt == gk.FMT_NVFP4 else MXFP8
+    epu = (1 if inner == gk.INNER_DOT_SCALED else 4) * kf.codes_per_byte
     c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FMT=fmt, INNER=inner, ROWS=rows, X_ROW_DIV=8 if rows == 2 else 1,
-             EPU=epu, EVEN_K=even_k, ROUND_BF16=False, SB=16 if nv else 32, VMAX=6.0 if nv else 448.0, SMAX=448.0,
-             SMIN=2.0 ** -9)
+             EPU=epu, EVEN_K=even_k, ROUND_BF16=False, SB=kf.scale_block, VMAX=kf.vmax, SMAX=E4M3_MAX,
+             SMIN=NVFP4_MIN_SCALE)
     v = Variant(name, "_dequant_gemm_kernel", c, out, warps, stages, archs, wide, quick)
     v.extra["w_ptr"] = "*u8" if inner == gk.INNER_DOT_SCALED else "*i32"
     return v

@@ -16,7 +16,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import KernelError
+from .errors import KernelError
+from .formats import scale_block
 from .paths import DECODE_MAX_M, PATH_BF16_MMA, PATH_SM100, PATH_SPLITK
 
 TABLE_FILE = Path(__file__).with_name("launch_table.json")
@@ -115,7 +116,7 @@ def heuristic_config(path: str, fmt: str, kind: str, n: int, k: int, m: int, sm_
     above; N slices narrow enough and K split enough that the grid holds >= 2 programs per SM.
     MMA path: M tile pow2(m) in [16, 128], N tile 128 (64 when that fills the GPU better),
     split-K until the grid holds one program per SM. sm100: 128x128 tcgen05 tiles."""
-    sb = 16 if fmt == "nvfp4" else 32
+    sb = scale_block(fmt)
     blocks_m = MOE_DECODE_EXPERTS if kind == "moe" else 1
     if path == PATH_SPLITK:
         bk = _block_k(k, 256)
@@ -143,7 +144,7 @@ def interpreter_config(path: str, fmt: str, kind: str, n: int, k: int, m: int) -
     """The Triton CPU interpreter costs about one numpy call per tl op per program: big tiles and
     few programs. Same structure as the GPU configs (FMA for m <= 2 on the split-K path, dot
     otherwise), no split-K (tests ask for it explicitly)."""
-    sb = 16 if fmt == "nvfp4" else 32
+    sb = scale_block(fmt)
     bk = _pow2_clamp(k, 2 * sb, 512)
     bn = min(_pow2_clamp(n, 16, 1024), _pow2_clamp(131072 // bk, 128, 1024))  # ~64-128 Ki weights a step
     if path == PATH_SPLITK and m <= 2:
@@ -168,7 +169,7 @@ def load_table(path: str | None = None) -> dict[str, LaunchConfig]:
     out = {}
     for entry in data["entries"]:
         cfg = LaunchConfig.from_dict(entry["config"])
-        out[entry["key"]] = cfg.check(16 if entry["fmt"] == "nvfp4" else 32)
+        out[entry["key"]] = cfg.check(scale_block(entry["fmt"]))
     return out
 
 
@@ -185,11 +186,15 @@ def launch_config(path: str, fmt: str, kind: str, n: int, k: int, m: int, *, cap
     return heuristic_config(path, fmt, kind, n, k, m, sm_count)
 
 
+#: Inkling 2 Small's expert dimensions (inkling_quant's configs/inkling-2-small.json, text_config;
+#: tests/test_kernels_formats.py holds them to that file)
+INKLING2_SMALL = {"hidden_size": 4608, "moe_intermediate_size": 2304}
+
+
 def real_shapes(config_json: Path | None = None) -> dict[str, tuple[int, int]]:
-    """{projection: (N, K)} of Inkling 2 Small's experts from the packaged config:
-    gate_up (2 * moe_intermediate, hidden), down (hidden, moe_intermediate)."""
-    p = config_json or Path(__file__).resolve().parents[1] / "configs" / "inkling-2-small.json"
-    t = json.loads(p.read_text())["text_config"]
+    """{projection: (N, K)} of Inkling 2 Small's experts (INKLING2_SMALL, or the text_config of
+    a config.json given): gate_up (2 * moe_intermediate, hidden), down (hidden, moe_intermediate)."""
+    t = json.loads(Path(config_json).read_text())["text_config"] if config_json else INKLING2_SMALL
     h, i = t["hidden_size"], t["moe_intermediate_size"]
     return {"gate_up": (2 * i, h), "down": (h, i)}
 
@@ -228,6 +233,6 @@ def write_table(table: dict, path: Path) -> None:
     Path(path).write_text("\n".join(lines + [" ]", "}"]) + "\n")
 
 
-if __name__ == "__main__":  # python -m inkling_quant.kernels.launch_table: rewrite the heuristic table
+if __name__ == "__main__":  # python -m inkling_kernels.launch_table: rewrite the heuristic table
     write_table(heuristic_table(), TABLE_FILE)
     print(f"wrote {TABLE_FILE}")

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from ..errors import KernelError
+from .errors import KernelError
 from . import gemm_kernels
 from .triton_ops import TRITON_IMPORT_ERROR, triton
 
@@ -60,7 +60,7 @@ def backend_note() -> str:
     if b == "triton-gpu":
         return "Triton on CUDA."
     why = (f"triton failed to import ({TRITON_IMPORT_ERROR})" if triton is None else
-           "no CUDA GPU and TRITON_INTERPRET was not set to 1 before inkling_quant.kernels was imported")
+           "no CUDA GPU and TRITON_INTERPRET was not set to 1 before inkling_kernels was imported")
     return f"Triton cannot run ({why}): falling back to the torch reference (dequantize + fp32 matmul)."
 
 
