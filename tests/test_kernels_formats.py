@@ -109,7 +109,7 @@ def test_nvfp4_activation_fake_quant_is_the_formats(seed):
     for xi in rows:
         for input_scale in (None, xi.float().abs().amax() / (6 * 448) / 4):
             amax = R.nvfp4_activation_amax(xi, input_scale)
-            if not amax > 0:
+            if fmt.flushes(float(amax)) or not amax > 0:  # the formats' all-zero tensor
                 assert torch.equal(R.fake_quant_nvfp4_activations(xi, input_scale), torch.zeros(xi.shape))
                 continue
             want = fmt.dequantize(fmt.quantize(xi, global_amax=amax), torch.float32)
@@ -137,6 +137,7 @@ def test_the_kernels_format_table_is_the_formats():
         assert FORMATS[name].kernel in K.__all__
     assert KF.NVFP4.vmax == nvfp4.E2M1_MAX and KF.MXFP8.vmax == KF.E4M3_MAX == nvfp4.E4M3_MAX == mxfp8.E4M3_MAX
     assert KF.NVFP4_MIN_SCALE == nvfp4.MIN_BLOCK_SCALE and KF.NVFP4_GLOBAL_DIV == nvfp4.GLOBAL_DIV
+    assert torch.tensor(KF.NVFP4_MIN_AMAX) == torch.tensor(nvfp4.MIN_AMAX)  # equal in fp32, where both compare
     assert list(KF.E2M1_MAGNITUDES) == nvfp4.E2M1_VALUES[:8].tolist()
     assert KF.scale_block("nvfp4") == 16 and KF.scale_block("mxfp8") == 32
     with pytest.raises(ValueError, match="no kernel for format"):

@@ -18,6 +18,9 @@ E2M1_MAX = 6.0                   # largest e2m1 magnitude
 E4M3_MAX = 448.0                 # largest float8_e4m3fn magnitude
 NVFP4_GLOBAL_DIV = E2M1_MAX * E4M3_MAX  # 2688: a per-tensor NVFP4 scale is amax / 2688
 NVFP4_MIN_SCALE = 2.0 ** -9      # smallest e4m3 subnormal: the floor of ModelOpt's NVFP4 block scales
+#: the smallest amax whose NVFP4 per-tensor scale amax / 2688 has a finite fp32 reciprocal: below
+#: it a tensor is written (and here fake-quantized) as all zero, as inkling_quant.formats does
+NVFP4_MIN_AMAX = 7.899324e-36
 #: e2m1 magnitude of each 3-bit code (bit 3 of a nibble is the sign; code 8 is -0.0)
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 

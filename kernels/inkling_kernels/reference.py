@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .errors import KernelError
-from .formats import E2M1_MAGNITUDES, E2M1_MAX, E4M3_MAX, MXFP8, NVFP4, NVFP4_GLOBAL_DIV, NVFP4_MIN_SCALE
+from .formats import E2M1_MAGNITUDES, E2M1_MAX, E4M3_MAX, MXFP8, NVFP4, NVFP4_GLOBAL_DIV, NVFP4_MIN_AMAX, NVFP4_MIN_SCALE
 
 #: the formats dequantize() takes: the kernels' two, and unquantized weights (verify's BF16
 #: source, which inkling_quant names "passthrough")
@@ -167,7 +167,7 @@ def fake_quant_nvfp4_activations(x: torch.Tensor, input_scale=None) -> torch.Ten
     ``e4m3(clamp(bmax / (6 * s2), 2^-9, 448))`` (1 for an all-zero block), each value the nearest
     e2m1 of ``x / (scale * s2)``, decoded as ``e2m1 * (scale * s2)``."""
     amax = nvfp4_activation_amax(x, input_scale)
-    if not bool(amax > 0):
+    if not bool(amax >= NVFP4_MIN_AMAX):  # zero, or too small for any NVFP4 scale: the all-zero tensor
         return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     block = NVFP4.scale_block
     s2 = nvfp4_global_scale(amax)
