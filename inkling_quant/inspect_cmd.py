@@ -39,7 +39,7 @@ from .model.inkling2 import Inkling2Config, checkpoint_tensors, classify, expert
 from .model.layout import INDEX_DTYPES, Layout, MoEConfig, detect, max_tensors, model_config, oriented, text_prefix
 from .model.naming import ORIGINAL, original_names
 from .model.sources import scale_beside
-from .io.checkpoint import CONFIG_NAME, Checkpoint, read_json, safe_child
+from .io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG, Checkpoint, read_json, safe_child
 from .io.safetensors import TensorEntry
 
 UNRECOGNIZED = "unrecognized"
@@ -63,6 +63,7 @@ class Summary:
     detected: dict | None = None                                 # other families: the detected layout
     incomplete: list[str] = field(default_factory=list)         # expert layers missing modules
     disagreeing: list[str] = field(default_factory=list)        # Inkling 2: tensors config.json requires, missing or reshaped
+    calibration: dict | None = None                             # the activation scales' provenance (calibrate's)
 
     @property
     def ok(self) -> bool:
@@ -74,7 +75,8 @@ class Summary:
                 "expert_layers": self.expert_layers, "draft": self.draft,
                 "unknown_tensors": self.unknown, "unrecognized_modules": self.unrecognized,
                 "format_mismatches": self.mismatched, "layout": self.layout, "detected": self.detected,
-                "incomplete_layers": self.incomplete, "disagreeing_tensors": self.disagreeing}
+                "incomplete_layers": self.incomplete, "disagreeing_tensors": self.disagreeing,
+                "calibration": self.calibration}
 
 
 def summarize(root: str | Path) -> Summary:
@@ -83,8 +85,22 @@ def summarize(root: str | Path) -> Summary:
     path = safe_child(root, CONFIG_NAME)
     cfg = model_config(read_json(path, CONFIG_NAME, ConfigError), str(path))
     if original_names(cfg, text_prefix(list(ckpt.weight_map))):
-        return _summarize(root, ckpt, cfg)
-    return _summarize_moe(root, ckpt, cfg)  # Inkling 2 too under transformers' names
+        s = _summarize(root, ckpt, cfg)
+    else:
+        s = _summarize_moe(root, ckpt, cfg)  # Inkling 2 too under transformers' names
+    s.calibration = _calibration(root)
+    return s
+
+
+def _calibration(root: Path) -> dict | None:
+    """The provenance of the activation scales convert recorded (hf_quant_config.json's
+    converter.calibration, from a calibrate file), or None."""
+    if not (root / HF_QUANT_CONFIG).is_file():
+        return None
+    hq = read_json(safe_child(root, HF_QUANT_CONFIG), HF_QUANT_CONFIG, ConfigError)
+    conv = hq.get("converter") if isinstance(hq, dict) else None
+    cal = conv.get("calibration") if isinstance(conv, dict) else None
+    return cal if isinstance(cal, dict) else None
 
 
 def _stacked_format(proj: str, shape: tuple[int, ...], observed: dict[str, TensorEntry]) -> tuple[str, bool | None]:
@@ -392,6 +408,11 @@ def render(s: Summary) -> str:
         out.append(f"{label}: " + (f"present, {d['tensors']} tensors, {human_bytes(d['bytes'], 2)}" if d["present"]
                                       else "absent" + (" (config.json has a dspark_config)" if d["expected_by_config"]
                                                        else "")))
+    if s.calibration:
+        c, data = s.calibration, s.calibration.get("data") or {}
+        out.append(f"calibration: {c.get('policy')}, {data.get('samples')} samples of {c.get('seq_len')} tokens, "
+                   f"{data.get('tokens')} tokens ({data.get('packing')}), data {str(data.get('digest'))[:19]}..., "
+                   f"from {', '.join(map(str, data.get('files') or []))}")
     for what, items in (("tensor(s) outside the layout", s.unknown),
                         ("module(s) no format would write", s.unrecognized),
                         ("module(s) not in the format the quantization config declares", s.mismatched),

@@ -40,3 +40,34 @@ def save_tiny(out: Path, config=None, seed: int = 0) -> Path:
                 p.normal_(0.0, 0.02)
     model.save_pretrained(out)
     return out
+
+
+def per_expert(sd: dict[str, torch.Tensor], inter: int) -> dict[str, torch.Tensor]:
+    """A transformers state dict with each stacked expert tensor split into ModelOpt's per-expert
+    modules (gate_up_proj [E, 2I, H]: gate rows then up rows, modeling_inkling2.py:809, 836)."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith(".mlp.experts.gate_up_proj"):
+            for e in range(v.shape[0]):
+                out[k.replace("gate_up_proj", f"{e}.gate_proj.weight")] = v[e, :inter].clone()
+                out[k.replace("gate_up_proj", f"{e}.up_proj.weight")] = v[e, inter:].clone()
+        elif k.endswith(".mlp.experts.down_proj"):
+            for e in range(v.shape[0]):
+                out[k.replace("down_proj", f"{e}.down_proj.weight")] = v[e].clone()
+        else:
+            out[k] = v
+    return out
+
+
+def save_like(sd: dict[str, torch.Tensor], like: Path, out: Path) -> Path:
+    """`sd` as one safetensors file beside `like`'s config files (what a training script writes)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    for f in like.glob("*.json"):
+        if not f.name.endswith("index.json"):
+            shutil.copyfile(f, out / f.name)
+    save_file({k: v.contiguous() for k, v in sd.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    return out

@@ -25,6 +25,7 @@ LAYERS = [
     ("inkling_kernels",),  # imports nothing of inkling_quant (test_the_kernels_import_nothing_of_inkling_quant)
     ("inkling_quant.schemes",),
     ("inkling_quant.export",),
+    ("inkling_quant.data", "inkling_quant.engine"),  # the model's forward from the shards (calibrate, eval)
     # plan/: on model knowledge, formats and schemes (the `plan` command: cli/plan.py, with the others)
     ("inkling_quant.plan.units", "inkling_quant.plan.placement", "inkling_quant.plan.kvcache",
      "inkling_quant.plan.moe_checks", "inkling_quant.plan.deepseek_v4", "inkling_quant.plan.kimi_k3"),

@@ -8,14 +8,13 @@ config files from all three (the original-names output is ModelOpt's export: tes
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from inkling2_reference import inkling2, tiny_config
+from inkling2_reference import inkling2, per_expert, save_like, tiny_config
 from modelopt_reference import read_tensors
 from inkling_quant import inspect_cmd
 from inkling_quant.convert import Options, convert
@@ -42,30 +41,11 @@ def _model():
 
 
 def _per_expert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The state dict with each stacked expert tensor split into ModelOpt's per-expert modules
-    (gate_up_proj [E, 2I, H]: gate rows then up rows, modeling_inkling2.py:809, 836)."""
-    out = {}
-    for k, v in sd.items():
-        if k.endswith(".mlp.experts.gate_up_proj"):
-            for e in range(v.shape[0]):
-                out[k.replace("gate_up_proj", f"{e}.gate_proj.weight")] = v[e, :I].clone()
-                out[k.replace("gate_up_proj", f"{e}.up_proj.weight")] = v[e, I:].clone()
-        elif k.endswith(".mlp.experts.down_proj"):
-            for e in range(v.shape[0]):
-                out[k.replace("down_proj", f"{e}.down_proj.weight")] = v[e].clone()
-        else:
-            out[k] = v
-    return out
+    return per_expert(sd, I)
 
 
 def _save(sd: dict[str, torch.Tensor], like: Path, out: Path) -> Path:
-    """`sd` as one safetensors file beside `like`'s config files (what a training script writes)."""
-    out.mkdir()
-    for f in like.glob("*.json"):
-        if not f.name.endswith("index.json"):
-            shutil.copyfile(f, out / f.name)
-    save_file({k: v.contiguous() for k, v in sd.items()}, out / "model.safetensors", metadata={"format": "pt"})
-    return out
+    return save_like(sd, like, out)
 
 
 @pytest.fixture(scope="module")

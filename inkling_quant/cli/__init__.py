@@ -22,6 +22,8 @@ from ..errors import InklingQuantError, printable
 COMMANDS: dict[str, tuple[str, str]] = {
     "synth": ("inkling_quant.cli.synth", "write a synthetic Inkling-2-Small-shaped BF16 checkpoint"),
     "schemes": ("inkling_quant.cli.schemes", "print the conversion scheme table"),
+    "calibrate": ("inkling_quant.cli.calibrate", "activation scales for W4A4 from data, the model's own forward "
+                  "streamed from the shards"),
     "convert": ("inkling_quant.cli.convert", "convert a BF16 checkpoint to NVFP4/MXFP8 (streaming, resumable)"),
     "verify": ("inkling_quant.cli.verify", "check a converted checkpoint: structure, values, checksums, numerics (exit 0/1/2)"),
     "draft": ("inkling_quant.cli.draft", "extract the bundled DSpark draft as its own checkpoint, or strip it off"),

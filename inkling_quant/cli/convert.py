@@ -40,10 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ModelOpt's FP8_PB_WO (docs/convert.md)")
     a = p.add_argument_group("NVFP4 activation scales (W4A4 needs one input_scale per expert projection)")
     a.add_argument("--activation-scales", metavar="FILE|DIR",
-                   help="calibration amax per module: JSON {module: amax}, safetensors {module.input_amax}, or a "
-                        "quantized checkpoint (ModelOpt's export, ours) whose scales are taken verbatim")
+                   help="calibration amax per module: `inkling-quant calibrate`'s OUT.json, a JSON {module: amax}, "
+                        "safetensors {module.input_amax}, or a quantized checkpoint (ModelOpt's export, ours) whose "
+                        "scales are taken verbatim")
     a.add_argument("--default-activation-amax", type=positive_float, metavar="X",
-                   help="use amax X for every module without a calibrated value")
+                   help="a placeholder, not a calibration: amax X for every module without a calibrated value "
+                        "(`inkling-quant calibrate` measures them)")
     a.add_argument("--weight-only", action="store_true", help="W4A16 NVFP4 (no input_scale; vLLM's W4A16_NVFP4)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted conversion in OUT")
     m = p.add_argument_group("several machines sharing one OUT (docs/scale.md)")

@@ -29,6 +29,7 @@ from ..formats import get_format
 from ..io.checkpoint import CONFIG_NAME, INDEX_NAME, copy_file_atomic, write_index, write_json_atomic
 from ..io.output import CHECKSUMS, OutputLock, check_paths, write_checksums
 from ..io.safetensors import fsync_files, sha256_file
+from ..calibrate import check_fingerprint
 from ..model.layout import max_tensors
 from ..schemes import get_scheme
 from .calibration import load_activation_amax, load_calibration
@@ -57,11 +58,14 @@ def prepare(src: str, opts: Options) -> Prepared:
     tensors, layout = validate_source(cfg, listing, str(src))
     form = form_for(cfg, layout, opts.output_format)
     opts = dataclasses.replace(opts, output_format=form.name, encoder=opts.encoder or form.encoder)
-    calibrated = {} if opts.weight_only else load_calibration(opts.activation_scales, tensors, layout, src)
+    provenance: dict = {}  # a calibrate file's: the model it was made for, its data, its policy
+    calibrated = {} if opts.weight_only else load_calibration(opts.activation_scales, tensors, layout, src, provenance)
+    if provenance:
+        check_fingerprint(provenance, cfg.raw, opts.activation_scales)
     jobs = plan(cfg, layout, tensors, scheme, form, opts, calibrated, str(src))
     return Prepared(root, repo, revision, cfg, layout, jobs, other_files, fingerprint(jobs, opts, scheme, stat),
                     fingerprint(jobs, opts, scheme, {}), source_id(stat), form, scheme,
-                    kept_encoders(root, cfg, layout, jobs))
+                    kept_encoders(root, cfg, layout, jobs), provenance)
 
 
 def convert(src: str, out: str | Path, opts: Options, *, resume: bool = False, overwrite: bool = False,
@@ -175,6 +179,8 @@ def _write_configs(out: Path, prep: Prepared, opts: Options) -> list[str]:
     kept = {m: e for m, e in prep.kept_encoders.items() if e != encoder}  # copied layers another encoder wrote
     if kept:
         converter["layers"] = kept
+    if prep.calibration:
+        converter["calibration"] = prep.calibration
     files = prep.form.config_files(prep.cfg, quantized_layers(prep), opts.weight_only, converter,
                                    unquantized_modules(prep)) or {CONFIG_NAME: prep.cfg.raw}
     for name, obj in files.items():

@@ -11,7 +11,7 @@ from ..formats import FORMATS
 from ..io.checkpoint import Checkpoint, read_json
 from ..io.safetensors import DTYPE_NAMES, ShardReader
 from ..io.shards import ShardReaders
-from ..model.layout import Layout
+from ..model.layout import Layout, natural_key
 from .planner import SrcTensor
 
 
@@ -21,9 +21,10 @@ def load_activation_amax(path: str | None) -> dict[str, float]:
     return _load(path)[0]
 
 
-def _load(path: str | None) -> tuple[dict[str, float], dict[str, int]]:
+def _load(path: str | None, provenance: dict | None = None) -> tuple[dict[str, float], dict[str, int]]:
     """(module -> amax, stacked module -> how many experts its values stood for: a quantized
-    checkpoint's stacked `.input_amax` [E])."""
+    checkpoint's stacked `.input_amax` [E]). A calibration file `inkling-quant calibrate` wrote
+    puts its provenance into `provenance`."""
     if not path:
         return {}, {}
     p = Path(path)
@@ -31,7 +32,7 @@ def _load(path: str | None) -> tuple[dict[str, float], dict[str, int]]:
     if p.is_dir():
         out = _amax_from_checkpoint(p, experts)
     else:
-        out = _amax_from_safetensors(p) if p.suffix == ".safetensors" else _amax_from_json(p)
+        out = _amax_from_safetensors(p) if p.suffix == ".safetensors" else _amax_from_json(p, provenance)
     if not out:  # as a checkpoint without scales: every module would silently take the default
         raise CheckpointError("holds no activation amax (an empty calibration file)", path=path)
     for k, v in out.items():
@@ -99,11 +100,19 @@ def _floats(reader: ShardReader, name: str, e) -> list[float]:
     return values
 
 
-def _amax_from_json(p: Path) -> dict[str, float]:
+def _amax_from_json(p: Path, provenance: dict | None = None) -> dict[str, float]:
+    """A JSON {module: amax}, or calibrate's file (its `activation_amax`, provenance aside)."""
+    from ..calibrate import FORMAT, read_calibration
     from ..io.safetensors import _short
 
     out: dict[str, float] = {}
     obj = read_json(p, "activation scales file")
+    if isinstance(obj, dict) and obj.get("format") == FORMAT:
+        obj, prov = read_calibration(obj, p)
+        if provenance is not None:
+            provenance.update(prov)
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"an activation scales file is a JSON object {{module: amax}}, got {_short(obj)}", path=p)
     for k, v in obj.items():
         if not k:
             raise CheckpointError("an empty module name", path=p)
@@ -117,21 +126,65 @@ def _amax_from_json(p: Path) -> dict[str, float]:
     return out
 
 
-def load_calibration(path: str | None, tensors: list[SrcTensor], layout: Layout, src: str) -> dict[str, float]:
+def _own_key(k: str, modules, layout: Layout) -> tuple[str | None, int | None]:
+    """(the source's activation module, the expert it names or None) for a calibration's module
+    name `k`: the source's own (a stacked tensor, a per-expert module), ModelOpt's per-expert
+    module (`<experts>.<e>.gate_proj`), transformers' stacked parameter of an Inkling 2 source under
+    its original names (`model.language_model.layers.N.mlp.experts.gate_up_proj`), or one of those
+    with ModelOpt's quantizer suffix (`..._input_quantizer`); (None, None) for none."""
+    from ..model.inkling2 import original_name
+
+    k = k.removesuffix("_input_quantizer").removesuffix(".input_quantizer")
+    if k in modules:
+        return k, None
+    got = layout.stacked_tensor_of(k)
+    if got is not None:
+        return got
+    if layout.original_names:
+        try:
+            own = original_name(k)
+        except Exception:  # noqa: BLE001 - not a transformers name of this model
+            own = None
+        if own in modules:
+            return own, None
+    return None, None
+
+
+def accepted_forms(modules, layout: Layout) -> str:
+    """The module names a calibration may use for this source, with an example each."""
+    first = sorted(modules, key=natural_key)[0] if modules else "?"
+    forms = [f"the source's own ({first!r})"]
+    if layout.experts_modules:
+        i = min(layout.experts_modules)
+        forms.append(f"ModelOpt's per-expert modules ('{_modelopt_module(layout, i)}.0.gate_proj')")
+        if layout.original_names:
+            forms.append(f"transformers' stacked parameters ('model.language_model.layers.{i}.mlp.experts.gate_up_proj'"
+                         f", '.down_proj')")
+    return "; ".join(forms) + ", each optionally with ModelOpt's '_input_quantizer' suffix"
+
+
+def _modelopt_module(layout: Layout, i: int) -> str:
+    from ..model.naming import MODELOPT
+
+    return MODELOPT.experts_module(i) if layout.naming is not None else layout.experts_modules[i]
+
+
+def load_calibration(path: str | None, tensors: list[SrcTensor], layout: Layout, src: str,
+                     provenance: dict | None = None) -> dict[str, float]:
     """--activation-scales, keyed by the source's activation modules: a per-expert source's
     `<experts>.<e>.<proj>` modules, a stacked source's stacked tensors (vLLM reads one input
     scale per layer and projection there: the largest of the experts' calibrated values). Every
     module the file names must map onto one of the source's, but an MTP block's routed expert a
     layout keeps as stored (DeepSeek-V4's: Model-Optimizer's quantize_to_nvfp4.py
     `_load_merged_amax` skips those keys of its calibration dumps), which is skipped."""
-    calibrated, counted = _load(path)
+    calibrated, counted = _load(path, provenance)
     # activation module -> the experts it holds (a stacked tensor: its E; a per-expert module: 1)
     modules = {key: (t.shape[0] if layout.experts.stacked else 1)
                for t in tensors if (key := layout.activation_key(layout.classify(t.name))) is not None}
     out: dict[str, float] = {}
     unknown = []
     for k, v in calibrated.items():
-        key, expert = (k, None) if k in modules else layout.stacked_tensor_of(k) or (None, None)
+        key, expert = _own_key(k, modules, layout)
         if key is None and layout.expert_weight(k + ".weight"):
             continue  # an MTP block's expert, kept as stored (ModelOpt's DeepSeek-V4 export skips them too)
         if key not in modules:
@@ -147,5 +200,6 @@ def load_calibration(path: str | None, tensors: list[SrcTensor], layout: Layout,
         unknown.sort()
         raise CheckpointError(f"{len(unknown)} of {len(calibrated)} module name(s) match "
                               f"no module of {src} (first: {printable(unknown[0][:200])!r}); calibration for "
-                              f"another model or another naming?", path=path)
+                              f"another model or another naming? Accepted: {accepted_forms(modules, layout)}",
+                              path=path)
     return out

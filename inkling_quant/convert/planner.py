@@ -145,6 +145,7 @@ class Prepared:
     scheme: Scheme
     # output experts module -> the encoder whose bytes a layer copied as the source stores it holds
     kept_encoders: dict[str, str] = dataclasses.field(default_factory=dict)
+    calibration: dict = dataclasses.field(default_factory=dict)  # a calibrate file's provenance, recorded
 
 
 def kept_encoders(root: Path, cfg, layout: Layout, jobs: list[ShardJob]) -> dict[str, str]:

@@ -576,8 +576,9 @@ class ModelOptForm(OutputForm):
         wrapped += [] if any(m.rsplit(".", 1)[-1] == "lm_head" for m in wrapped) else ["lm_head"]
         q = one_format(q, summarize_exclusions(wrapped, q["quantized_layers"]))
         hq = modelopt_hf_quant_config(q)
-        if converter.get("encoder", self.encoder) != self.encoder or converter.get("layers"):
-            hq["converter"] = converter  # whose rules wrote the bits, where ModelOpt's did not
+        if converter.get("encoder", self.encoder) != self.encoder or converter.get("layers") or \
+                converter.get("calibration"):
+            hq["converter"] = converter  # whose rules wrote the bits where ModelOpt's did not; the calibration
         return {HF_QUANT_CONFIG: hq,
                 CONFIG_NAME: {**cfg.raw, "quantization_config": modelopt_quantization_config(hq["quantization"])}}
 
